@@ -1,0 +1,36 @@
+# `make demo` and `make test` work from a fresh clone: they create .venv (unless a virtual
+# environment is already active), install torch 2.13.0 when no torch is importable (the CPU
+# build this machine keeps on disk; an unpinned torch would pull a multi-GB CUDA build), then
+# the package itself in editable mode.
+
+ifdef VIRTUAL_ENV
+PY := $(VIRTUAL_ENV)/bin/python
+ENV_STAMP := $(VIRTUAL_ENV)/.flatopt-installed
+else
+PY := .venv/bin/python
+ENV_STAMP := .venv/.flatopt-installed
+endif
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: demo test env lint clean
+
+env: $(ENV_STAMP)
+
+$(ENV_STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv .venv
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install -e ".[test,demo]"
+	@touch $@
+
+demo: env
+	$(dir $(PY))flatopt demo
+
+# The Triton kernels also run on the CPU, under the Triton interpreter.
+test: env
+	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+lint: env
+	$(PIP) install ruff && $(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache

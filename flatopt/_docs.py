@@ -1,0 +1,26 @@
+"""Docstring fragments shared by the optimizers, written once (as torch/optim/optimizer.py does)."""
+
+PARAMS = """params (nn.Module or iterable): a module (its parameters, with their names for messages),
+            an iterable of parameters, or an iterable of dicts defining parameter groups as in
+            torch.optim. Parameters with ``requires_grad=False`` are kept in the groups but never
+            stepped; tied parameters appear once."""
+
+FLAT = """flat (bool, optional): keep parameters, gradients and states in flat buffers, one per
+            (device, dtype), stepped by one kernel launch each; ``p.data`` and ``p.grad`` become
+            views. ``False`` leaves the caller's tensors where they are and launches once per
+            parameter (default: True)
+        backend (str, optional): ``"triton"`` (the default when every parameter is on CUDA) or
+            ``"torch"`` (pure torch over the same buffers, the default on the CPU)
+        skip_unused (bool, optional): leave parameters that received no gradient since the last
+            step untouched (no weight decay, no state update, step count unchanged), exactly as
+            torch.optim does for ``p.grad is None``. Costs one small host-to-device copy per step.
+            By default such parameters are stepped with a zero gradient and a warning names them
+            at the first step (default: False)"""
+
+NOTES = """
+    Gradients: with ``flat=True`` every ``p.grad`` is a view into one gradient buffer and
+    ``zero_grad()`` zeroes it in one operation, whatever ``set_to_none`` says. Do not set
+    ``.grad`` to None behind the optimizer's back (``model.zero_grad()``); ``step()`` detects it
+    and raises. ``step()`` accepts GradScaler's ``grad_scale`` and ``found_inf`` inside the
+    kernel, with no host synchronisation.
+"""

@@ -1,0 +1,123 @@
+"""The flat layout: one buffer per (device, dtype) holding parameters, gradients and states.
+
+::
+
+    params of one (device, dtype), in param-group order
+    ┌───────────── p0 ─────────────┬pad┬──────── p1 ────────┬pad┬── p2 ──┬pad┐
+    │ elements [0, n0)             │   │ [s1, s1 + n1)      │   │ ...    │   │  data   (p.data are views)
+    ├──────────────────────────────┼───┼────────────────────┼───┼────────┼───┤
+    │                              │   │                    │   │        │   │  grad   (p.grad are views)
+    ├──────────────────────────────┼───┼────────────────────┼───┼────────┼───┤
+    │                              │   │                    │   │        │   │  one buffer per state
+    └──────────────────────────────┴───┴────────────────────┴───┴────────┴───┘
+    s_i = align_up(s_{i-1} + n_{i-1}, ALIGN); the length is align_up(end, ALIGN)
+
+Every parameter starts on a multiple of ``ALIGN`` elements (64: 256 bytes for float32, 128 for
+bfloat16 and float16), so each aligned granule of 64 elements belongs to exactly one parameter
+and the kernels find a parameter's group and step count with one table lookup. Padding elements
+are zero in every buffer; the optimizers map zeros to zeros, so stepping them changes nothing.
+
+A parameter view keeps the parameter's own strides (a channels_last weight stays channels_last);
+parameters must be dense (no gaps or overlaps between elements).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 64  # elements; equal to flatopt.kernels.common.GRANULE
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def align_up(n, align=ALIGN):
+    return (n + align - 1) // align * align
+
+
+def is_dense(t):
+    """True when the elements of ``t`` fill one contiguous range of memory exactly once."""
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        return True
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@dataclass
+class StepMeta:
+    """What the kernels need besides the buffers: see ``flatopt.kernels.common``."""
+
+    param_of_granule: torch.Tensor  # int32 [numel // ALIGN]
+    param_group: torch.Tensor  # int32 [params]
+    steps: torch.Tensor  # float32 [params], completed steps
+    counter: torch.Tensor  # int32 [1], zero between launches
+    active: torch.Tensor | None = None  # uint8 [params]; None means all active
+    uniform: bool = False  # one group, equal steps, no active mask
+
+
+class FlatBuffer:
+    """Parameters of one (device, dtype), their gradients and optimizer states in flat buffers.
+
+    Args:
+        params (list[Tensor]): parameters, each once, all of ``device`` and ``dtype``.
+        groups (list[int]): the param-group index of each parameter.
+        state_names (tuple[str]): one flat buffer is allocated per name.
+    """
+
+    def __init__(self, params, groups, state_names=()):
+        if not params:
+            raise ValueError("a FlatBuffer needs at least one parameter")
+        self.params = list(params)
+        self.device = params[0].device
+        self.dtype = params[0].dtype
+        self.index = {}  # param -> (start, end)
+        self.starts = []
+        start = 0
+        for p in self.params:
+            self.index[p] = (start, start + p.numel())
+            self.starts.append(start)
+            start = align_up(start + p.numel())
+        self.numel = max(start, ALIGN)
+        self.group_ids = list(groups)
+
+        def zeros():
+            return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+
+        self.data = zeros()
+        self.grad = zeros()
+        self.states = {name: zeros() for name in state_names}
+        owner = torch.empty(self.numel // ALIGN, dtype=torch.int32)
+        for i, p in enumerate(self.params):
+            s, e = self.index[p]
+            owner[s // ALIGN : align_up(e) // ALIGN] = i
+        self.meta = StepMeta(
+            param_of_granule=owner.to(self.device),
+            param_group=torch.tensor(self.group_ids, dtype=torch.int32, device=self.device),
+            steps=torch.zeros(len(self.params), dtype=torch.float32, device=self.device),
+            counter=torch.zeros(1, dtype=torch.int32, device=self.device),
+            uniform=len(set(self.group_ids)) == 1,
+        )
+        self.data_views = [self.view(self.data, i) for i in range(len(self.params))]
+        self.grad_views = [self.view(self.grad, i) for i in range(len(self.params))]
+        self.state_views = {n: [self.view(b, i) for i in range(len(self.params))] for n, b in self.states.items()}
+
+    def view(self, flat, i):
+        """The view of parameter ``i`` in ``flat``, with the parameter's shape and strides."""
+        p = self.params[i]
+        return flat.as_strided(p.shape, p.stride(), flat.storage_offset() + self.starts[i])
+
+    def adopt(self):
+        """Copy each parameter (and its existing gradient) into the buffers and rebind
+        ``p.data`` and ``p.grad`` to the views."""
+        with torch.no_grad():
+            for p, dv, gv in zip(self.params, self.data_views, self.grad_views):
+                dv.copy_(p.data)
+                if p.grad is not None:
+                    gv.copy_(p.grad)
+                p.data = dv
+                p.grad = gv
+        self.expected = [(dv.data_ptr(), gv.data_ptr()) for dv, gv in zip(self.data_views, self.grad_views)]

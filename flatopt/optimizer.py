@@ -1,0 +1,377 @@
+"""The base class of flatopt's optimizers: flat buffers under torch.optim's interface."""
+
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from flatopt.functional import BACKENDS
+from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
+
+_TORCH_ONLY_KWARGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def reject_kwargs(cls_name, kwargs):
+    """Unknown keyword arguments raise TypeError, with a hint for torch.optim's own options."""
+    if not kwargs:
+        return
+    name = next(iter(kwargs))
+    hint = ""
+    if name in _TORCH_ONLY_KWARGS:
+        hint = f"; flatopt.{cls_name} always steps each flat buffer with one fused kernel, so drop '{name}'"
+    elif name == "amsgrad":
+        hint = f"; flatopt.{cls_name} does not implement amsgrad: use torch.optim.AdamW(amsgrad=True)"
+    raise TypeError(f"{cls_name}.__init__() got an unexpected keyword argument '{name}'{hint}")
+
+
+class FlatOptimizer(torch.optim.Optimizer):
+    """torch.optim.Optimizer whose parameters, gradients and states live in flat buffers.
+
+    Subclasses set ``_state_names`` (flat state buffers), ``_functional`` (the functional entry
+    point), ``_exported_step`` (whether torch's state has a ``step``), and implement
+    ``_check_hparams(group)`` and ``_hparam_row(group)`` (a row of floats whose column 0 is lr).
+    """
+
+    _state_names = ()
+    _exported_step = False
+    _step_supports_amp_scaling = True  # GradScaler passes grad_scale / found_inf; no host sync
+
+    def __init__(self, params, defaults, *, flat=True, backend=None, skip_unused=False):
+        self._built = False
+        self._names = {}
+        if isinstance(params, nn.Module):
+            self._check_module(params)
+            self._names = {p: n for n, p in params.named_parameters()}
+            params = list(params.parameters())
+        self._check_hparams(defaults)
+        self.flat = bool(flat)
+        self.skip_unused = bool(skip_unused)
+        self._buffers = []
+        self._hp = {}
+        self._hp_rows = None
+        self._hooks = []
+        self._seen = set()
+        self._unused_reported = False
+        self._unflat_meta = {}
+        super().__init__(params, defaults)
+        self.backend = self._choose_backend(backend)
+        self._devices = list(dict.fromkeys(p.device for p in self._trainable()))
+        if self.flat:
+            self._build()
+        self._built = True
+
+    # ------------------------------------------------------------------ construction
+    def _check_module(self, module):
+        for name, m in module.named_modules():
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                raise ValueError(
+                    f"{type(self).__name__} does not support sparse gradients: {type(m).__name__} "
+                    f"'{name}' has sparse=True; construct it with sparse=False"
+                )
+
+    def _name(self, p):
+        if p in self._names:
+            return f"'{self._names[p]}'"
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return f"params[{i}] of param group {gi} (shape {tuple(p.shape)})"
+        return f"a parameter of shape {tuple(p.shape)}"
+
+    def add_param_group(self, param_group):
+        if isinstance(param_group, dict):
+            params = param_group["params"]
+            tensors = [params] if isinstance(params, torch.Tensor) else params
+            if isinstance(tensors, (list, tuple)):
+                for p in tensors:
+                    p = p[1] if isinstance(p, tuple) else p
+                    if isinstance(p, torch.Tensor):
+                        self._check_param(p)
+            self._check_hparams({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if len(group["params"]) != len(set(group["params"])):
+            group["params"] = list(dict.fromkeys(group["params"]))  # tied parameters appear once
+        if self._built and self.flat:
+            self._build()
+
+    def _check_param(self, p):
+        if p.is_complex():
+            raise ValueError(
+                f"{type(self).__name__} does not support complex parameters (got {p.dtype}); "
+                "optimize torch.view_as_real(p) as a real parameter instead"
+            )
+        if p.layout != torch.strided:
+            raise ValueError(f"{type(self).__name__} does not support {p.layout} parameters; use dense parameters")
+        if p.requires_grad and p.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"{type(self).__name__} supports float32, bfloat16 and float16 parameters, got {p.dtype}; "
+                "convert the model with model.to(torch.float32) before creating the optimizer"
+            )
+        if p.requires_grad and self.flat and not is_dense(p):
+            raise ValueError(
+                f"{type(self).__name__}(flat=True) needs dense parameters (no gaps or overlaps), got shape "
+                f"{tuple(p.shape)} with strides {p.stride()}; make it contiguous before creating the optimizer"
+            )
+
+    def _choose_backend(self, backend):
+        trainable = [p for p in self._trainable()]
+        on_cuda = bool(trainable) and all(p.is_cuda for p in trainable)
+        if backend is None:
+            return "triton" if on_cuda else "torch"
+        if backend not in BACKENDS:
+            raise ValueError(f"Invalid backend: {backend!r}; expected one of {BACKENDS}")
+        if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "backend='triton' runs on CUDA tensors, and some parameters are not on a CUDA device; "
+                "use backend='torch' (the default on the CPU), or set TRITON_INTERPRET=1 before importing "
+                "triton to run the kernels under the Triton interpreter"
+            )
+        return backend
+
+    def _trainable(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    yield p
+
+    def _build(self):
+        """(Re)lay out every trainable parameter into flat buffers, keeping values, grads and state."""
+        keys, members = [], {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    key = (p.device, p.dtype)
+                    if key not in members:
+                        keys.append(key)
+                        members[key] = ([], [])
+                    members[key][0].append(p)
+                    members[key][1].append(gi)
+        old_steps = {p: float(s) for p, s in self._steps_by_param().items()}
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        buffers = []
+        for key in keys:
+            params, groups = members[key]
+            buf = FlatBuffer(params, groups, self._state_names)
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    for name, views in buf.state_views.items():
+                        old = self.state.get(p, {}).get(name)
+                        if isinstance(old, torch.Tensor):
+                            views[i].copy_(old)
+                    buf.meta.steps[i] = old_steps.get(p, 0.0)
+            buf.adopt()
+            buffers.append(buf)
+        self._buffers = buffers
+        self._devices = list(dict.fromkeys(b.device for b in buffers))
+        for buf in buffers:
+            for i, p in enumerate(buf.params):
+                self.state[p] = self._state_of(buf, i)
+            self._refresh_uniform(buf)
+        self._hp_rows = None
+        if not self._unused_reported or self.skip_unused:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._seen.add) for b in buffers for p in b.params]
+
+    def _state_of(self, buf, i):
+        """torch.optim's per-parameter state, as views into the flat buffers."""
+        state = {name: views[i] for name, views in buf.state_views.items()}
+        if self._exported_step:
+            state = {"step": buf.meta.steps[i], **state}
+        return state
+
+    def _steps_by_param(self):
+        return {p: buf.meta.steps[i] for buf in self._buffers for i, p in enumerate(buf.params)}
+
+    def _refresh_uniform(self, buf):
+        steps = buf.meta.steps
+        buf.meta.uniform = (
+            not self.skip_unused and len(set(buf.group_ids)) == 1 and bool((steps == steps[0]).all())
+        )
+
+    # ------------------------------------------------------------------ step
+    def _refresh_hparams(self, devices):
+        """Copy every group's hyper-parameters into the tables on ``devices``, only when they changed."""
+        rows, tensor_lrs = [], []
+        for gi, group in enumerate(self.param_groups):
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                tensor_lrs.append((gi, lr))
+            rows.append(self._hparam_row(group))
+        if rows != self._hp_rows:
+            for group in self.param_groups:
+                self._check_hparams(group)
+            host = torch.tensor(rows, dtype=torch.float32)
+            for device in devices:
+                table = self._hp.get(device)
+                if table is None or table.shape != host.shape:
+                    table = self._hp[device] = torch.empty(host.shape, dtype=torch.float32, device=device)
+                if device.type == "cuda":
+                    table.copy_(host.pin_memory(), non_blocking=True)
+                else:
+                    table.copy_(host)
+            self._hp_rows = rows
+        for gi, lr in tensor_lrs:
+            for table in self._hp.values():
+                table[gi, 0].copy_(lr.reshape(()), non_blocking=True)
+
+    def check_bindings(self, full=True):
+        """Raise if a parameter's data or gradient no longer lives in the flat buffers.
+
+        ``step()`` checks the first and last parameter of each buffer (``full=False``), which
+        catches ``model.to(...)``, ``model.zero_grad()`` and ``backward(create_graph=True)``; call
+        this with ``full=True`` to check every parameter.
+        """
+        cls = type(self).__name__
+        for buf in self._buffers:
+            idx = range(len(buf.params)) if full else sorted({0, len(buf.params) - 1})
+            for i in idx:
+                p = buf.params[i]
+                data_ptr, grad_ptr = buf.expected[i]
+                if p.data_ptr() != data_ptr or p.dtype != buf.dtype or p.device != buf.device:
+                    raise RuntimeError(
+                        f"{cls}: parameter {self._name(p)} no longer lives in the optimizer's flat buffer: its data "
+                        "was replaced after the optimizer was created (model.to(), model.cuda(), model.half() or "
+                        "`p.data = ...` do that). Create the optimizer after moving or casting the model; to keep "
+                        "the optimizer state, save opt.state_dict() first and load it into the new optimizer"
+                    )
+                g = p.grad
+                if g is None:
+                    raise RuntimeError(
+                        f"{cls}: parameter {self._name(p)} has .grad None, but flatopt keeps every .grad as a view "
+                        "into its flat gradient buffer; something set it to None (model.zero_grad(), or another "
+                        "optimizer's zero_grad()). Call opt.zero_grad() instead: it zeroes the buffer and keeps the views"
+                    )
+                if g.data_ptr() != grad_ptr:
+                    why = "a sparse gradient" if g.is_sparse else "backward(create_graph=True) or `p.grad = ...`"
+                    raise RuntimeError(
+                        f"{cls}: the .grad of parameter {self._name(p)} is no longer a view into the flat gradient "
+                        f"buffer ({why} replaces it). Use backward() without create_graph, dense gradients, and "
+                        f"in-place changes to .grad, or construct the optimizer with flat=False"
+                    )
+
+    def _report_unused(self):
+        unused = [p for b in self._buffers for p in b.params if p not in self._seen]
+        self._unused_reported = True
+        if not self.skip_unused:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+        if unused:
+            names = ", ".join(self._name(p) for p in unused[:8]) + (", ..." if len(unused) > 8 else "")
+            action = (
+                "skips them as torch.optim does (skip_unused=True)"
+                if self.skip_unused
+                else "steps them with a zero gradient (weight decay and state decay apply, as in torch.optim "
+                "after zero_grad(set_to_none=False)); pass skip_unused=True to skip them as torch.optim does, or "
+                "set requires_grad=False on parameters you do not train"
+            )
+            warnings.warn(
+                f"{type(self).__name__}: {len(unused)} parameter(s) received no gradient before the first step: "
+                f"{names}. flatopt {action}",
+                stacklevel=3,
+            )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs a single optimization step.
+
+        Args:
+            closure (Callable, optional): A closure that reevaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.flat:
+            self._step_unflat()
+            return loss
+        self.check_bindings(full=not self._unused_reported)
+        self._refresh_hparams(self._devices)
+        if not self._unused_reported:
+            self._report_unused()
+        if self.skip_unused:
+            for buf in self._buffers:
+                mask = torch.tensor([p in self._seen for p in buf.params], dtype=torch.uint8)
+                buf.meta.active = mask.to(buf.device, non_blocking=True)
+            self._seen.clear()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for buf in self._buffers:
+            self._functional(
+                buf.data, buf.grad, *(buf.states.get(n) for n in self._state_names),
+                hparams=self._hp[buf.device], meta=buf.meta, backend=self.backend,
+                grad_scale=None if grad_scale is None else grad_scale.to(buf.device),
+                found_inf=None if found_inf is None else found_inf.to(buf.device),
+            )  # fmt: skip
+        return loss
+
+    def _step_unflat(self):
+        """flat=False: the same kernels, one launch per parameter, over the caller's own tensors."""
+        self._refresh_hparams(self._devices)
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                meta, tensors = self._unflat_state(p, gi, group)
+                self._functional(
+                    *tensors, hparams=self._hp[p.device][gi : gi + 1], meta=meta, backend=self.backend,
+                    grad_scale=None if grad_scale is None else grad_scale.to(p.device),
+                    found_inf=None if found_inf is None else found_inf.to(p.device),
+                )  # fmt: skip
+
+    def _unflat_state(self, p, gi, group):
+        state = self.state[p]
+        meta = self._unflat_meta.get(p)
+        if meta is None:
+            dev = p.device
+            meta = StepMeta(
+                param_of_granule=torch.zeros(1, dtype=torch.int32, device=dev),
+                param_group=torch.zeros(1, dtype=torch.int32, device=dev),
+                steps=torch.zeros(1, dtype=torch.float32, device=dev),
+                counter=torch.zeros(1, dtype=torch.int32, device=dev),
+                uniform=True,
+            )
+            if "step" in state:
+                meta.steps.fill_(float(state["step"]))
+            elif any(n in state for n in self._state_names):
+                meta.steps.fill_(1.0)
+            self._unflat_meta[p] = meta
+        for name in self._state_names:
+            if name not in state and self._uses_state(name, group):
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                meta.steps.zero_()
+        if self._exported_step:
+            state["step"] = meta.steps[0]
+        tensors = [p, p.grad] + [state.get(n) for n in self._state_names]
+        for t in tensors[1:]:
+            if t is not None and (t.stride() != p.stride() or t.dtype != p.dtype):
+                raise RuntimeError(
+                    f"{type(self).__name__}(flat=False): the gradient or state of {self._name(p)} has strides "
+                    f"{t.stride()} and dtype {t.dtype}, the parameter {p.stride()} and {p.dtype}; they must match"
+                )
+        if not is_dense(p):
+            raise RuntimeError(f"{type(self).__name__}(flat=False) needs dense parameters; {self._name(p)} is not")
+        flat = [None if t is None else t.as_strided((t.numel(),), (1,), t.storage_offset()) for t in tensors]
+        return meta, flat
+
+    def _uses_state(self, name, group):
+        return True
+
+    def zero_grad(self, set_to_none=True):
+        """Zero the flat gradient buffers, one operation per buffer.
+
+        With ``flat=True`` the ``.grad`` views are kept whatever ``set_to_none`` says (the buffers
+        never move); with ``flat=False`` this is torch.optim's ``zero_grad``.
+        """
+        if not self.flat:
+            return super().zero_grad(set_to_none=set_to_none)
+        for buf in self._buffers:
+            buf.grad.zero_()
+        return None

@@ -1,0 +1,130 @@
+"""Pure-torch reference of every kernel: the ground truth of the tests and the ``"torch"`` backend.
+
+The ``*_math`` functions hold each update rule once. Their hyper-parameters are floats or float32
+tensors that broadcast against the data (one value per element when a buffer holds several groups),
+the math runs in float32 whatever the storage dtype, and they return the new values without
+writing anything. The ``*_step`` functions apply them to a flat buffer with the same arguments as
+the Triton launchers in ``flatopt.kernels``.
+"""
+
+import torch
+
+from flatopt.kernels.adamw import NUM_HPARAMS as ADAMW_HP
+from flatopt.kernels.lion import NUM_HPARAMS as LION_HP
+from flatopt.kernels.sgd import NUM_HPARAMS as SGD_HP
+from flatopt.layout import ALIGN
+
+__all__ = ["adamw_math", "sgd_math", "lion_math", "adamw_step", "sgd_step", "lion_step"]
+
+
+def one_minus_pow(log_beta, t):
+    """1 - beta**t from log(beta), in float64."""
+    return -torch.expm1(torch.as_tensor(t, dtype=torch.float64) * torch.as_tensor(log_beta, dtype=torch.float64))
+
+
+def adamw_math(p, g, m, v, *, t, lr, beta1, omb1, beta2, omb2, log_beta1, log_beta2, eps, weight_decay, grad_sign):
+    """One AdamW update (torch.optim.AdamW's order of operations); ``t`` counts this step."""
+    g = g * grad_sign
+    p = p * (1.0 - lr * weight_decay)
+    m = m + omb1 * (g - m)
+    v = v * beta2 + omb2 * g * g
+    step_size = (lr / one_minus_pow(log_beta1, t)).float()
+    bias_correction2_sqrt = one_minus_pow(log_beta2, t).sqrt().float()
+    denom = v.sqrt() / bias_correction2_sqrt + eps
+    return p + (-step_size) * (m / denom), m, v
+
+
+def sgd_math(p, g, buf, *, first, lr, momentum, one_minus_dampening, weight_decay, nesterov, grad_sign):
+    """One SGD update (torch.optim.SGD); ``first`` is True where the momentum buffer is not yet set.
+
+    Returns the new parameter and momentum buffer (None when ``buf`` is None).
+    """
+    d = g * grad_sign + weight_decay * p
+    if buf is not None:
+        buf = torch.where(first, d, buf * momentum + one_minus_dampening * d)
+        with_momentum = torch.where(nesterov != 0, d + momentum * buf, buf)
+        d = torch.where(momentum != 0, with_momentum, d)
+    return p + (-lr) * d, buf
+
+
+def lion_math(p, g, m, *, lr, beta1, omb1, beta2, omb2, weight_decay):
+    """One Lion update (Chen et al. 2023, decoupled weight decay as in lion-pytorch)."""
+    p = p * (1.0 - lr * weight_decay)
+    c = m * beta1 + omb1 * g
+    p = p + (-lr) * torch.sign(c)
+    m = m * beta2 + omb2 * g
+    return p, m
+
+
+def _element_meta(meta, hparams, numel):
+    """Per-element (hyper-parameter columns, completed steps, active mask), or per-buffer scalars."""
+    if meta.uniform:
+        row = hparams.index_select(0, meta.param_group[:1].long())[0]
+        return row, meta.steps[0], None
+    pidx = torch.repeat_interleave(meta.param_of_granule.long(), ALIGN)[:numel]
+    cols = hparams.index_select(0, meta.param_group.long()[pidx]).t()
+    active = None if meta.active is None else meta.active.bool()[pidx]
+    return cols, meta.steps[pidx], active
+
+
+def _apply(meta, found_inf, writes, active):
+    """Write each (buffer, new value) where the step applies and advance the step counters."""
+    keep = active
+    if found_inf is not None:
+        ok = found_inf.reshape(()) == 0
+        keep = ok if keep is None else keep & ok
+    for dst, new in writes:
+        dst.copy_(new if keep is None else torch.where(keep, new, dst.float()))
+    inc = torch.ones_like(meta.steps)
+    if meta.active is not None:
+        inc = inc * meta.active.float()
+    if found_inf is not None:
+        inc = inc * (found_inf.reshape(()) == 0).float()
+    meta.steps.add_(inc)
+
+
+def _unscale(grad, grad_scale):
+    """The float32 gradient divided by ``grad_scale``, and the (buffer, value) pair to store back:
+    torch's fused kernels leave the unscaled gradient in ``.grad`` when they step."""
+    g = grad.float()
+    if grad_scale is None:
+        return g, ()
+    g = g / grad_scale.reshape(()).float()
+    return g, ((grad, g),)
+
+
+def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
+    assert hparams.shape[1] == ADAMW_HP
+    h, steps, active = _element_meta(meta, hparams, param.numel())
+    g, store_grad = _unscale(grad, grad_scale)
+    p, m, v = adamw_math(
+        param.float(), g, exp_avg.float(), exp_avg_sq.float(), t=steps + 1,
+        lr=h[0], beta1=h[1], omb1=h[2], beta2=h[3], omb2=h[4], log_beta1=h[5], log_beta2=h[6],
+        eps=h[7], weight_decay=h[8], grad_sign=h[9],
+    )  # fmt: skip
+    _apply(meta, found_inf, [(param, p), (exp_avg, m), (exp_avg_sq, v), *store_grad], active)
+
+
+def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
+    assert hparams.shape[1] == SGD_HP
+    h, steps, active = _element_meta(meta, hparams, param.numel())
+    g, store_grad = _unscale(grad, grad_scale)
+    buf = None if momentum_buffer is None else momentum_buffer.float()
+    p, buf = sgd_math(
+        param.float(), g, buf, first=steps == 0, lr=h[0], momentum=h[1], one_minus_dampening=h[2],
+        weight_decay=h[3], nesterov=h[4], grad_sign=h[5],
+    )  # fmt: skip
+    writes = [(param, p), *store_grad]
+    if momentum_buffer is not None:
+        writes.append((momentum_buffer, torch.where(h[1] != 0, buf, momentum_buffer.float())))
+    _apply(meta, found_inf, writes, active)
+
+
+def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
+    assert hparams.shape[1] == LION_HP
+    h, _, active = _element_meta(meta, hparams, param.numel())
+    g, store_grad = _unscale(grad, grad_scale)
+    p, m = lion_math(
+        param.float(), g, exp_avg.float(), lr=h[0], beta1=h[1], omb1=h[2], beta2=h[3], omb2=h[4], weight_decay=h[5]
+    )
+    _apply(meta, found_inf, [(param, p), (exp_avg, m), *store_grad], active)

@@ -1,0 +1,109 @@
+"""AdamW over one flat buffer in one launch (Loshchilov & Hutter, decoupled weight decay).
+
+Same math and order of operations as ``torch.optim.AdamW`` (non-amsgrad), in float32 whatever
+the storage dtype; the states have the parameter's dtype.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import check_flat, finish_step, launch_meta, load_param_meta, load_scale_and_skip, one_minus_pow
+
+# Columns of the float32 hyper-parameter table, one row per param group.
+LR: tl.constexpr = 0
+BETA1: tl.constexpr = 1
+ONE_MINUS_BETA1: tl.constexpr = 2
+BETA2: tl.constexpr = 3
+ONE_MINUS_BETA2: tl.constexpr = 4
+LOG_BETA1: tl.constexpr = 5
+LOG_BETA2: tl.constexpr = 6
+EPS: tl.constexpr = 7
+WEIGHT_DECAY: tl.constexpr = 8
+GRAD_SIGN: tl.constexpr = 9  # -1.0 when maximize
+NUM_HPARAMS = 10
+
+
+@triton.jit
+def adamw_kernel(
+    p_ptr,  # parameters, updated in place
+    g_ptr,  # gradients (unscaled in place when HAS_GRAD_SCALE, as torch's fused kernel does)
+    m_ptr,  # exp_avg
+    v_ptr,  # exp_avg_sq
+    hp_ptr,  # float32 [groups, NUM_HPARAMS]
+    param_of_granule_ptr,
+    param_group_ptr,
+    step_ptr,
+    active_ptr,
+    grad_scale_ptr,
+    found_inf_ptr,
+    counter_ptr,
+    n_elements,  # length of the flat buffers
+    n_params,  # parameters in the buffer
+    NUM_HP: tl.constexpr,
+    GRANULE: tl.constexpr,
+    UNIFORM: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    STEP_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    group, steps, active = load_param_meta(
+        offsets, mask, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, GRANULE, UNIFORM, HAS_ACTIVE
+    )
+    inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
+    if HAS_FOUND_INF:
+        active = active & (skipped == 0.0)
+
+    row = hp_ptr + group * NUM_HP
+    lr = tl.load(row + LR, mask=active, other=0.0)
+    beta1 = tl.load(row + BETA1, mask=active, other=0.0)
+    omb1 = tl.load(row + ONE_MINUS_BETA1, mask=active, other=1.0)
+    beta2 = tl.load(row + BETA2, mask=active, other=0.0)
+    omb2 = tl.load(row + ONE_MINUS_BETA2, mask=active, other=1.0)
+    log_beta1 = tl.load(row + LOG_BETA1, mask=active, other=-1.0)
+    log_beta2 = tl.load(row + LOG_BETA2, mask=active, other=-1.0)
+    eps = tl.load(row + EPS, mask=active, other=1.0)
+    weight_decay = tl.load(row + WEIGHT_DECAY, mask=active, other=0.0)
+    grad_sign = tl.load(row + GRAD_SIGN, mask=active, other=1.0)
+
+    p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
+    g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)
+    m = tl.load(m_ptr + offsets, mask=active).to(tl.float32)
+    v = tl.load(v_ptr + offsets, mask=active).to(tl.float32)
+    if HAS_GRAD_SCALE:
+        g = g * inv_scale
+        tl.store(g_ptr + offsets, g.to(g_ptr.dtype.element_ty), mask=active)
+    g = g * grad_sign
+
+    t = steps + 1.0
+    p = p * (1.0 - lr * weight_decay)
+    m = m + omb1 * (g - m)  # torch's lerp(grad, 1 - beta1) for a weight below 0.5
+    v = v * beta2 + omb2 * g * g
+    step_size = lr / one_minus_pow(log_beta1, t)
+    bias_correction2_sqrt = tl.sqrt(one_minus_pow(log_beta2, t))
+    denom = tl.sqrt(v) / bias_correction2_sqrt + eps
+    p = p + (-step_size) * (m / denom)
+
+    tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
+    tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=active)
+    tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=active)
+    finish_step(counter_ptr, step_ptr, active_ptr, n_params, skipped, HAS_ACTIVE, STEP_BLOCK)
+
+
+def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
+    """One AdamW step over a flat buffer; ``meta`` is the buffer's :class:`flatopt.layout.StepMeta`."""
+    check_flat(param, grad, exp_avg, exp_avg_sq)
+    grid, opts = launch_meta(param.numel(), block_size)
+    adamw_kernel[grid](
+        param, grad, exp_avg, exp_avg_sq, hparams,
+        meta.param_of_granule, meta.param_group, meta.steps, meta.active,
+        grad_scale, found_inf, meta.counter,
+        param.numel(), meta.steps.numel(),
+        NUM_HP=NUM_HPARAMS, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
+        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+        **opts,
+    )  # fmt: skip

@@ -1,0 +1,132 @@
+"""Pieces shared by every optimizer kernel: the per-element parameter lookup, the step
+counter update, and the launch parameters.
+
+Every kernel steps one flat buffer in one launch. Besides the buffers it receives:
+
+* ``hparams``: float32 ``[groups, NUM_HPARAMS]``, one row of hyper-parameters per param group.
+* ``param_of_granule``: int32, the index of the parameter that owns each ``GRANULE``-element
+  granule of the buffer (parameter starts are ``GRANULE``-aligned, so a granule never spans two).
+* ``param_group``: int32 ``[params]``, the param group (row of ``hparams``) of each parameter.
+* ``steps``: float32 ``[params]``, each parameter's number of completed steps.
+* ``active``: uint8 ``[params]`` or None; where 0, the parameter is left untouched this step.
+* ``counter``: int32 ``[1]``, zero between launches; the last program to finish uses it to
+  advance ``steps`` once every program has read them, so the whole step is one launch.
+
+``UNIFORM`` buffers (one param group, equal steps, no ``active`` mask) read those scalars once
+per program instead of per element.
+"""
+
+import triton
+import triton.language as tl
+
+GRANULE = 64  # elements per entry of param_of_granule; parameter starts are aligned to it
+BLOCK_SIZE = 4096  # elements per program
+NUM_WARPS = 8
+STEP_BLOCK = 1024  # parameters per iteration when the last program advances the step counters
+
+
+@triton.jit
+def load_param_meta(
+    offsets,  # int64 element offsets of this program
+    mask,  # offsets < n_elements
+    param_of_granule_ptr,  # int32 [n_elements // GRANULE]
+    param_group_ptr,  # int32 [n_params]
+    step_ptr,  # float32 [n_params], completed steps
+    active_ptr,  # uint8 [n_params] or None
+    GRANULE: tl.constexpr,
+    UNIFORM: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+):
+    """Returns (group row, completed steps, active) for each element (scalars when UNIFORM)."""
+    if UNIFORM:
+        group = tl.load(param_group_ptr)
+        steps = tl.load(step_ptr)
+        active = mask
+    else:
+        pidx = tl.load(param_of_granule_ptr + offsets // GRANULE, mask=mask, other=0)
+        group = tl.load(param_group_ptr + pidx, mask=mask, other=0)
+        steps = tl.load(step_ptr + pidx, mask=mask, other=0.0)
+        active = mask
+        if HAS_ACTIVE:
+            active = mask & (tl.load(active_ptr + pidx, mask=mask, other=0) != 0)
+    return group, steps, active
+
+
+@triton.jit
+def load_scale_and_skip(
+    grad_scale_ptr,  # float32 [1] or None: gradients are divided by it (GradScaler)
+    found_inf_ptr,  # float32 [1] or None: when non-zero the whole step is skipped
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+):
+    """Returns (inverse grad scale, skipped as 0.0/1.0)."""
+    inv_scale = 1.0
+    if HAS_GRAD_SCALE:
+        inv_scale = 1.0 / tl.load(grad_scale_ptr).to(tl.float32)
+    skipped = 0.0
+    if HAS_FOUND_INF:
+        skipped = (tl.load(found_inf_ptr).to(tl.float32) != 0.0).to(tl.float32)
+    return inv_scale, skipped
+
+
+@triton.jit
+def one_minus_pow(log_beta, steps):
+    """1 - beta**steps from log(beta) (computed in float64 on the host), accurate for beta near 1.
+
+    Uses Kahan's expm1(x) = (u - 1) * x / log(u) with u = exp(x), which cancels the rounding of exp.
+    """
+    x = steps * log_beta
+    u = tl.exp(x)
+    em1 = tl.where(u == 1.0, x, (u - 1.0) * x / tl.log(u))
+    em1 = tl.where(u == 0.0, -1.0, em1)
+    return -em1
+
+
+@triton.jit
+def finish_step(
+    counter_ptr,  # int32 [1], zero on entry to the launch
+    step_ptr,  # float32 [n_params]
+    active_ptr,  # uint8 [n_params] or None
+    n_params,
+    skipped,  # 1.0 when found_inf skipped this step
+    HAS_ACTIVE: tl.constexpr,
+    STEP_BLOCK: tl.constexpr,
+):
+    """The last program to finish advances the step of every active parameter and re-zeroes the counter.
+
+    Every program reads the step counters before its atomic increment (acq_rel), so the last one
+    writes them only after all reads are done.
+    """
+    done = tl.atomic_add(counter_ptr, 1)
+    if done == tl.num_programs(0) - 1:
+        for start in range(0, n_params, STEP_BLOCK):
+            idx = start + tl.arange(0, STEP_BLOCK)
+            m = idx < n_params
+            inc = 1.0 - skipped
+            if HAS_ACTIVE:
+                inc = inc * (tl.load(active_ptr + idx, mask=m, other=0) != 0).to(tl.float32)
+            s = tl.load(step_ptr + idx, mask=m, other=0.0)
+            tl.store(step_ptr + idx, s + inc, mask=m)
+        tl.atomic_xchg(counter_ptr, 0)
+
+
+def launch_meta(n_elements, block_size=None):
+    """Grid and launch options shared by the launchers."""
+    block = block_size or BLOCK_SIZE
+    grid = (triton.cdiv(n_elements, block),)
+    return grid, dict(BLOCK_SIZE=block, STEP_BLOCK=STEP_BLOCK, GRANULE=GRANULE, num_warps=NUM_WARPS)
+
+
+def check_flat(*tensors):
+    """The launchers' argument checks: 1-D, contiguous, one device, equal lengths."""
+    first = tensors[0]
+    for t in tensors:
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"flat buffers must be 1-D and contiguous, got shape {tuple(t.shape)}")
+        if t.device != first.device or t.numel() != first.numel() or t.dtype != first.dtype:
+            raise ValueError(
+                "flat buffers must share device, dtype and length: "
+                f"{first.device}/{first.dtype}/{first.numel()} vs {t.device}/{t.dtype}/{t.numel()}"
+            )
+    if first.numel() % GRANULE:
+        raise ValueError(f"flat buffer length {first.numel()} is not a multiple of GRANULE={GRANULE}")

@@ -1,0 +1,96 @@
+"""Lion over one flat buffer in one launch (Chen et al. 2023, "Symbolic Discovery of
+Optimization Algorithms"), with decoupled weight decay as lion-pytorch applies it::
+
+    p   <- p * (1 - lr * weight_decay)
+    c   <- beta1 * m + (1 - beta1) * g
+    p   <- p - lr * sign(c)
+    m   <- beta2 * m + (1 - beta2) * g
+"""
+
+import triton
+import triton.language as tl
+
+from .common import check_flat, finish_step, launch_meta, load_param_meta, load_scale_and_skip
+
+LR: tl.constexpr = 0
+BETA1: tl.constexpr = 1
+ONE_MINUS_BETA1: tl.constexpr = 2
+BETA2: tl.constexpr = 3
+ONE_MINUS_BETA2: tl.constexpr = 4
+WEIGHT_DECAY: tl.constexpr = 5
+NUM_HPARAMS = 6
+
+
+@triton.jit
+def lion_kernel(
+    p_ptr,  # parameters, updated in place
+    g_ptr,  # gradients (unscaled in place when HAS_GRAD_SCALE)
+    m_ptr,  # exp_avg
+    hp_ptr,  # float32 [groups, NUM_HPARAMS]
+    param_of_granule_ptr,
+    param_group_ptr,
+    step_ptr,
+    active_ptr,
+    grad_scale_ptr,
+    found_inf_ptr,
+    counter_ptr,
+    n_elements,
+    n_params,
+    NUM_HP: tl.constexpr,
+    GRANULE: tl.constexpr,
+    UNIFORM: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    STEP_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    group, steps, active = load_param_meta(
+        offsets, mask, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, GRANULE, UNIFORM, HAS_ACTIVE
+    )
+    inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
+    if HAS_FOUND_INF:
+        active = active & (skipped == 0.0)
+
+    row = hp_ptr + group * NUM_HP
+    lr = tl.load(row + LR, mask=active, other=0.0)
+    beta1 = tl.load(row + BETA1, mask=active, other=0.0)
+    omb1 = tl.load(row + ONE_MINUS_BETA1, mask=active, other=1.0)
+    beta2 = tl.load(row + BETA2, mask=active, other=0.0)
+    omb2 = tl.load(row + ONE_MINUS_BETA2, mask=active, other=1.0)
+    weight_decay = tl.load(row + WEIGHT_DECAY, mask=active, other=0.0)
+
+    p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
+    g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)
+    m = tl.load(m_ptr + offsets, mask=active).to(tl.float32)
+    if HAS_GRAD_SCALE:
+        g = g * inv_scale
+        tl.store(g_ptr + offsets, g.to(g_ptr.dtype.element_ty), mask=active)
+
+    p = p * (1.0 - lr * weight_decay)
+    c = m * beta1 + omb1 * g
+    sign = tl.where(c > 0.0, 1.0, tl.where(c < 0.0, -1.0, 0.0))
+    p = p + (-lr) * sign
+    m = m * beta2 + omb2 * g
+
+    tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
+    tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=active)
+    finish_step(counter_ptr, step_ptr, active_ptr, n_params, skipped, HAS_ACTIVE, STEP_BLOCK)
+
+
+def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
+    """One Lion step over a flat buffer."""
+    check_flat(param, grad, exp_avg)
+    grid, opts = launch_meta(param.numel(), block_size)
+    lion_kernel[grid](
+        param, grad, exp_avg, hparams,
+        meta.param_of_granule, meta.param_group, meta.steps, meta.active,
+        grad_scale, found_inf, meta.counter,
+        param.numel(), meta.steps.numel(),
+        NUM_HP=NUM_HPARAMS, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
+        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+        **opts,
+    )  # fmt: skip

@@ -1,0 +1,96 @@
+"""SGD with momentum, dampening, Nesterov and weight decay over one flat buffer in one launch.
+
+Same math as ``torch.optim.SGD``, in float32 whatever the storage dtype. A parameter whose step
+count is 0 initialises its momentum buffer with the update itself, as torch does.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import check_flat, finish_step, launch_meta, load_param_meta, load_scale_and_skip
+
+LR: tl.constexpr = 0
+MOMENTUM: tl.constexpr = 1
+ONE_MINUS_DAMPENING: tl.constexpr = 2
+WEIGHT_DECAY: tl.constexpr = 3
+NESTEROV: tl.constexpr = 4  # 1.0 or 0.0
+GRAD_SIGN: tl.constexpr = 5  # -1.0 when maximize
+NUM_HPARAMS = 6
+
+
+@triton.jit
+def sgd_kernel(
+    p_ptr,  # parameters, updated in place
+    g_ptr,  # gradients (unscaled in place when HAS_GRAD_SCALE)
+    buf_ptr,  # momentum_buffer, or None when no group uses momentum
+    hp_ptr,  # float32 [groups, NUM_HPARAMS]
+    param_of_granule_ptr,
+    param_group_ptr,
+    step_ptr,
+    active_ptr,
+    grad_scale_ptr,
+    found_inf_ptr,
+    counter_ptr,
+    n_elements,
+    n_params,
+    NUM_HP: tl.constexpr,
+    GRANULE: tl.constexpr,
+    UNIFORM: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    STEP_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    group, steps, active = load_param_meta(
+        offsets, mask, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, GRANULE, UNIFORM, HAS_ACTIVE
+    )
+    inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
+    if HAS_FOUND_INF:
+        active = active & (skipped == 0.0)
+
+    row = hp_ptr + group * NUM_HP
+    lr = tl.load(row + LR, mask=active, other=0.0)
+    weight_decay = tl.load(row + WEIGHT_DECAY, mask=active, other=0.0)
+    grad_sign = tl.load(row + GRAD_SIGN, mask=active, other=1.0)
+
+    p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
+    g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)
+    if HAS_GRAD_SCALE:
+        g = g * inv_scale
+        tl.store(g_ptr + offsets, g.to(g_ptr.dtype.element_ty), mask=active)
+    d = g * grad_sign + weight_decay * p
+    if HAS_MOMENTUM:
+        momentum = tl.load(row + MOMENTUM, mask=active, other=0.0)
+        one_minus_dampening = tl.load(row + ONE_MINUS_DAMPENING, mask=active, other=1.0)
+        nesterov = tl.load(row + NESTEROV, mask=active, other=0.0)
+        uses_buf = active & (momentum != 0.0)
+        buf = tl.load(buf_ptr + offsets, mask=uses_buf).to(tl.float32)
+        buf = tl.where(steps == 0.0, d, buf * momentum + one_minus_dampening * d)
+        tl.store(buf_ptr + offsets, buf.to(buf_ptr.dtype.element_ty), mask=uses_buf)
+        d_momentum = tl.where(nesterov != 0.0, d + momentum * buf, buf)
+        d = tl.where(momentum != 0.0, d_momentum, d)
+    p = p + (-lr) * d
+
+    tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
+    finish_step(counter_ptr, step_ptr, active_ptr, n_params, skipped, HAS_ACTIVE, STEP_BLOCK)
+
+
+def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
+    """One SGD step over a flat buffer; ``momentum_buffer`` is None when no group uses momentum."""
+    check_flat(param, grad, *([momentum_buffer] if momentum_buffer is not None else []))
+    grid, opts = launch_meta(param.numel(), block_size)
+    sgd_kernel[grid](
+        param, grad, momentum_buffer, hparams,
+        meta.param_of_granule, meta.param_group, meta.steps, meta.active,
+        grad_scale, found_inf, meta.counter,
+        param.numel(), meta.steps.numel(),
+        NUM_HP=NUM_HPARAMS, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
+        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+        HAS_MOMENTUM=momentum_buffer is not None,
+        **opts,
+    )  # fmt: skip
