@@ -65,7 +65,8 @@ class FlatBuffer:
     Args:
         params (list[Tensor]): parameters, each once, all of ``device`` and ``dtype``.
         groups (list[int]): the param-group index of each parameter.
-        state_names (tuple[str]): one flat buffer is allocated per name.
+        state_names (tuple[str]): one zeroed flat buffer is allocated per name now; more with
+            :meth:`add_state`.
     """
 
     def __init__(self, params, groups, state_names=()):
@@ -84,12 +85,10 @@ class FlatBuffer:
         self.numel = max(start, ALIGN)
         self.group_ids = list(groups)
 
-        def zeros():
-            return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-
-        self.data = zeros()
-        self.grad = zeros()
-        self.states = {name: zeros() for name in state_names}
+        self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.grad = torch.zeros_like(self.data)
+        self.states = {}
+        self.state_views = {}
         owner = torch.empty(self.numel // ALIGN, dtype=torch.int32)
         for i, p in enumerate(self.params):
             s, e = self.index[p]
@@ -103,7 +102,13 @@ class FlatBuffer:
         )
         self.data_views = [self.view(self.data, i) for i in range(len(self.params))]
         self.grad_views = [self.view(self.grad, i) for i in range(len(self.params))]
-        self.state_views = {n: [self.view(b, i) for i in range(len(self.params))] for n, b in self.states.items()}
+        for name in state_names:
+            self.add_state(name)
+
+    def add_state(self, name):
+        """Allocate a zeroed flat state buffer and its per-parameter views."""
+        self.states[name] = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.state_views[name] = [self.view(self.states[name], i) for i in range(len(self.params))]
 
     def view(self, flat, i):
         """The view of parameter ``i`` in ``flat``, with the parameter's shape and strides."""

@@ -6,6 +6,7 @@ import warnings
 import torch
 from torch import nn
 
+from flatopt.checkpoint import CheckpointMixin
 from flatopt.functional import BACKENDS
 from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
 
@@ -25,7 +26,7 @@ def reject_kwargs(cls_name, kwargs):
     raise TypeError(f"{cls_name}.__init__() got an unexpected keyword argument '{name}'{hint}")
 
 
-class FlatOptimizer(torch.optim.Optimizer):
+class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     """torch.optim.Optimizer whose parameters, gradients and states live in flat buffers.
 
     Subclasses set ``_state_names`` (flat state buffers), ``_functional`` (the functional entry
@@ -93,8 +94,10 @@ class FlatOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         if len(group["params"]) != len(set(group["params"])):
             group["params"] = list(dict.fromkeys(group["params"]))  # tied parameters appear once
-        if self._built and self.flat:
-            self._build()
+        if self._built:
+            self._devices = list(dict.fromkeys(p.device for p in self._trainable()))
+            if self.flat:
+                self._build()
 
     def _check_param(self, p):
         if p.is_complex():
@@ -155,7 +158,8 @@ class FlatOptimizer(torch.optim.Optimizer):
         buffers = []
         for key in keys:
             params, groups = members[key]
-            buf = FlatBuffer(params, groups, self._state_names)
+            used = [n for n in self._state_names if any(self._uses_state(n, self.param_groups[g]) for g in groups)]
+            buf = FlatBuffer(params, groups, used)
             with torch.no_grad():
                 for i, p in enumerate(params):
                     for name, views in buf.state_views.items():
@@ -174,6 +178,18 @@ class FlatOptimizer(torch.optim.Optimizer):
         self._hp_rows = None
         if not self._unused_reported or self.skip_unused:
             self._hooks = [p.register_post_accumulate_grad_hook(self._seen.add) for b in buffers for p in b.params]
+
+    def _ensure_states(self):
+        """Allocate a state buffer that a group needs now but did not at construction (SGD's
+        momentum buffer once a scheduler turns momentum on); it starts as at a first step."""
+        for buf in self._buffers:
+            groups = [self.param_groups[g] for g in set(buf.group_ids)]
+            for name in self._state_names:
+                if name not in buf.states and any(self._uses_state(name, g) for g in groups):
+                    buf.add_state(name)
+                    buf.meta.steps.zero_()
+                    for i, p in enumerate(buf.params):
+                        self.state[p] = self._state_of(buf, i)
 
     def _state_of(self, buf, i):
         """torch.optim's per-parameter state, as views into the flat buffers."""
@@ -203,6 +219,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         if rows != self._hp_rows:
             for group in self.param_groups:
                 self._check_hparams(group)
+            self._ensure_states()
             host = torch.tensor(rows, dtype=torch.float32)
             for device in devices:
                 table = self._hp.get(device)

@@ -7,7 +7,7 @@ the storage dtype; the states have the parameter's dtype.
 import triton
 import triton.language as tl
 
-from .common import check_flat, finish_step, launch_meta, load_param_meta, load_scale_and_skip, one_minus_pow
+from .common import check_flat, drop_if_skipped, finish_step, launch_meta, load_param_meta, load_scale_and_skip, one_minus_pow
 
 # Columns of the float32 hyper-parameter table, one row per param group.
 LR: tl.constexpr = 0
@@ -56,19 +56,19 @@ def adamw_kernel(
     )
     inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
     if HAS_FOUND_INF:
-        active = active & (skipped == 0.0)
+        active = drop_if_skipped(active, offsets, skipped)
 
-    row = hp_ptr + group * NUM_HP
-    lr = tl.load(row + LR, mask=active, other=0.0)
-    beta1 = tl.load(row + BETA1, mask=active, other=0.0)
-    omb1 = tl.load(row + ONE_MINUS_BETA1, mask=active, other=1.0)
-    beta2 = tl.load(row + BETA2, mask=active, other=0.0)
-    omb2 = tl.load(row + ONE_MINUS_BETA2, mask=active, other=1.0)
-    log_beta1 = tl.load(row + LOG_BETA1, mask=active, other=-1.0)
-    log_beta2 = tl.load(row + LOG_BETA2, mask=active, other=-1.0)
-    eps = tl.load(row + EPS, mask=active, other=1.0)
-    weight_decay = tl.load(row + WEIGHT_DECAY, mask=active, other=0.0)
-    grad_sign = tl.load(row + GRAD_SIGN, mask=active, other=1.0)
+    row = hp_ptr + group * NUM_HP  # always in bounds: masked lanes read group 0
+    lr = tl.load(row + LR)
+    beta1 = tl.load(row + BETA1)
+    omb1 = tl.load(row + ONE_MINUS_BETA1)
+    beta2 = tl.load(row + BETA2)
+    omb2 = tl.load(row + ONE_MINUS_BETA2)
+    log_beta1 = tl.load(row + LOG_BETA1)
+    log_beta2 = tl.load(row + LOG_BETA2)
+    eps = tl.load(row + EPS)
+    weight_decay = tl.load(row + WEIGHT_DECAY)
+    grad_sign = tl.load(row + GRAD_SIGN)
 
     p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
     g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)

@@ -70,6 +70,20 @@ def load_scale_and_skip(
 
 
 @triton.jit
+def as_block(x, offsets):
+    """``x`` (a float32 scalar or block) as a block shaped like ``offsets``. Needed before a scalar
+    condition is ANDed into a block mask: the interpreter cannot broadcast a scalar bool; the
+    compiler folds this away."""
+    return tl.zeros_like(offsets).to(tl.float32) + x
+
+
+@triton.jit
+def drop_if_skipped(active, offsets, skipped):
+    """``active`` where this step is not skipped."""
+    return active & (as_block(skipped, offsets) == 0.0)
+
+
+@triton.jit
 def one_minus_pow(log_beta, steps):
     """1 - beta**steps from log(beta) (computed in float64 on the host), accurate for beta near 1.
 

@@ -10,7 +10,7 @@ Optimization Algorithms"), with decoupled weight decay as lion-pytorch applies i
 import triton
 import triton.language as tl
 
-from .common import check_flat, finish_step, launch_meta, load_param_meta, load_scale_and_skip
+from .common import check_flat, drop_if_skipped, finish_step, launch_meta, load_param_meta, load_scale_and_skip
 
 LR: tl.constexpr = 0
 BETA1: tl.constexpr = 1
@@ -53,15 +53,15 @@ def lion_kernel(
     )
     inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
     if HAS_FOUND_INF:
-        active = active & (skipped == 0.0)
+        active = drop_if_skipped(active, offsets, skipped)
 
-    row = hp_ptr + group * NUM_HP
-    lr = tl.load(row + LR, mask=active, other=0.0)
-    beta1 = tl.load(row + BETA1, mask=active, other=0.0)
-    omb1 = tl.load(row + ONE_MINUS_BETA1, mask=active, other=1.0)
-    beta2 = tl.load(row + BETA2, mask=active, other=0.0)
-    omb2 = tl.load(row + ONE_MINUS_BETA2, mask=active, other=1.0)
-    weight_decay = tl.load(row + WEIGHT_DECAY, mask=active, other=0.0)
+    row = hp_ptr + group * NUM_HP  # always in bounds: masked lanes read group 0
+    lr = tl.load(row + LR)
+    beta1 = tl.load(row + BETA1)
+    omb1 = tl.load(row + ONE_MINUS_BETA1)
+    beta2 = tl.load(row + BETA2)
+    omb2 = tl.load(row + ONE_MINUS_BETA2)
+    weight_decay = tl.load(row + WEIGHT_DECAY)
 
     p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
     g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)

@@ -7,7 +7,7 @@ count is 0 initialises its momentum buffer with the update itself, as torch does
 import triton
 import triton.language as tl
 
-from .common import check_flat, finish_step, launch_meta, load_param_meta, load_scale_and_skip
+from .common import as_block, check_flat, drop_if_skipped, finish_step, launch_meta, load_param_meta, load_scale_and_skip
 
 LR: tl.constexpr = 0
 MOMENTUM: tl.constexpr = 1
@@ -51,12 +51,12 @@ def sgd_kernel(
     )
     inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
     if HAS_FOUND_INF:
-        active = active & (skipped == 0.0)
+        active = drop_if_skipped(active, offsets, skipped)
 
-    row = hp_ptr + group * NUM_HP
-    lr = tl.load(row + LR, mask=active, other=0.0)
-    weight_decay = tl.load(row + WEIGHT_DECAY, mask=active, other=0.0)
-    grad_sign = tl.load(row + GRAD_SIGN, mask=active, other=1.0)
+    row = hp_ptr + group * NUM_HP  # always in bounds: masked lanes read group 0
+    lr = tl.load(row + LR)
+    weight_decay = tl.load(row + WEIGHT_DECAY)
+    grad_sign = tl.load(row + GRAD_SIGN)
 
     p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
     g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)
@@ -65,10 +65,10 @@ def sgd_kernel(
         tl.store(g_ptr + offsets, g.to(g_ptr.dtype.element_ty), mask=active)
     d = g * grad_sign + weight_decay * p
     if HAS_MOMENTUM:
-        momentum = tl.load(row + MOMENTUM, mask=active, other=0.0)
-        one_minus_dampening = tl.load(row + ONE_MINUS_DAMPENING, mask=active, other=1.0)
-        nesterov = tl.load(row + NESTEROV, mask=active, other=0.0)
-        uses_buf = active & (momentum != 0.0)
+        momentum = tl.load(row + MOMENTUM)
+        one_minus_dampening = tl.load(row + ONE_MINUS_DAMPENING)
+        nesterov = tl.load(row + NESTEROV)
+        uses_buf = active & (as_block(momentum, offsets) != 0.0)
         buf = tl.load(buf_ptr + offsets, mask=uses_buf).to(tl.float32)
         buf = tl.where(steps == 0.0, d, buf * momentum + one_minus_dampening * d)
         tl.store(buf_ptr + offsets, buf.to(buf_ptr.dtype.element_ty), mask=uses_buf)

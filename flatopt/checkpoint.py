@@ -1,0 +1,150 @@
+"""state_dict() and load_state_dict() in torch.optim's format.
+
+A state_dict saved by flatopt loads into the matching torch.optim optimizer and the reverse:
+parameters are numbered across groups in order, a parameter has state once it has been stepped,
+AdamW's ``step`` is a float32 CPU tensor, SGD keeps only ``momentum_buffer`` (when momentum is
+on) and Lion only ``exp_avg``. State tensors are views of the flat buffers, live like
+torch.optim's own state tensors.
+"""
+
+from copy import deepcopy
+
+import torch
+
+
+class CheckpointMixin:
+    def _host_steps(self):
+        """Completed steps of every stepped parameter, read with one copy per buffer."""
+        steps = {}
+        for buf in self._buffers:
+            steps.update(zip(buf.params, buf.meta.steps.tolist()))
+        for p, meta in self._unflat_meta.items():
+            steps[p] = float(meta.steps[0])
+        return steps
+
+    def _exported_names(self, group):
+        return [n for n in self._state_names if self._uses_state(n, group)]
+
+    def state_dict(self):
+        """Returns the state of the optimizer as a dict, in torch.optim's format."""
+        index, groups = {}, []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [index.setdefault(p, len(index)) for p in group["params"]]
+            groups.append(packed)
+        steps = self._host_steps()
+        state = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                own = self.state.get(p, {})
+                if p not in steps:  # never stepped by this optimizer: keep whatever was loaded
+                    if own:
+                        state[index[p]] = own
+                    continue
+                if steps[p] == 0:
+                    continue
+                entry = {n: own[n] for n in self._exported_names(group) if own.get(n) is not None}
+                if self._exported_step:
+                    entry = {"step": torch.tensor(steps[p], dtype=torch.float32), **entry}
+                if entry:
+                    state[index[p]] = entry
+        return {"state": state, "param_groups": groups}
+
+    def _parse_state(self, k, p, saved, group, saved_group):
+        """Check one parameter's saved state against the parameter; returns (step, {name: tensor})."""
+        cls = type(self).__name__
+        names = [n for n in self._state_names if self._uses_state(n, {**group, **saved_group})]
+        allowed = set(self._state_names) | ({"step"} if self._exported_step else set())
+        if not isinstance(saved, dict):
+            raise ValueError(f"loaded state dict has state {type(saved).__name__} for parameter {k}; expected a dict")
+        extra = sorted(set(saved) - allowed)
+        if extra:
+            hint = " (amsgrad state: flatopt.AdamW does not implement amsgrad)" if "max_exp_avg_sq" in extra else ""
+            raise ValueError(
+                f"loaded state dict has unexpected state {extra} for parameter {k}{hint}; "
+                f"{cls} keeps {sorted(allowed)}"
+            )
+        tensors = {}
+        for name in names:
+            t = saved.get(name)
+            if t is None:
+                if name == "momentum_buffer":
+                    continue  # torch.optim.SGD before its first momentum step
+                raise ValueError(f"loaded state dict has no '{name}' for parameter {k} ({self._name(p)})")
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"loaded state dict has '{name}' of shape {shape} for parameter {k} ({self._name(p)}), "
+                    f"whose shape is {tuple(p.shape)}; the state dict belongs to another model"
+                )
+            tensors[name] = t
+        if self._exported_step:
+            if "step" not in saved:
+                raise ValueError(f"loaded state dict has no 'step' for parameter {k} ({self._name(p)})")
+            step = float(saved["step"])
+            if not step >= 0:
+                raise ValueError(f"loaded state dict has step {step} for parameter {k}; it must be >= 0")
+        else:
+            step = 1.0 if tensors else 0.0
+        return step, tensors
+
+    def load_state_dict(self, state_dict):
+        """Loads a state dict saved by this optimizer or by the matching torch.optim optimizer.
+
+        Everything is checked before anything changes: a state dict that does not fit raises
+        and leaves the optimizer as it was.
+        """
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+            )
+        id_map, group_of = {}, {}
+        for group, saved in zip(groups, saved_groups):
+            for k, p in zip(saved["params"], group["params"]):
+                id_map[k] = p
+                group_of[k] = (group, saved)
+        for group, saved in zip(groups, saved_groups):
+            self._check_hparams({**group, **{k: v for k, v in saved.items() if k != "params"}})
+        parsed = {}
+        for k, saved in state_dict["state"].items():
+            if k not in id_map:
+                raise ValueError(
+                    f"loaded state dict has state for parameter {k}, but the optimizer has {len(id_map)} parameters"
+                )
+            parsed[id_map[k]] = self._parse_state(k, id_map[k], saved, *group_of[k])
+
+        # Checked: now change things.
+        for group, saved in zip(groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        self._hp_rows = None
+        flat_params = set()
+        with torch.no_grad():
+            self._ensure_states()
+            for buf in self._buffers:
+                steps = []
+                for i, p in enumerate(buf.params):
+                    flat_params.add(p)
+                    step, tensors = parsed.get(p, (0.0, {}))
+                    for name, views in buf.state_views.items():
+                        if name in tensors:
+                            views[i].copy_(tensors[name])
+                        else:
+                            views[i].zero_()
+                    steps.append(step)
+                buf.meta.steps.copy_(torch.tensor(steps, dtype=torch.float32))
+                self._refresh_uniform(buf)
+            self._unflat_meta.clear()
+            for p in list(self.state):
+                if p not in flat_params:
+                    del self.state[p]
+            for p, (step, tensors) in parsed.items():
+                if p in flat_params:
+                    continue
+                own = {n: t.to(p.device, p.dtype).clone(memory_format=torch.preserve_format) for n, t in tensors.items()}
+                if self._exported_step:
+                    own["step"] = torch.tensor(step, dtype=torch.float32)
+                self.state[p] = own

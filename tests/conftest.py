@@ -1,0 +1,91 @@
+"""Device gating and shared models for the tests.
+
+* ``requires_cuda``: needs a CUDA GPU; CPU-only runs skip it and say why.
+* ``backend`` fixture: every optimizer test runs with the pure-torch backend and with the Triton
+  kernels. On a machine without a GPU the kernels run under the Triton interpreter, which must be
+  switched on before triton is imported (``make test`` sets TRITON_INTERPRET=1).
+"""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (CI runs without one)")
+    for item in items:
+        if "requires_cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip)
+
+
+def triton_available():
+    return HAS_CUDA or INTERPRET
+
+
+TRITON_SKIP = pytest.mark.skipif(
+    not triton_available(),
+    reason="the Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 (set by `make test`) to run on the CPU",
+)
+
+
+@pytest.fixture(params=["torch", pytest.param("triton", marks=TRITON_SKIP)])
+def backend(request):
+    return request.param
+
+
+class Net(nn.Module):
+    """Small model with what the layout must handle: a channels_last conv weight, a weight tied
+    between embedding and head, a frozen layer, an unused layer, sizes that are not multiples of
+    any block size."""
+
+    def __init__(self, vocab=19, dim=6):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3).to(memory_format=torch.channels_last)
+        self.emb = nn.Embedding(vocab, dim)
+        self.proj = nn.Linear(dim + 5, 13)
+        self.frozen = nn.Linear(13, dim)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(dim, vocab)
+        self.head.weight = self.emb.weight
+        self.unused = nn.Linear(4, 3)
+
+    def forward(self, img, tokens):
+        feat = self.conv(img).mean(dim=(2, 3))
+        h = torch.cat([self.emb(tokens).mean(1), feat], dim=1)
+        return self.head(torch.tanh(self.frozen(torch.tanh(self.proj(h)))))
+
+
+def make_batch(gen, batch=4, vocab=19):
+    img = torch.randn(batch, 3, 7, 7, generator=gen).to(memory_format=torch.channels_last)
+    tokens = torch.randint(0, vocab, (batch, 5), generator=gen)
+    target = torch.randint(0, vocab, (batch,), generator=gen)
+    return img, tokens, target
+
+
+def loss_fn(model, batch):
+    img, tokens, target = batch
+    return nn.functional.cross_entropy(model(img, tokens), target)
+
+
+def param_groups(model, lr=1e-2, **decay_kwargs):
+    """Two groups: matrices with weight decay, the rest without, and another lr."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, **decay_kwargs}, {"params": no_decay, "lr": lr * 0.5, "weight_decay": 0.0}]
+
+
+TOL = {
+    torch.float32: dict(atol=2e-6, rtol=2e-5),
+    torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2),
+    torch.float16: dict(atol=1e-5, rtol=2e-3),
+}
+
+
+def assert_same(ours, theirs, step, what, dtype=torch.float32):
+    torch.testing.assert_close(ours, theirs, **TOL[dtype], msg=lambda m: f"step {step}, {what}: {m}")
