@@ -39,6 +39,11 @@ def backend(request):
     return request.param
 
 
+def device_for(backend):
+    """Where a test of ``backend`` runs: the Triton kernels on the GPU when there is one."""
+    return "cuda" if backend == "triton" and HAS_CUDA and not INTERPRET else "cpu"
+
+
 class Net(nn.Module):
     """Small model with what the layout must handle: a channels_last conv weight, a weight tied
     between embedding and head, a frozen layer, an unused layer, sizes that are not multiples of
@@ -61,10 +66,10 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.frozen(torch.tanh(self.proj(h)))))
 
 
-def make_batch(gen, batch=4, vocab=19):
-    img = torch.randn(batch, 3, 7, 7, generator=gen).to(memory_format=torch.channels_last)
-    tokens = torch.randint(0, vocab, (batch, 5), generator=gen)
-    target = torch.randint(0, vocab, (batch,), generator=gen)
+def make_batch(gen, batch=4, vocab=19, device="cpu"):
+    img = torch.randn(batch, 3, 7, 7, generator=gen).to(device, memory_format=torch.channels_last)
+    tokens = torch.randint(0, vocab, (batch, 5), generator=gen).to(device)
+    target = torch.randint(0, vocab, (batch,), generator=gen).to(device)
     return img, tokens, target
 
 

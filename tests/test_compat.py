@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import Net, assert_same, loss_fn, make_batch, param_groups
+from conftest import Net, assert_same, device_for, loss_fn, make_batch, param_groups
 
 import flatopt
 
@@ -54,10 +54,10 @@ def compare_states(ours, theirs, model, ref, step):
                 assert_same(mine, value, step, f"{name}.{key}")
 
 
-def train_pair(make_ours, make_theirs, steps=10, skip_unused=False, sched=None, check_every_step=True):
+def train_pair(device, make_ours, make_theirs, steps=10, skip_unused=False, sched=None, check_every_step=True):
     """Train a model with flatopt and a copy with the reference from one initialisation, comparing."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     ref = copy.deepcopy(model)
     if not skip_unused:
         materialize_grads(ref)
@@ -68,7 +68,7 @@ def train_pair(make_ours, make_theirs, steps=10, skip_unused=False, sched=None, 
         scheds = [sched(ours), sched(theirs)] if sched else []
         gen = torch.Generator().manual_seed(1)
         for step in range(1, steps + 1):
-            batch = make_batch(gen)
+            batch = make_batch(gen, device=device)
             for m, opt in ((model, ours), (ref, theirs)):
                 loss_fn(m, batch).backward()
                 opt.step()
@@ -83,6 +83,7 @@ def train_pair(make_ours, make_theirs, steps=10, skip_unused=False, sched=None, 
 def test_adamw_matches_torch(backend):
     kw = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.1)
     train_pair(
+        device_for(backend),
         lambda m: flatopt.AdamW(param_groups(m, **kw), backend=backend),
         lambda m: torch.optim.AdamW(param_groups(m, **kw)),
         steps=12,
@@ -91,6 +92,7 @@ def test_adamw_matches_torch(backend):
 
 def test_adamw_maximize_and_tensor_lr(backend):
     train_pair(
+        device_for(backend),
         lambda m: flatopt.AdamW(m, lr=torch.tensor(3e-3), maximize=True, backend=backend),
         lambda m: torch.optim.AdamW(m.parameters(), lr=torch.tensor(3e-3), maximize=True),
     )
@@ -106,6 +108,7 @@ SGD_FLAGS = [
 @pytest.mark.parametrize("flags", SGD_FLAGS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
 def test_sgd_matches_torch(backend, flags):
     train_pair(
+        device_for(backend),
         lambda m: flatopt.SGD(param_groups(m, lr=0.05, **flags), lr=0.05, backend=backend, **flags),
         lambda m: torch.optim.SGD(param_groups(m, lr=0.05, **flags), lr=0.05, **flags),
         steps=10,
@@ -116,6 +119,7 @@ def test_sgd_matches_torch(backend, flags):
 def test_lion_matches_paper_reference(backend):
     kw = dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.5)
     train_pair(
+        device_for(backend),
         lambda m: flatopt.Lion(param_groups(m, **kw), backend=backend),
         lambda m: LionReference(param_groups(m, **kw)),
         steps=12,
@@ -135,6 +139,7 @@ def test_skip_unused_matches_torch_default(backend, opt):
         "lion": (lambda ps, **k: flatopt.Lion(ps, lr=1e-3, weight_decay=0.1, **k), lambda ps: LionReference(ps, 1e-3, weight_decay=0.1)),
     }[opt]
     model, ref, ours, theirs = train_pair(
+        device_for(backend),
         lambda m: make[0](m.parameters(), backend=backend, skip_unused=True),
         lambda m: make[1](m.parameters()),
         skip_unused=True,
@@ -159,12 +164,14 @@ def test_unused_parameters_warn_once_with_names():
 def test_scheduler_changes_lr_and_betas_every_step(backend):
     sched = lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=20)  # noqa: E731
     train_pair(
+        device_for(backend),
         lambda m: flatopt.AdamW(m, lr=1e-2, backend=backend),
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
         steps=12,
         sched=sched,
     )
     train_pair(
+        device_for(backend),
         lambda m: flatopt.SGD(m, lr=1e-2, momentum=0.9, backend=backend),
         lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9),
         steps=12,
@@ -185,17 +192,18 @@ def test_grad_scaler_with_injected_inf(backend, opt):
             lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
         ),
     }[opt]
+    device = device_for(backend)
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     ref = copy.deepcopy(model)
     materialize_grads(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ours, theirs = make[0](model), make[1](ref)
-        scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)]
+        scalers = [torch.amp.GradScaler(device, init_scale=2.0**10) for _ in range(2)]
         gen = torch.Generator().manual_seed(1)
         for step in range(1, 9):
-            batch = make_batch(gen)
+            batch = make_batch(gen, device=device)
             before = [p.detach().clone() for p in model.parameters()]
             for m, o, scaler in zip((model, ref), (ours, theirs), scalers):
                 scaler.scale(loss_fn(m, batch)).backward()
@@ -228,8 +236,9 @@ def test_state_dict_round_trip_with_torch(backend, direction, opt, tmp_path):
             lambda m: torch.optim.SGD(param_groups(m), lr=0.05, momentum=0.9, nesterov=True),
         ),
     }[opt]
+    device = device_for(backend)
     torch.manual_seed(0)
-    base = Net()
+    base = Net().to(device)
     ref = copy.deepcopy(base)
     materialize_grads(ref)
     first, second = (make[1], make[0]) if direction == "torch_to_flatopt" else (make[0], make[1])
@@ -243,11 +252,11 @@ def test_state_dict_round_trip_with_torch(backend, direction, opt, tmp_path):
         opt1 = first(model)
         for _ in range(5):
             for m, o, g in ((model, opt1, gen), (ref, reference, ref_gen)):
-                loss_fn(m, make_batch(g)).backward()
+                loss_fn(m, make_batch(g, device=device)).backward()
                 o.step()
                 o.zero_grad(set_to_none=False)
         torch.save({"model": model.state_dict(), "opt": opt1.state_dict()}, tmp_path / "ckpt.pt")
-        ckpt = torch.load(tmp_path / "ckpt.pt")
+        ckpt = torch.load(tmp_path / "ckpt.pt", map_location=device)
         model2 = copy.deepcopy(base)
         model2.load_state_dict(ckpt["model"])
         materialize_grads(model2)
@@ -255,7 +264,7 @@ def test_state_dict_round_trip_with_torch(backend, direction, opt, tmp_path):
         opt2.load_state_dict(ckpt["opt"])
         for step in range(6, 11):
             for m, o, g in ((model2, opt2, gen), (ref, reference, ref_gen)):
-                loss_fn(m, make_batch(g)).backward()
+                loss_fn(m, make_batch(g, device=device)).backward()
                 o.step()
                 o.zero_grad(set_to_none=False)
             compare_states(opt2, reference, model2, ref, step)
