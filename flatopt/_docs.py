@@ -15,7 +15,16 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             step untouched (no weight decay, no state update, step count unchanged), exactly as
             torch.optim does for ``p.grad is None``. Costs one small host-to-device copy per step.
             By default such parameters are stepped with a zero gradient and a warning names them
-            at the first step (default: False)"""
+            at the first step (default: False)
+        in_backward (bool, optional): step each bucket of parameters during backward, from
+            post-accumulate-grad hooks, as soon as its gradients exist, and free those gradients:
+            there is no flat gradient buffer and ``p.grad`` is None after backward. ``step()`` and
+            ``zero_grad()`` remain callable and do nothing harmful. Not compatible with
+            GradScaler, global gradient-norm clipping, reentrant activation checkpointing or
+            ``flat=False``; accumulate gradients with ``with opt.no_step():`` (default: False)
+        bucket_size (int, optional): with ``in_backward=True``, the most elements of consecutive
+            parameters stepped by one kernel launch; gradient memory held by the optimizer is
+            about one bucket (default: 2**25)"""
 
 NOTES = """
     Gradients: with ``flat=True`` every ``p.grad`` is a view into one gradient buffer and

@@ -25,11 +25,21 @@ class AdamW(FlatOptimizer):
         flat=True,
         backend=None,
         skip_unused=False,
+        in_backward=False,
+        bucket_size=None,
         **kwargs,
     ):
         reject_kwargs("AdamW", kwargs)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
-        super().__init__(params, defaults, flat=flat, backend=backend, skip_unused=skip_unused)
+        super().__init__(
+            params,
+            defaults,
+            flat=flat,
+            backend=backend,
+            skip_unused=skip_unused,
+            in_backward=in_backward,
+            bucket_size=bucket_size,
+        )
 
     @staticmethod
     def _check_hparams(group):

@@ -56,7 +56,13 @@ class StepMeta:
     steps: torch.Tensor  # float32 [params], completed steps
     counter: torch.Tensor  # int32 [1], zero between launches
     active: torch.Tensor | None = None  # uint8 [params]; None means all active
-    uniform: bool = False  # one group, equal steps, no active mask
+    uniform: bool = False  # one group, equal steps, no active mask (over [first, stop))
+    first: int = 0  # a launch steps parameters [first, stop) of the buffer
+    stop: int | None = None  # None: every parameter
+
+    def __post_init__(self):
+        if self.stop is None:
+            self.stop = self.param_group.numel()
 
 
 class FlatBuffer:
@@ -67,9 +73,11 @@ class FlatBuffer:
         groups (list[int]): the param-group index of each parameter.
         state_names (tuple[str]): one zeroed flat buffer is allocated per name now; more with
             :meth:`add_state`.
+        grad (bool): allocate the flat gradient buffer and make every ``p.grad`` a view into it
+            (``False`` in in-backward mode, where gradients are stepped and freed as they arrive).
     """
 
-    def __init__(self, params, groups, state_names=()):
+    def __init__(self, params, groups, state_names=(), grad=True):
         if not params:
             raise ValueError("a FlatBuffer needs at least one parameter")
         self.params = list(params)
@@ -86,7 +94,7 @@ class FlatBuffer:
         self.group_ids = list(groups)
 
         self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self.grad = torch.zeros_like(self.data)
+        self.grad = torch.zeros_like(self.data) if grad else None
         self.states = {}
         self.state_views = {}
         owner = torch.empty(self.numel // ALIGN, dtype=torch.int32)
@@ -101,7 +109,7 @@ class FlatBuffer:
             uniform=len(set(self.group_ids)) == 1,
         )
         self.data_views = [self.view(self.data, i) for i in range(len(self.params))]
-        self.grad_views = [self.view(self.grad, i) for i in range(len(self.params))]
+        self.grad_views = [self.view(self.grad, i) for i in range(len(self.params))] if grad else None
         for name in state_names:
             self.add_state(name)
 
@@ -117,12 +125,16 @@ class FlatBuffer:
 
     def adopt(self):
         """Copy each parameter (and its existing gradient) into the buffers and rebind
-        ``p.data`` and ``p.grad`` to the views."""
+        ``p.data`` (and ``p.grad``, when there is a gradient buffer) to the views."""
+        grad_views = self.grad_views or [None] * len(self.params)
         with torch.no_grad():
-            for p, dv, gv in zip(self.params, self.data_views, self.grad_views):
+            for p, dv, gv in zip(self.params, self.data_views, grad_views):
                 dv.copy_(p.data)
-                if p.grad is not None:
-                    gv.copy_(p.grad)
                 p.data = dv
-                p.grad = gv
-        self.expected = [(dv.data_ptr(), gv.data_ptr()) for dv, gv in zip(self.data_views, self.grad_views)]
+                if gv is not None:
+                    if p.grad is not None:
+                        gv.copy_(p.grad)
+                    p.grad = gv
+        self.expected = [
+            (dv.data_ptr(), None if gv is None else gv.data_ptr()) for dv, gv in zip(self.data_views, grad_views)
+        ]

@@ -20,11 +20,21 @@ class Lion(FlatOptimizer):
         flat=True,
         backend=None,
         skip_unused=False,
+        in_backward=False,
+        bucket_size=None,
         **kwargs,
     ):
         reject_kwargs("Lion", kwargs)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay)
-        super().__init__(params, defaults, flat=flat, backend=backend, skip_unused=skip_unused)
+        super().__init__(
+            params,
+            defaults,
+            flat=flat,
+            backend=backend,
+            skip_unused=skip_unused,
+            in_backward=in_backward,
+            bucket_size=bucket_size,
+        )
 
     @staticmethod
     def _check_hparams(group):

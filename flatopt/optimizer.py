@@ -2,12 +2,14 @@
 
 import os
 import warnings
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from flatopt.checkpoint import CheckpointMixin
 from flatopt.functional import BACKENDS
+from flatopt.in_backward import DEFAULT_BUCKET_SIZE, InBackward
 from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
 
 _TORCH_ONLY_KWARGS = ("foreach", "fused", "capturable", "differentiable")
@@ -38,9 +40,23 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     _exported_step = False
     _step_supports_amp_scaling = True  # GradScaler passes grad_scale / found_inf; no host sync
 
-    def __init__(self, params, defaults, *, flat=True, backend=None, skip_unused=False):
+    def __init__(
+        self, params, defaults, *, flat=True, backend=None, skip_unused=False, in_backward=False, bucket_size=None
+    ):
         self._built = False
         self._names = {}
+        cls = type(self).__name__
+        if in_backward and not flat:
+            raise ValueError(
+                f"{cls}(in_backward=True, flat=False): in-backward mode steps buckets of the flat buffers; "
+                "drop flat=False"
+            )
+        if bucket_size is not None and not in_backward:
+            raise ValueError(f"{cls}: bucket_size applies to in_backward=True only; drop it or pass in_backward=True")
+        if bucket_size is None:
+            bucket_size = DEFAULT_BUCKET_SIZE
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"Invalid bucket_size: {bucket_size!r}; expected a positive number of elements")
         if isinstance(params, nn.Module):
             self._check_module(params)
             self._names = {p: n for n, p in params.named_parameters()}
@@ -48,6 +64,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._check_hparams(defaults)
         self.flat = bool(flat)
         self.skip_unused = bool(skip_unused)
+        self.in_backward = bool(in_backward)
+        self.bucket_size = bucket_size
+        self._in_backward = None
         self._buffers = []
         self._hp = {}
         self._hp_rows = None
@@ -155,11 +174,13 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._in_backward is not None:
+            self._in_backward.remove()
         buffers = []
         for key in keys:
             params, groups = members[key]
             used = [n for n in self._state_names if any(self._uses_state(n, self.param_groups[g]) for g in groups)]
-            buf = FlatBuffer(params, groups, used)
+            buf = FlatBuffer(params, groups, used, grad=not self.in_backward)
             with torch.no_grad():
                 for i, p in enumerate(params):
                     for name, views in buf.state_views.items():
@@ -176,7 +197,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 self.state[p] = self._state_of(buf, i)
             self._refresh_uniform(buf)
         self._hp_rows = None
-        if not self._unused_reported or self.skip_unused:
+        if self.in_backward:
+            self._in_backward = InBackward(self, self.bucket_size)
+        elif not self._unused_reported or self.skip_unused:
             self._hooks = [p.register_post_accumulate_grad_hook(self._seen.add) for b in buffers for p in b.params]
 
     def _ensure_states(self):
@@ -190,6 +213,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                     buf.meta.steps.zero_()
                     for i, p in enumerate(buf.params):
                         self.state[p] = self._state_of(buf, i)
+                    self._refresh_uniform(buf)
 
     def _state_of(self, buf, i):
         """torch.optim's per-parameter state, as views into the flat buffers."""
@@ -206,6 +230,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         buf.meta.uniform = (
             not self.skip_unused and len(set(buf.group_ids)) == 1 and bool((steps == steps[0]).all())
         )
+        if self._in_backward is not None:
+            self._in_backward.dirty = True
 
     # ------------------------------------------------------------------ step
     def _refresh_hparams(self, devices):
@@ -254,6 +280,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                         "`p.data = ...` do that). Create the optimizer after moving or casting the model; to keep "
                         "the optimizer state, save opt.state_dict() first and load it into the new optimizer"
                     )
+                if grad_ptr is None:  # in-backward mode: no gradient buffer
+                    continue
                 g = p.grad
                 if g is None:
                     raise RuntimeError(
@@ -277,19 +305,23 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 h.remove()
             self._hooks = []
         if unused:
-            names = ", ".join(self._name(p) for p in unused[:8]) + (", ..." if len(unused) > 8 else "")
-            action = (
-                "skips them as torch.optim does (skip_unused=True)"
-                if self.skip_unused
-                else "steps them with a zero gradient (weight decay and state decay apply, as in torch.optim "
-                "after zero_grad(set_to_none=False)); pass skip_unused=True to skip them as torch.optim does, or "
-                "set requires_grad=False on parameters you do not train"
-            )
-            warnings.warn(
-                f"{type(self).__name__}: {len(unused)} parameter(s) received no gradient before the first step: "
-                f"{names}. flatopt {action}",
-                stacklevel=3,
-            )
+            self._warn_unused(unused, stacklevel=4)
+
+    def _warn_unused(self, unused, stacklevel=2):
+        """Name the parameters that received no gradient before the first step (called once)."""
+        names = ", ".join(self._name(p) for p in unused[:8]) + (", ..." if len(unused) > 8 else "")
+        action = (
+            "skips them as torch.optim does (skip_unused=True)"
+            if self.skip_unused
+            else "steps them with a zero gradient (weight decay and state decay apply, as in torch.optim "
+            "after zero_grad(set_to_none=False)); pass skip_unused=True to skip them as torch.optim does, or "
+            "set requires_grad=False on parameters you do not train"
+        )
+        warnings.warn(
+            f"{type(self).__name__}: {len(unused)} parameter(s) received no gradient before the first step: "
+            f"{names}. flatopt {action}",
+            stacklevel=stacklevel,
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -299,6 +331,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             closure (Callable, optional): A closure that reevaluates the model and returns the loss.
         """
         loss = None
+        if self.in_backward:
+            return self._step_in_backward(closure)
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -324,6 +358,34 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 found_inf=None if found_inf is None else found_inf.to(buf.device),
             )  # fmt: skip
         return loss
+
+    def _step_in_backward(self, closure):
+        """in_backward=True: the parameters were stepped during backward; check what step() is told."""
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}(in_backward=True) cannot be used with torch.amp.GradScaler: the parameters "
+                "were already updated during backward, with gradients still multiplied by the loss scale and before "
+                "infs could be checked. Train in bfloat16 without a GradScaler, or use in_backward=False (the "
+                "parameters of this step have been updated with scaled gradients: restart from a checkpoint)"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._in_backward.step_called = True
+        self._in_backward.backwards_since_step = 0
+        return loss
+
+    def no_step(self):
+        """Context manager for gradient accumulation in in-backward mode.
+
+        Backward passes inside it do not update the parameters: their gradients accumulate in
+        ``p.grad`` as with torch.optim (holding a full set of gradients, so in-backward mode saves
+        no memory during accumulation). The next backward pass outside it steps with the sum.
+        In step mode (``in_backward=False``) gradients accumulate in the flat buffer anyway and
+        this does nothing.
+        """
+        return self._in_backward.no_step() if self._in_backward is not None else nullcontext()
 
     def _step_unflat(self):
         """flat=False: the same kernels, one launch per parameter, over the caller's own tensors."""
@@ -381,13 +443,49 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def _uses_state(self, name, group):
         return True
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """Clip the gradients of every parameter of this optimizer by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` does, with one norm per flat
+        gradient buffer and no host synchronisation (unless ``error_if_nonfinite``).
+
+        Returns:
+            Tensor: the total norm of the gradients before clipping (float32).
+        """
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if self.in_backward:
+            raise RuntimeError(
+                f"{type(self).__name__}(in_backward=True) cannot clip by the global gradient norm: each bucket "
+                "of parameters is updated during backward, before the gradients of the others exist. Use "
+                "in_backward=False to clip, or clip each gradient separately"
+            )
+        if not self.flat:
+            params = [p for p in self._trainable() if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        self.check_bindings(full=False)
+        if not self._buffers:
+            return torch.tensor(0.0)
+        first = self._buffers[0].device
+        norms = [torch.linalg.vector_norm(b.grad, norm_type, dtype=torch.float32).to(first) for b in self._buffers]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for b in self._buffers:
+            b.grad.mul_(coef.to(b.device, b.grad.dtype))
+        return total
+
     def zero_grad(self, set_to_none=True):
         """Zero the flat gradient buffers, one operation per buffer.
 
         With ``flat=True`` the ``.grad`` views are kept whatever ``set_to_none`` says (the buffers
         never move); with ``flat=False`` this is torch.optim's ``zero_grad``.
         """
-        if not self.flat:
+        if not self.flat or self.in_backward:
             return super().zero_grad(set_to_none=set_to_none)
         for buf in self._buffers:
             buf.grad.zero_()

@@ -59,8 +59,8 @@ def lion_math(p, g, m, *, lr, beta1, omb1, beta2, omb2, weight_decay):
 def _element_meta(meta, hparams, numel):
     """Per-element (hyper-parameter columns, completed steps, active mask), or per-buffer scalars."""
     if meta.uniform:
-        row = hparams.index_select(0, meta.param_group[:1].long())[0]
-        return row, meta.steps[0], None
+        row = hparams.index_select(0, meta.param_group[meta.first : meta.first + 1].long())[0]
+        return row, meta.steps[meta.first], None
     pidx = torch.repeat_interleave(meta.param_of_granule.long(), ALIGN)[:numel]
     cols = hparams.index_select(0, meta.param_group.long()[pidx]).t()
     active = None if meta.active is None else meta.active.bool()[pidx]
@@ -75,12 +75,13 @@ def _apply(meta, found_inf, writes, active):
         keep = ok if keep is None else keep & ok
     for dst, new in writes:
         dst.copy_(new if keep is None else torch.where(keep, new, dst.float()))
-    inc = torch.ones_like(meta.steps)
+    steps = meta.steps[meta.first : meta.stop]
+    inc = torch.ones_like(steps)
     if meta.active is not None:
-        inc = inc * meta.active.float()
+        inc = inc * meta.active[meta.first : meta.stop].float()
     if found_inf is not None:
         inc = inc * (found_inf.reshape(()) == 0).float()
-    meta.steps.add_(inc)
+    steps.add_(inc)
 
 
 def _unscale(grad, grad_scale):

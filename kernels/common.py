@@ -11,6 +11,10 @@ Every kernel steps one flat buffer in one launch. Besides the buffers it receive
 * ``active``: uint8 ``[params]`` or None; where 0, the parameter is left untouched this step.
 * ``counter``: int32 ``[1]``, zero between launches; the last program to finish uses it to
   advance ``steps`` once every program has read them, so the whole step is one launch.
+* ``param_lo``, ``param_hi``: the launch steps parameters ``[param_lo, param_hi)`` of the buffer.
+  ``param_of_granule`` holds absolute parameter indices, so a launch over a slice of the buffer
+  (in-backward mode steps one bucket of consecutive parameters at a time) passes the slice of
+  ``param_of_granule`` and the whole ``param_group``/``steps``/``active`` tables.
 
 ``UNIFORM`` buffers (one param group, equal steps, no ``active`` mask) read those scalars once
 per program instead of per element.
@@ -33,14 +37,15 @@ def load_param_meta(
     param_group_ptr,  # int32 [n_params]
     step_ptr,  # float32 [n_params], completed steps
     active_ptr,  # uint8 [n_params] or None
+    param_lo,  # first parameter of this launch (UNIFORM reads its group and steps)
     GRANULE: tl.constexpr,
     UNIFORM: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
 ):
     """Returns (group row, completed steps, active) for each element (scalars when UNIFORM)."""
     if UNIFORM:
-        group = tl.load(param_group_ptr)
-        steps = tl.load(step_ptr)
+        group = tl.load(param_group_ptr + param_lo)
+        steps = tl.load(step_ptr + param_lo)
         active = mask
     else:
         pidx = tl.load(param_of_granule_ptr + offsets // GRANULE, mask=mask, other=0)
@@ -101,21 +106,23 @@ def finish_step(
     counter_ptr,  # int32 [1], zero on entry to the launch
     step_ptr,  # float32 [n_params]
     active_ptr,  # uint8 [n_params] or None
-    n_params,
+    param_lo,  # this launch steps parameters [param_lo, param_hi)
+    param_hi,
     skipped,  # 1.0 when found_inf skipped this step
     HAS_ACTIVE: tl.constexpr,
     STEP_BLOCK: tl.constexpr,
 ):
-    """The last program to finish advances the step of every active parameter and re-zeroes the counter.
+    """The last program to finish advances the step of every active parameter of the launch and
+    re-zeroes the counter.
 
     Every program reads the step counters before its atomic increment (acq_rel), so the last one
     writes them only after all reads are done.
     """
     done = tl.atomic_add(counter_ptr, 1)
     if done == tl.num_programs(0) - 1:
-        for start in range(0, n_params, STEP_BLOCK):
+        for start in range(param_lo, param_hi, STEP_BLOCK):
             idx = start + tl.arange(0, STEP_BLOCK)
-            m = idx < n_params
+            m = idx < param_hi
             inc = 1.0 - skipped
             if HAS_ACTIVE:
                 inc = inc * (tl.load(active_ptr + idx, mask=m, other=0) != 0).to(tl.float32)

@@ -34,8 +34,9 @@ def lion_kernel(
     grad_scale_ptr,
     found_inf_ptr,
     counter_ptr,
-    n_elements,
-    n_params,
+    n_elements,  # length of the flat buffers
+    param_lo,  # the launch steps parameters [param_lo, param_hi) of the buffer
+    param_hi,
     NUM_HP: tl.constexpr,
     GRANULE: tl.constexpr,
     UNIFORM: tl.constexpr,
@@ -49,7 +50,8 @@ def lion_kernel(
     offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
     group, steps, active = load_param_meta(
-        offsets, mask, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, GRANULE, UNIFORM, HAS_ACTIVE
+        offsets, mask, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, param_lo, GRANULE, UNIFORM,
+        HAS_ACTIVE,
     )
     inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
     if HAS_FOUND_INF:
@@ -78,7 +80,7 @@ def lion_kernel(
 
     tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
     tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=active)
-    finish_step(counter_ptr, step_ptr, active_ptr, n_params, skipped, HAS_ACTIVE, STEP_BLOCK)
+    finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, HAS_ACTIVE, STEP_BLOCK)
 
 
 def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
@@ -89,7 +91,7 @@ def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf
         param, grad, exp_avg, hparams,
         meta.param_of_granule, meta.param_group, meta.steps, meta.active,
         grad_scale, found_inf, meta.counter,
-        param.numel(), meta.steps.numel(),
+        param.numel(), meta.first, meta.stop,
         NUM_HP=NUM_HPARAMS, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
         HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         **opts,

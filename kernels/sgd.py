@@ -31,8 +31,9 @@ def sgd_kernel(
     grad_scale_ptr,
     found_inf_ptr,
     counter_ptr,
-    n_elements,
-    n_params,
+    n_elements,  # length of the flat buffers
+    param_lo,  # the launch steps parameters [param_lo, param_hi) of the buffer
+    param_hi,
     NUM_HP: tl.constexpr,
     GRANULE: tl.constexpr,
     UNIFORM: tl.constexpr,
@@ -47,7 +48,8 @@ def sgd_kernel(
     offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
     group, steps, active = load_param_meta(
-        offsets, mask, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, GRANULE, UNIFORM, HAS_ACTIVE
+        offsets, mask, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, param_lo, GRANULE, UNIFORM,
+        HAS_ACTIVE,
     )
     inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
     if HAS_FOUND_INF:
@@ -77,7 +79,7 @@ def sgd_kernel(
     p = p + (-lr) * d
 
     tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
-    finish_step(counter_ptr, step_ptr, active_ptr, n_params, skipped, HAS_ACTIVE, STEP_BLOCK)
+    finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, HAS_ACTIVE, STEP_BLOCK)
 
 
 def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
@@ -88,7 +90,7 @@ def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, fo
         param, grad, momentum_buffer, hparams,
         meta.param_of_granule, meta.param_group, meta.steps, meta.active,
         grad_scale, found_inf, meta.counter,
-        param.numel(), meta.steps.numel(),
+        param.numel(), meta.first, meta.stop,
         NUM_HP=NUM_HPARAMS, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
         HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         HAS_MOMENTUM=momentum_buffer is not None,
