@@ -2,6 +2,7 @@
 
 import os
 import warnings
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -57,9 +58,13 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             bucket_size = DEFAULT_BUCKET_SIZE
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"Invalid bucket_size: {bucket_size!r}; expected a positive number of elements")
+        self._module = None  # weak reference to the module, when given one (capture restores its buffers)
+        self._graph_mode = False  # True while capture() warms up or records: step() skips host work
+        self._graph_steps = 0  # step() calls since capture() last reset it
         if isinstance(params, nn.Module):
             self._check_module(params)
             self._names = {p: n for n, p in params.named_parameters()}
+            self._module = weakref.ref(params)
             params = list(params.parameters())
         self._check_hparams(defaults)
         self.flat = bool(flat)
@@ -331,6 +336,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             closure (Callable, optional): A closure that reevaluates the model and returns the loss.
         """
         loss = None
+        self._graph_steps += 1
         if self.in_backward:
             return self._step_in_backward(closure)
         if closure is not None:
@@ -340,7 +346,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self._step_unflat()
             return loss
         self.check_bindings(full=not self._unused_reported)
-        self._refresh_hparams(self._devices)
+        if not self._graph_mode:  # a captured step refreshes hyper-parameters before each replay
+            self._refresh_hparams(self._devices)
         if not self._unused_reported:
             self._report_unused()
         if self.skip_unused:
@@ -442,6 +449,31 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
     def _uses_state(self, name, group):
         return True
+
+    def capture(self, train_step, *example_inputs, warmup=3, max_grad_norm=None, scaler=None):
+        """Record zero_grad, ``train_step(*example_inputs)`` and the optimizer step as one CUDA graph.
+
+        Args:
+            train_step (Callable): runs forward and backward (and may step the optimizer itself,
+                for example with ``scaler.step(opt); scaler.update()``); returns what each replay
+                returns (tensors are overwritten by the next replay).
+            example_inputs: tensors (copied into static inputs) and constants.
+            warmup (int, optional): eager iterations on a side stream before recording; the last
+                one checks that ``train_step`` does not synchronise with the host (default: 3)
+            max_grad_norm (float, optional): clip the gradients by their global norm before the
+                step, inside the graph (default: None)
+            scaler (torch.amp.GradScaler, optional): the GradScaler ``train_step`` uses, so that
+                warm-up leaves its scale as it was (default: None)
+
+        Returns:
+            CapturedStep: call it with new inputs (same shapes, dtypes and devices) to replay;
+            ``release()`` frees the graph and its memory pool.
+        """
+        from flatopt.capture import CapturedStep
+
+        return CapturedStep(
+            self, train_step, example_inputs, warmup=warmup, max_grad_norm=max_grad_norm, scaler=scaler
+        )
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):

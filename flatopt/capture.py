@@ -1,0 +1,233 @@
+"""``optimizer.capture(train_step, *example_inputs)``: a whole training step as one CUDA graph.
+
+Parameters, gradients and optimizer states live in flat buffers that never move, so zeroing the
+gradients, ``train_step`` (forward and backward) and the optimizer step can be recorded once and
+replayed. What the graph records:
+
+* ``opt.zero_grad()``: one memset per flat gradient buffer (the ``.grad`` views are kept);
+* ``train_step(*static_inputs)``: its CUDA work, with the inputs read from static tensors;
+* optional ``opt.clip_grad_norm_(max_grad_norm)``, then ``opt.step()``, unless ``train_step``
+  steps the optimizer itself (for example through ``scaler.step(opt)``).
+
+Every replay reads the hyper-parameters from a device table that is refreshed from
+``param_groups`` before the replay (so LR schedulers work), and the step counters (and so the
+bias corrections) advance on the device inside the graph.
+
+Warm-up runs ``train_step`` ``warmup`` times on a side stream (compiling every kernel); the last
+warm-up iteration runs with CUDA's sync debug mode set to error, so a host synchronisation
+(``.item()``, printing a tensor, ``.cpu()``, a data-dependent shape) is reported before capture.
+Warm-up and recording leave parameters, gradients, optimizer states, step counters, the
+GradScaler passed as ``scaler`` and, when the optimizer was built from a module, the module's
+buffers exactly as they were: the first replay is the first training step.
+"""
+
+import torch
+
+_SYNC_HINT = (
+    "train_step synchronised the host with the GPU ({cause}), which a CUDA graph cannot record. Remove "
+    "`.item()`, `.cpu()`, `print(tensor)`, `if tensor:` and operations with data-dependent output shapes "
+    "(`nonzero`, boolean masks) from train_step, and read results from the returned tensors after the replay"
+)
+
+
+def check_capturable(opt):
+    """Raise if ``opt`` cannot be captured, before anything is run."""
+    cls = type(opt).__name__
+    if not opt.flat:
+        raise RuntimeError(f"{cls}(flat=False) cannot be captured: capture relies on flat buffers that never move")
+    if opt.in_backward:
+        raise RuntimeError(f"{cls}(in_backward=True) cannot be captured; use in_backward=False with capture()")
+    if opt.skip_unused:
+        raise RuntimeError(
+            f"{cls}(skip_unused=True) cannot be captured: which parameters received a gradient is decided on the "
+            "host at every step. Give every parameter a gradient in train_step, or set requires_grad=False on "
+            "the parameters it does not train"
+        )
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{cls}.capture() records a CUDA graph and needs a CUDA GPU; this machine has none")
+    if not opt._buffers or any(b.device.type != "cuda" for b in opt._buffers):
+        raise RuntimeError(f"{cls}.capture() needs every trainable parameter on a CUDA device")
+
+
+def check_inputs(static, inputs):
+    """Raise unless ``inputs`` match the captured ``static`` inputs in kind, shape, dtype and device."""
+    if len(inputs) != len(static):
+        raise TypeError(f"the captured step takes {len(static)} inputs, got {len(inputs)}")
+    for i, (s, x) in enumerate(zip(static, inputs)):
+        if isinstance(s, torch.Tensor):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i}: the captured step was recorded with a tensor, got {type(x).__name__}")
+            if x.shape != s.shape or x.dtype != s.dtype or x.device != s.device:
+                raise ValueError(
+                    f"input {i}: the captured step was recorded for shape {tuple(s.shape)}, {s.dtype} on {s.device}, "
+                    f"got shape {tuple(x.shape)}, {x.dtype} on {x.device}. A CUDA graph replays fixed shapes: pad "
+                    "or drop the last batch, or capture one step per shape"
+                )
+        elif not (x is s or x == s):
+            raise ValueError(
+                f"input {i}: non-tensor inputs are recorded as constants; the step was captured with {s!r}, got {x!r}"
+            )
+
+
+class Snapshot:
+    """Copies, in host memory (so that capture does not need twice the GPU memory), of everything
+    warm-up changes, to put back before recording."""
+
+    def __init__(self, opt, scaler=None, module=None):
+        self.pairs = []
+        for buf in opt._buffers:
+            self._keep(buf.data, buf.grad, *buf.states.values(), buf.meta.steps, buf.meta.counter)
+        if scaler is not None and getattr(scaler, "_scale", None) is not None:
+            self._keep(scaler._scale, scaler._growth_tracker)
+        if module is not None:
+            self._keep(*module.buffers())
+
+    def _keep(self, *tensors):
+        self.pairs += [(t, t.detach().to("cpu", copy=True)) for t in tensors if isinstance(t, torch.Tensor)]
+
+    @torch.no_grad()
+    def restore(self):
+        for live, saved in self.pairs:
+            live.copy_(saved)
+
+
+class CapturedStep:
+    """A recorded training step; call it with new inputs to replay. See :mod:`flatopt.capture`."""
+
+    def __init__(self, opt, train_step, example_inputs, *, warmup=3, max_grad_norm=None, scaler=None):
+        cls = type(opt).__name__
+        check_capturable(opt)
+        if not isinstance(warmup, int) or warmup < 2:
+            raise ValueError(f"Invalid warmup: {warmup!r}; expected an int >= 2 (the last one checks for host syncs)")
+        if max_grad_norm is not None and not float(max_grad_norm) > 0:
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}; expected a positive number")
+        self.opt = opt
+        self.fn = train_step
+        self.max_grad_norm = max_grad_norm
+        self.static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        module = opt._module() if opt._module is not None else None
+
+        opt._refresh_hparams(opt._devices)  # may allocate a state buffer (SGD momentum): before the snapshot
+        if scaler is not None and getattr(scaler, "_scale", None) is None and scaler.is_enabled():
+            scaler._lazy_init_scale_growth_tracker(opt._buffers[0].device)  # as its first scale() would
+        snapshot = Snapshot(opt, scaler, module)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                # First iteration as in eager code (it also compiles the kernels); the others as recorded.
+                self.steps_in_fn = self._run(graph_mode=False)
+                if self.steps_in_fn > 1:
+                    raise RuntimeError(
+                        f"train_step called {cls}.step() {self.steps_in_fn} times; a captured step holds at most one"
+                    )
+                if self.steps_in_fn and max_grad_norm is not None:
+                    raise RuntimeError(
+                        "train_step steps the optimizer itself, so capture(max_grad_norm=...) cannot clip before "
+                        f"the step: call opt.clip_grad_norm_({max_grad_norm}) in train_step before stepping (after "
+                        "scaler.unscale_(opt) when a GradScaler is used)"
+                    )
+                for i in range(1, warmup):
+                    self._run(graph_mode=True, check_sync=i == warmup - 1)
+        finally:
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            snapshot.restore()
+        del snapshot
+        opt._refresh_hparams(opt._devices)
+        self.buffers = list(opt._buffers)
+        self.tables = dict(opt._hp)
+        self.layout = self._layout()
+
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.outputs = self._body()
+        except RuntimeError as e:
+            self.graph = None
+            text = str(e)
+            if "captur" in text or "synchroniz" in text or "not permitted" in text:
+                raise RuntimeError(_SYNC_HINT.format(cause=text.splitlines()[0]) + " (failed during capture)") from e
+            raise
+        finally:
+            opt._graph_mode = False
+        # Recording runs nothing: parameters, states and counters are as the snapshot put them back.
+
+    def _layout(self):
+        """What the recorded kernels were specialised on, per buffer."""
+        return [(tuple(b.states), b.meta.uniform) for b in self.opt._buffers]
+
+    def _body(self):
+        opt = self.opt
+        opt._graph_mode = True
+        opt._graph_steps = 0
+        opt.zero_grad()
+        out = self.fn(*self.static)
+        if not opt._graph_steps:
+            if self.max_grad_norm is not None:
+                opt.clip_grad_norm_(self.max_grad_norm)
+            opt.step()
+        return out
+
+    def _run(self, graph_mode, check_sync=False):
+        """One warm-up iteration; returns how many times train_step stepped the optimizer."""
+        opt = self.opt
+        try:
+            if check_sync:
+                torch.cuda.set_sync_debug_mode("error")
+            if graph_mode:
+                self._body()
+            else:
+                opt._graph_steps = 0
+                opt.zero_grad()
+                self.fn(*self.static)
+                steps = opt._graph_steps
+                if not steps:
+                    if self.max_grad_norm is not None:
+                        opt.clip_grad_norm_(self.max_grad_norm)
+                    opt.step()
+                return steps
+        except RuntimeError as e:
+            if check_sync and "synchroniz" in str(e):
+                raise RuntimeError(_SYNC_HINT.format(cause=str(e).splitlines()[0])) from e
+            raise
+        finally:
+            if check_sync:
+                torch.cuda.set_sync_debug_mode("default")
+            opt._graph_mode = False
+        return 0
+
+    def __call__(self, *inputs):
+        """Copy ``inputs`` into the static inputs, refresh the hyper-parameters, replay; returns the
+        static outputs (overwritten by the next replay: clone what you keep)."""
+        if self.graph is None:
+            raise RuntimeError("this captured step was released; capture again")
+        opt = self.opt
+        check_inputs(self.static, inputs)
+        if opt._buffers != self.buffers:
+            raise RuntimeError(
+                f"the parameters of {type(opt).__name__} were laid out again since capture (add_param_group); "
+                "capture again"
+            )
+        opt.check_bindings(full=False)
+        opt._refresh_hparams(opt._devices)
+        if any(opt._hp[d] is not t for d, t in self.tables.items()):
+            raise RuntimeError("the number of param groups changed since capture; capture again")
+        if self._layout() != self.layout:
+            raise RuntimeError(
+                "the optimizer state changed shape since capture (a state buffer was added, for example SGD "
+                "momentum turned on, or a loaded state_dict made the step counts differ); capture again"
+            )
+        with torch.no_grad():
+            for s, x in zip(self.static, inputs):
+                if isinstance(s, torch.Tensor) and x is not s:
+                    s.copy_(x)
+        self.graph.replay()
+        return self.outputs
+
+    def release(self):
+        """Free the graph and its private memory pool (activations and temporaries of train_step)."""
+        self.graph = None
+        self.outputs = None
+        self.static = None
+

@@ -1,0 +1,323 @@
+"""optimizer.capture(train_step): zero_grad + forward + backward + step as one CUDA graph.
+
+The CPU tests cover the checks made before anything runs; the GPU tests (``requires_cuda``)
+compare captured replays with eager flatopt and torch.optim over 20 steps with the lr changed
+every step, and cover GradScaler, clipping, accumulation and the errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import HAS_CUDA
+from torch import nn
+
+import flatopt
+from flatopt.capture import Snapshot, check_inputs
+
+# ---------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the error on a machine without a GPU; this one has one")
+def test_capture_without_gpu_says_so():
+    model = nn.Linear(4, 3)
+    opt = flatopt.AdamW(model)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU; this machine has none"):
+        opt.capture(lambda x: model(x).sum().backward(), torch.randn(2, 4))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(flat=False), r"flat=False\) cannot be captured"),
+        (dict(in_backward=True), r"in_backward=True\) cannot be captured"),
+        (dict(skip_unused=True), r"skip_unused=True\) cannot be captured"),
+    ],
+)
+def test_modes_that_cannot_be_captured_are_refused_before_running(kwargs, match):
+    model = nn.Linear(4, 3)
+    opt = flatopt.SGD(model, lr=0.1, **kwargs)
+    calls = []
+    with pytest.raises(RuntimeError, match=match):
+        opt.capture(lambda x: calls.append(x), torch.randn(2, 4))
+    assert not calls, "train_step must not run when capture is refused"
+
+
+def test_new_inputs_are_checked_against_the_static_ones():
+    static = [torch.zeros(2, 3), 5]
+    check_inputs(static, [torch.ones(2, 3), 5])
+    with pytest.raises(ValueError, match=r"input 0: .*recorded for shape \(2, 3\).*got shape \(4, 3\)"):
+        check_inputs(static, [torch.ones(4, 3), 5])
+    with pytest.raises(ValueError, match=r"input 0: .*torch.float32.*got .*torch.float64"):
+        check_inputs(static, [torch.ones(2, 3, dtype=torch.float64), 5])
+    with pytest.raises(ValueError, match="input 1: non-tensor inputs are recorded as constants"):
+        check_inputs(static, [torch.ones(2, 3), 6])
+    with pytest.raises(TypeError, match="takes 2 inputs, got 1"):
+        check_inputs(static, [torch.ones(2, 3)])
+    with pytest.raises(TypeError, match="input 0: .*recorded with a tensor, got list"):
+        check_inputs(static, [[1.0], 5])
+
+
+def test_snapshot_restores_parameters_grads_states_steps_and_module_buffers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Linear(7, 2))
+    opt = flatopt.AdamW(model, lr=1e-2)
+    x = torch.randn(8, 5)
+    model(x).square().mean().backward()
+    opt.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    tracked = lambda: [t.clone() for t in (  # noqa: E731
+        *[b.data for b in opt._buffers], *[b.grad for b in opt._buffers],
+        *[s for b in opt._buffers for s in b.states.values()], *[b.meta.steps for b in opt._buffers],
+        *model.buffers(), scaler._scale, scaler._growth_tracker,
+    )]  # fmt: skip
+    before = tracked()
+    snap = Snapshot(opt, scaler, model)
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+    scaler._scale.mul_(2)
+    scaler._growth_tracker.add_(1)
+    assert any(not torch.equal(a, b) for a, b in zip(before, tracked()))
+    snap.restore()
+    for a, b in zip(before, tracked()):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+OPTS = {
+    "adamw": lambda ps: flatopt.AdamW(ps, lr=3e-3, weight_decay=0.1),
+    "sgd": lambda ps: flatopt.SGD(ps, lr=3e-2, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "lion": lambda ps: flatopt.Lion(ps, lr=3e-4, weight_decay=0.1),
+}
+TORCH_OPTS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=3e-2, momentum=0.9, nesterov=True, weight_decay=1e-3),
+}
+SAME = dict(atol=1e-6, rtol=1e-6)  # fp32; captured vs eager flatopt is expected to be bit-identical
+NEAR_TORCH = dict(atol=1e-6, rtol=1e-5)  # fp32; torch.optim rounds a few operations differently
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.fc1 = nn.Linear(32, 96)
+        self.fc2 = nn.Linear(96, 50)
+
+    def forward(self, tokens):
+        return self.fc2(torch.tanh(self.fc1(self.emb(tokens).mean(1))))
+
+
+def lion_reference_step(params, lr, beta1=0.9, beta2=0.99, wd=0.1, state=None):
+    for p in params:
+        m = state.setdefault(p, torch.zeros_like(p))
+        p.mul_(1 - lr * wd)
+        p.add_((m * beta1 + p.grad * (1 - beta1)).sign(), alpha=-lr)
+        m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+def batches(n, seed=0, batch=16):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, 50, (batch, 7), generator=g).cuda(), torch.randint(0, 50, (batch,), generator=g).cuda())
+        for _ in range(n)
+    ]
+
+
+def lr_at(step):
+    return 3e-3 * (0.5 + 0.5 * ((step * 7) % 10) / 10)  # changes every step
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("name", list(OPTS))
+def test_captured_matches_eager_and_torch_over_20_replays(name):
+    torch.manual_seed(0)
+    base = MLP().cuda()
+    models = [copy.deepcopy(base) for _ in range(3)]
+    captured_model, eager_model, torch_model = models
+    opt_c, opt_e = OPTS[name](captured_model), OPTS[name](eager_model)
+    scale = {"adamw": 1.0, "sgd": 10.0, "lion": 0.1}[name]
+    if name in TORCH_OPTS:
+        opt_t = TORCH_OPTS[name](torch_model.parameters())
+    for q in torch_model.parameters():
+        q.grad = torch.zeros_like(q)
+    lion_state = {}
+
+    def train_step(tokens, target):
+        loss = F.cross_entropy(captured_model(tokens), target)
+        loss.backward()
+        return loss
+
+    data = batches(21)
+    step = opt_c.capture(train_step, *data[0])
+    for i, (tokens, target) in enumerate(data[1:], start=1):
+        lr = lr_at(i) * scale
+        for o in (opt_c, opt_e):
+            for g in o.param_groups:
+                g["lr"] = lr
+        loss_c = step(tokens, target).clone()
+        opt_e.zero_grad()
+        loss_e = F.cross_entropy(eager_model(tokens), target)
+        loss_e.backward()
+        opt_e.step()
+        torch_loss = F.cross_entropy(torch_model(tokens), target)
+        for q in torch_model.parameters():
+            q.grad.zero_()
+        torch_loss.backward()
+        if name in TORCH_OPTS:
+            for g in opt_t.param_groups:
+                g["lr"] = lr
+            opt_t.step()
+        else:
+            with torch.no_grad():
+                lion_reference_step(list(torch_model.parameters()), lr, state=lion_state)
+        torch.testing.assert_close(loss_c, loss_e.detach(), **SAME, msg=lambda m: f"replay {i}, loss: {m}")
+        for (n, p), q, r in zip(captured_model.named_parameters(), eager_model.parameters(), torch_model.parameters()):
+            torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"replay {i}, {n} vs eager flatopt: {m}")
+            torch.testing.assert_close(p, r, **NEAR_TORCH, msg=lambda m: f"replay {i}, {n} vs reference: {m}")
+        for p, q in zip(captured_model.parameters(), eager_model.parameters()):
+            for key, value in opt_e.state[q].items():
+                torch.testing.assert_close(opt_c.state[p][key], value, **SAME, msg=lambda m: f"replay {i}, {key}: {m}")
+    opt_c.check_bindings(full=True)  # every .grad and parameter still a view into its buffer
+    buf = opt_c._buffers[0]
+    for p, (data_ptr, grad_ptr) in zip(buf.params, buf.expected):
+        assert p.data_ptr() == data_ptr and p.grad.data_ptr() == grad_ptr
+
+
+@pytest.mark.requires_cuda
+def test_capture_leaves_everything_as_it_was():
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = flatopt.AdamW(model, lr=1e-2)
+    data = batches(2)
+    model(data[0][0]).sum().backward()
+    opt.step()
+    before = [t.clone() for b in opt._buffers for t in (b.data, b.grad, *b.states.values(), b.meta.steps)]
+
+    def train_step(tokens, target):
+        F.cross_entropy(model(tokens), target).backward()
+
+    opt.capture(train_step, *data[1], warmup=4)
+    after = [t for b in opt._buffers for t in (b.data, b.grad, *b.states.values(), b.meta.steps)]
+    for a, b in zip(after, before):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.requires_cuda
+def test_grad_scaler_inside_the_graph_skips_the_step_on_inf():
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = flatopt.AdamW(model, lr=1e-2)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
+
+    def train_step(tokens, target, poison):
+        loss = F.cross_entropy(model(tokens), target)
+        scaler.scale(loss).backward()
+        model.fc1.weight.grad[0, 0] += poison  # 0, or inf to inject an overflow
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    data = batches(6)
+    zero, inf = torch.zeros((), device="cuda"), torch.full((), float("inf"), device="cuda")
+    step = opt.capture(train_step, *data[0], zero, scaler=scaler)
+    assert scaler.get_scale() == 2.0**12, "warm-up must leave the scale as it was"
+    step(*data[1], zero)
+    state = lambda: [t.clone() for b in opt._buffers for t in (b.data, *b.states.values(), b.meta.steps)]  # noqa: E731
+    before, scale = state(), scaler.get_scale()
+    step(*data[2], inf)
+    for a, b in zip(state(), before):
+        assert torch.equal(a, b), "a step with an inf gradient must change no parameter, state or step count"
+    assert scaler.get_scale() == scale / 2
+    step(*data[3], zero)
+    assert float(opt.state[model.fc1.weight]["step"]) == 2.0
+
+
+@pytest.mark.requires_cuda
+def test_max_grad_norm_matches_torch_clip_grad_norm():
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    ref = copy.deepcopy(model)
+    opt = flatopt.SGD(model, lr=0.5)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+
+    def train_step(tokens, target):
+        F.cross_entropy(model(tokens), target).backward()
+
+    data = batches(6)
+    step = opt.capture(train_step, *data[0], max_grad_norm=0.05)
+    for i, (tokens, target) in enumerate(data[1:], start=1):
+        step(tokens, target)
+        opt_ref.zero_grad()
+        F.cross_entropy(ref(tokens), target).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt_ref.step()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m: f"replay {i}, {n}: {m}")
+
+
+@pytest.mark.requires_cuda
+def test_gradient_accumulation_and_a_train_step_that_steps_itself():
+    """Two micro-batches per step inside train_step, which calls opt.step() itself: no double step."""
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    ref = copy.deepcopy(model)
+    opt, opt_ref = flatopt.AdamW(model, lr=1e-2), flatopt.AdamW(ref, lr=1e-2)
+
+    def train_step(tokens, target):
+        for k in range(2):
+            (F.cross_entropy(model(tokens[k]), target[k]) / 2).backward()
+        opt.step()
+
+    data = [(torch.stack([a[0], b[0]]), torch.stack([a[1], b[1]])) for a, b in zip(batches(6), batches(6, seed=1))]
+    step = opt.capture(train_step, *data[0])
+    for i, (tokens, target) in enumerate(data[1:], start=1):
+        step(tokens, target)
+        opt_ref.zero_grad()
+        for k in range(2):
+            (F.cross_entropy(ref(tokens[k]), target[k]) / 2).backward()
+        opt_ref.step()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"replay {i}, {n}: {m}")
+    assert float(opt.state[model.fc1.weight]["step"]) == 5.0
+
+
+@pytest.mark.requires_cuda
+def test_host_sync_in_train_step_is_named_and_changes_nothing():
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = flatopt.AdamW(model, lr=1e-2)
+    before = [b.data.clone() for b in opt._buffers]
+
+    def train_step(tokens, target):
+        loss = F.cross_entropy(model(tokens), target)
+        loss.backward()
+        return loss.item()
+
+    with pytest.raises(RuntimeError, match=r"synchronised the host with the GPU.*\.item\(\)"):
+        opt.capture(train_step, *batches(1)[0])
+    for a, b in zip(opt._buffers, before):
+        assert torch.equal(a.data, b)
+
+
+@pytest.mark.requires_cuda
+def test_replay_refuses_other_shapes_and_rebound_parameters():
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = flatopt.AdamW(model, lr=1e-2)
+
+    def train_step(tokens, target):
+        F.cross_entropy(model(tokens), target).backward()
+
+    step = opt.capture(train_step, *batches(1)[0])
+    with pytest.raises(ValueError, match="recorded for shape"):
+        step(*batches(1, batch=8)[0])
+    model.double()  # rebinds every parameter; replays check the first and last of each buffer
+    with pytest.raises(RuntimeError, match="no longer lives in the optimizer's flat buffer"):
+        step(*batches(1)[0])
+    step.release()
+    with pytest.raises(RuntimeError, match="released"):
+        step(*batches(1)[0])
