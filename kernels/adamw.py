@@ -10,16 +10,16 @@ import triton.language as tl
 from .common import check_flat, drop_if_skipped, finish_step, launch_meta, load_param_meta, load_scale_and_skip, one_minus_pow
 
 # Columns of the float32 hyper-parameter table, one row per param group.
-LR: tl.constexpr = 0
-BETA1: tl.constexpr = 1
-ONE_MINUS_BETA1: tl.constexpr = 2
-BETA2: tl.constexpr = 3
-ONE_MINUS_BETA2: tl.constexpr = 4
-LOG_BETA1: tl.constexpr = 5
-LOG_BETA2: tl.constexpr = 6
-EPS: tl.constexpr = 7
-WEIGHT_DECAY: tl.constexpr = 8
-GRAD_SIGN: tl.constexpr = 9  # -1.0 when maximize
+LR = tl.constexpr(0)
+BETA1 = tl.constexpr(1)
+ONE_MINUS_BETA1 = tl.constexpr(2)
+BETA2 = tl.constexpr(3)
+ONE_MINUS_BETA2 = tl.constexpr(4)
+LOG_BETA1 = tl.constexpr(5)
+LOG_BETA2 = tl.constexpr(6)
+EPS = tl.constexpr(7)
+WEIGHT_DECAY = tl.constexpr(8)
+GRAD_SIGN = tl.constexpr(9)  # -1.0 when maximize
 NUM_HPARAMS = 10
 
 

@@ -12,12 +12,12 @@ import triton.language as tl
 
 from .common import check_flat, drop_if_skipped, finish_step, launch_meta, load_param_meta, load_scale_and_skip
 
-LR: tl.constexpr = 0
-BETA1: tl.constexpr = 1
-ONE_MINUS_BETA1: tl.constexpr = 2
-BETA2: tl.constexpr = 3
-ONE_MINUS_BETA2: tl.constexpr = 4
-WEIGHT_DECAY: tl.constexpr = 5
+LR = tl.constexpr(0)
+BETA1 = tl.constexpr(1)
+ONE_MINUS_BETA1 = tl.constexpr(2)
+BETA2 = tl.constexpr(3)
+ONE_MINUS_BETA2 = tl.constexpr(4)
+WEIGHT_DECAY = tl.constexpr(5)
 NUM_HPARAMS = 6
 
 

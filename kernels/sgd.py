@@ -9,12 +9,12 @@ import triton.language as tl
 
 from .common import as_block, check_flat, drop_if_skipped, finish_step, launch_meta, load_param_meta, load_scale_and_skip
 
-LR: tl.constexpr = 0
-MOMENTUM: tl.constexpr = 1
-ONE_MINUS_DAMPENING: tl.constexpr = 2
-WEIGHT_DECAY: tl.constexpr = 3
-NESTEROV: tl.constexpr = 4  # 1.0 or 0.0
-GRAD_SIGN: tl.constexpr = 5  # -1.0 when maximize
+LR = tl.constexpr(0)
+MOMENTUM = tl.constexpr(1)
+ONE_MINUS_DAMPENING = tl.constexpr(2)
+WEIGHT_DECAY = tl.constexpr(3)
+NESTEROV = tl.constexpr(4)  # 1.0 or 0.0
+GRAD_SIGN = tl.constexpr(5)  # -1.0 when maximize
 NUM_HPARAMS = 6
 
 
