@@ -7,11 +7,19 @@ the storage dtype; the states have the parameter's dtype.
 import triton
 import triton.language as tl
 
-from .common import check_flat, drop_if_skipped, finish_step, launch_meta, load_param_meta, load_scale_and_skip, one_minus_pow
+from .common import (
+    check_flat,
+    drop_if_skipped,
+    finish_step,
+    launch_meta,
+    load_param_meta,
+    load_scale_and_skip,
+    one_minus_pow,
+)
 
 # Columns of the float32 hyper-parameter table, one row per param group.
 LR = tl.constexpr(0)
-BETA1 = tl.constexpr(1)
+BETA1 = tl.constexpr(1)  # not read by the kernel (it uses ONE_MINUS_BETA1); kept so the columns stay put
 ONE_MINUS_BETA1 = tl.constexpr(2)
 BETA2 = tl.constexpr(3)
 ONE_MINUS_BETA2 = tl.constexpr(4)
@@ -62,7 +70,6 @@ def adamw_kernel(
 
     row = hp_ptr + group * NUM_HP  # always in bounds: masked lanes read group 0
     lr = tl.load(row + LR)
-    beta1 = tl.load(row + BETA1)
     omb1 = tl.load(row + ONE_MINUS_BETA1)
     beta2 = tl.load(row + BETA2)
     omb2 = tl.load(row + ONE_MINUS_BETA2)
@@ -98,8 +105,8 @@ def adamw_kernel(
 
 def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
     """One AdamW step over a flat buffer; ``meta`` is the buffer's :class:`flatopt.layout.StepMeta`."""
-    check_flat(param, grad, exp_avg, exp_avg_sq)
-    grid, opts = launch_meta(param.numel(), block_size)
+    check_flat(meta, param, grad, exp_avg, exp_avg_sq)
+    grid, opts = launch_meta(param.numel(), block_size, param.element_size())
     adamw_kernel[grid](
         param, grad, exp_avg, exp_avg_sq, hparams,
         meta.param_of_granule, meta.param_group, meta.steps, meta.active,

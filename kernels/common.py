@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 GRANULE = 64  # elements per entry of param_of_granule; parameter starts are aligned to it
-BLOCK_SIZE = 4096  # elements per program
+BLOCK_BYTES = 16384  # bytes of each buffer per program: 4096 float32 or 8192 bfloat16/float16 elements
+BLOCK_SIZE = BLOCK_BYTES // 4  # elements per program for float32
 NUM_WARPS = 8
 STEP_BLOCK = 1024  # parameters per iteration when the last program advances the step counters
 
@@ -115,10 +116,13 @@ def finish_step(
     """The last program to finish advances the step of every active parameter of the launch and
     re-zeroes the counter.
 
-    Every program reads the step counters before its atomic increment (acq_rel), so the last one
-    writes them only after all reads are done.
+    Each program's reads of the step counters complete before its increment of ``counter`` (the
+    values it stores depend on them), and the last program writes the counters only after seeing
+    every increment, so no program reads an advanced count. Nothing a program stores is read by
+    another, so the increment needs no release fence: a relaxed atomic, which keeps thousands of
+    programs from each waiting on a fence.
     """
-    done = tl.atomic_add(counter_ptr, 1)
+    done = tl.atomic_add(counter_ptr, 1, sem="relaxed")
     if done == tl.num_programs(0) - 1:
         for start in range(param_lo, param_hi, STEP_BLOCK):
             idx = start + tl.arange(0, STEP_BLOCK)
@@ -131,15 +135,18 @@ def finish_step(
         tl.atomic_xchg(counter_ptr, 0)
 
 
-def launch_meta(n_elements, block_size=None):
-    """Grid and launch options shared by the launchers."""
-    block = block_size or BLOCK_SIZE
+def launch_meta(n_elements, block_size=None, element_size=4):
+    """Grid and launch options shared by the launchers: each program moves BLOCK_BYTES of each buffer."""
+    block = block_size or BLOCK_BYTES // element_size
     grid = (triton.cdiv(n_elements, block),)
     return grid, dict(BLOCK_SIZE=block, STEP_BLOCK=STEP_BLOCK, GRANULE=GRANULE, num_warps=NUM_WARPS)
 
 
-def check_flat(*tensors):
-    """The launchers' argument checks: 1-D, contiguous, one device, equal lengths."""
+def check_flat(meta, *tensors):
+    """The launchers' argument checks: 1-D, contiguous, one device, equal lengths, and a length that
+    is a multiple of GRANULE when the kernel looks parameters up by granule (``meta.uniform`` is
+    False). A UNIFORM launch reads no ``param_of_granule`` and masks by ``n_elements``, so it takes
+    any length (``flat=False`` steps each parameter's own tensor that way)."""
     first = tensors[0]
     for t in tensors:
         if t.dim() != 1 or not t.is_contiguous():
@@ -149,5 +156,5 @@ def check_flat(*tensors):
                 "flat buffers must share device, dtype and length: "
                 f"{first.device}/{first.dtype}/{first.numel()} vs {t.device}/{t.dtype}/{t.numel()}"
             )
-    if first.numel() % GRANULE:
+    if not meta.uniform and first.numel() % GRANULE:
         raise ValueError(f"flat buffer length {first.numel()} is not a multiple of GRANULE={GRANULE}")

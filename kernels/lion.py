@@ -85,8 +85,8 @@ def lion_kernel(
 
 def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
     """One Lion step over a flat buffer."""
-    check_flat(param, grad, exp_avg)
-    grid, opts = launch_meta(param.numel(), block_size)
+    check_flat(meta, param, grad, exp_avg)
+    grid, opts = launch_meta(param.numel(), block_size, param.element_size())
     lion_kernel[grid](
         param, grad, exp_avg, hparams,
         meta.param_of_granule, meta.param_group, meta.steps, meta.active,

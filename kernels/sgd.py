@@ -7,7 +7,15 @@ count is 0 initialises its momentum buffer with the update itself, as torch does
 import triton
 import triton.language as tl
 
-from .common import as_block, check_flat, drop_if_skipped, finish_step, launch_meta, load_param_meta, load_scale_and_skip
+from .common import (
+    as_block,
+    check_flat,
+    drop_if_skipped,
+    finish_step,
+    launch_meta,
+    load_param_meta,
+    load_scale_and_skip,
+)
 
 LR = tl.constexpr(0)
 MOMENTUM = tl.constexpr(1)
@@ -84,8 +92,8 @@ def sgd_kernel(
 
 def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
     """One SGD step over a flat buffer; ``momentum_buffer`` is None when no group uses momentum."""
-    check_flat(param, grad, *([momentum_buffer] if momentum_buffer is not None else []))
-    grid, opts = launch_meta(param.numel(), block_size)
+    check_flat(meta, param, grad, *([momentum_buffer] if momentum_buffer is not None else []))
+    grid, opts = launch_meta(param.numel(), block_size, param.element_size())
     sgd_kernel[grid](
         param, grad, momentum_buffer, hparams,
         meta.param_of_granule, meta.param_group, meta.steps, meta.active,
