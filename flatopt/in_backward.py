@@ -1,9 +1,10 @@
 """In-backward mode: step parameters from post-accumulate-grad hooks, in buckets, during backward.
 
 Parameters and optimizer states stay in their flat buffers; there is no flat gradient buffer.
-Each buffer is cut into buckets of consecutive parameters (layout order, which is the order of
-the param groups: for a module, registration order, so a backward pass produces a bucket's
-gradients one after another)::
+Each buffer is cut into buckets of consecutive parameters. In-backward mode lays out the large
+parameters (at least ``bucket_size // 8`` elements, each a bucket of its own) first, then the
+small ones, each class in param-group order (for a module, registration order, so a backward pass
+produces a bucket's gradients one after another)::
 
     flat buffer   ┌─ p0 ─┬─ p1 ─┬──── p2 ────┬─ p3 ─┬─ p4 ─┬─ p5 ─┐
     buckets       └──── bucket 0 ────┴─ bucket 1 ─┴──── bucket 2 ────┘
@@ -80,17 +81,24 @@ class Bucket:
         self.done = False
 
 
+def is_large(p, bucket_size):
+    """A parameter that gets a bucket of its own (and, in-backward, a place before the small ones)."""
+    return p.numel() >= max(bucket_size // 8, 1)
+
+
 def make_buckets(buf, bucket_size):
     """Cut ``buf`` into buckets of consecutive parameters spanning at most ``bucket_size`` elements
-    (padding included); a parameter larger than that gets a bucket of its own."""
+    (padding included). A large parameter (at least ``bucket_size // 8`` elements) is a bucket of
+    its own, so it is stepped straight from its gradient, with no staging copy."""
     n = len(buf.params)
 
     def end_of(i):  # where parameter i's slot (with its padding) ends
         return buf.starts[i + 1] if i + 1 < n else buf.numel
 
+    large = [is_large(p, bucket_size) for p in buf.params]
     buckets, first = [], 0
     for i in range(1, n):
-        if end_of(i) - buf.starts[first] > bucket_size:
+        if large[i] or large[i - 1] or end_of(i) - buf.starts[first] > bucket_size:
             buckets.append(Bucket(buf, first, i))
             first = i
     buckets.append(Bucket(buf, first, n))

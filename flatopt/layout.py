@@ -97,7 +97,7 @@ class FlatBuffer:
         self.grad = torch.zeros_like(self.data) if grad else None
         self.states = {}
         self.state_views = {}
-        owner = torch.empty(self.numel // ALIGN, dtype=torch.int32)
+        owner = torch.zeros(self.numel // ALIGN, dtype=torch.int32)
         for i, p in enumerate(self.params):
             s, e = self.index[p]
             owner[s // ALIGN : align_up(e) // ALIGN] = i

@@ -1,6 +1,8 @@
 """The base class of flatopt's optimizers: flat buffers under torch.optim's interface."""
 
+import operator
 import os
+import sys
 import warnings
 import weakref
 from contextlib import nullcontext
@@ -10,10 +12,23 @@ from torch import nn
 
 from flatopt.checkpoint import CheckpointMixin
 from flatopt.functional import BACKENDS
-from flatopt.in_backward import DEFAULT_BUCKET_SIZE, InBackward
+from flatopt.in_backward import DEFAULT_BUCKET_SIZE, InBackward, is_large
 from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
+from flatopt.step_graph import StepGraph
 
 _TORCH_ONLY_KWARGS = ("foreach", "fused", "capturable", "differentiable")
+FULL_CHECK_EVERY = 256  # step() checks every parameter's binding at the first step and then every 256th
+
+
+def _outside_stacklevel():
+    """The ``stacklevel`` for a ``warnings.warn`` called by this helper's caller that points at the
+    first frame outside flatopt and torch (the user's ``opt.step()`` or ``loss.backward()`` line,
+    past torch's no_grad, LR-scheduler and GradScaler wrappers and the autograd engine)."""
+    internal = tuple(os.path.join(os.path.dirname(os.path.abspath(f)), "") for f in (__file__, torch.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def reject_kwargs(cls_name, kwargs):
@@ -61,6 +76,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._module = None  # weak reference to the module, when given one (capture restores its buffers)
         self._graph_mode = False  # True while capture() warms up or records: step() skips host work
         self._graph_steps = 0  # step() calls since capture() last reset it
+        self._step_graph = StepGraph()
+        self.use_step_graph = True  # replay step()'s launches from a CUDA graph (see flatopt.step_graph)
         if isinstance(params, nn.Module):
             self._check_module(params)
             self._names = {p: n for n, p in params.named_parameters()}
@@ -75,6 +92,10 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._buffers = []
         self._hp = {}
         self._hp_rows = None
+        self._hp_lrs = None  # the tensor lrs (or None) the table was last validated with, by identity
+        self._group_states = []  # per param group: the state names it has used so far
+        self._frozen = []  # parameters with requires_grad=False at the last layout
+        self._checked_steps = 0  # step()s whose binding check passed (a full one every FULL_CHECK_EVERY)
         self._hooks = []
         self._seen = set()
         self._unused_reported = False
@@ -96,28 +117,40 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 )
 
     def _name(self, p):
+        """How messages name ``p``: its module name, its name in ``param_names`` (parameters given as
+        ``named_parameters()``), else its position."""
         if p in self._names:
             return f"'{self._names[p]}'"
         for gi, group in enumerate(self.param_groups):
             for i, q in enumerate(group["params"]):
                 if q is p:
+                    names = group.get("param_names")
+                    if names is not None and i < len(names):
+                        return f"'{names[i]}'"
                     return f"params[{i}] of param group {gi} (shape {tuple(p.shape)})"
         return f"a parameter of shape {tuple(p.shape)}"
 
     def add_param_group(self, param_group):
         if isinstance(param_group, dict):
             params = param_group["params"]
-            tensors = [params] if isinstance(params, torch.Tensor) else params
-            if isinstance(tensors, (list, tuple)):
-                for p in tensors:
+            if not isinstance(params, set):  # torch.optim raises its own error for a set (unordered)
+                # a list as torch.optim makes it, so that a generator's parameters are checked too
+                param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+                for p in param_group["params"]:
                     p = p[1] if isinstance(p, tuple) else p
                     if isinstance(p, torch.Tensor):
                         self._check_param(p)
             self._check_hparams({**self.defaults, **param_group})
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        if len(group["params"]) != len(set(group["params"])):
-            group["params"] = list(dict.fromkeys(group["params"]))  # tied parameters appear once
+        if len(group["params"]) != len(set(group["params"])):  # tied parameters appear once
+            names = group.get("param_names")
+            if names is not None:
+                first = {}
+                for p, name in zip(group["params"], names, strict=True):
+                    first.setdefault(p, name)
+                group["param_names"] = list(first.values())
+            group["params"] = list(dict.fromkeys(group["params"]))
         if self._built:
             self._devices = list(dict.fromkeys(p.device for p in self._trainable()))
             if self.flat:
@@ -184,6 +217,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         buffers = []
         for key in keys:
             params, groups = members[key]
+            if self.in_backward:  # large parameters first: each is a bucket, the small ones share a few
+                order = sorted(range(len(params)), key=lambda i: not is_large(params[i], self.bucket_size))
+                params, groups = [params[i] for i in order], [groups[i] for i in order]
             used = [n for n in self._state_names if any(self._uses_state(n, self.param_groups[g]) for g in groups)]
             buf = FlatBuffer(params, groups, used, grad=not self.in_backward)
             with torch.no_grad():
@@ -197,6 +233,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             buffers.append(buf)
         self._buffers = buffers
         self._devices = list(dict.fromkeys(b.device for b in buffers))
+        self._frozen = [p for group in self.param_groups for p in group["params"] if not p.requires_grad]
         for buf in buffers:
             for i, p in enumerate(buf.params):
                 self.state[p] = self._state_of(buf, i)
@@ -205,20 +242,57 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if self.in_backward:
             self._in_backward = InBackward(self, self.bucket_size)
         elif not self._unused_reported or self.skip_unused:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._seen.add) for b in buffers for p in b.params]
+            params = [p for b in buffers for p in b.params]
+            self._hooks = [p.register_post_accumulate_grad_hook(self._seen.add) for p in params]
+            self._hooks += [p.register_hook(self._sparse_grad_hook(p)) for p in params]
+
+    def _sparse_grad_hook(self, p):
+        """A hook on ``p``'s incoming gradient, registered until the first step with the hooks that
+        record which parameters received one: autograd would add a sparse gradient into the dense
+        ``.grad`` view in place (a silent dense update), so refuse it before it lands."""
+        opt, param = weakref.ref(self), weakref.ref(p)  # no reference cycle through the parameter's hooks
+
+        def hook(grad):
+            self_, p_ = opt(), param()
+            if grad.layout != torch.strided and self_ is not None and p_ is not None:  # not once opt is gone
+                raise RuntimeError(
+                    f"{type(self_).__name__} does not support sparse gradients: parameter {self_._name(p_)} received a "
+                    f"{grad.layout} gradient, which would be added into its dense flat .grad view; use "
+                    "sparse=False on the embedding (nn.Embedding(..., sparse=False)) that produces it"
+                )
+
+        return hook
 
     def _ensure_states(self):
         """Allocate a state buffer that a group needs now but did not at construction (SGD's
-        momentum buffer once a scheduler turns momentum on); it starts as at a first step."""
+        momentum buffer once a scheduler turns momentum on), and start a group that uses a state
+        for the first time as at a first step: its parameters' step counts go to 0 (SGD reads them
+        only as "is the momentum buffer set"; AdamW and Lion always use their states, so this
+        never happens to them). A group that used the state before keeps it, as torch.optim keeps
+        a momentum buffer through a stretch of momentum=0."""
+        starting = set()
+        for gi, group in enumerate(self.param_groups):
+            used = {n for n in self._state_names if self._uses_state(n, group)}
+            if gi == len(self._group_states):  # a new group: nothing of it was stepped yet
+                self._group_states.append(used)
+            elif used - self._group_states[gi]:
+                starting.add(gi)
+                self._group_states[gi] |= used
         for buf in self._buffers:
             groups = [self.param_groups[g] for g in set(buf.group_ids)]
+            changed = False
             for name in self._state_names:
                 if name not in buf.states and any(self._uses_state(name, g) for g in groups):
                     buf.add_state(name)
-                    buf.meta.steps.zero_()
-                    for i, p in enumerate(buf.params):
-                        self.state[p] = self._state_of(buf, i)
-                    self._refresh_uniform(buf)
+                    changed = True
+            first = [i for i, g in enumerate(buf.group_ids) if g in starting]
+            if first:
+                buf.meta.steps[first] = 0.0
+            if changed:
+                for i, p in enumerate(buf.params):
+                    self.state[p] = self._state_of(buf, i)
+            if changed or first:
+                self._refresh_uniform(buf)
 
     def _state_of(self, buf, i):
         """torch.optim's per-parameter state, as views into the flat buffers."""
@@ -240,14 +314,22 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     def _refresh_hparams(self, devices):
-        """Copy every group's hyper-parameters into the tables on ``devices``, only when they changed."""
-        rows, tensor_lrs = [], []
+        """Copy every group's hyper-parameters into the tables on ``devices``, only when they changed.
+
+        A tensor lr is a placeholder in its row and is copied on the device at every call; the
+        rows are validated again when they change or when a group's lr is replaced by another
+        tensor (compared by identity: an in-place change of the same tensor is not validated,
+        as in torch.optim).
+        """
+        rows, tensor_lrs, lrs = [], [], []
         for gi, group in enumerate(self.param_groups):
             lr = group["lr"]
             if isinstance(lr, torch.Tensor):
                 tensor_lrs.append((gi, lr))
+            lrs.append(lr if isinstance(lr, torch.Tensor) else None)
             rows.append(self._hparam_row(group))
-        if rows != self._hp_rows:
+        old = self._hp_lrs or ()
+        if rows != self._hp_rows or len(lrs) != len(old) or not all(map(operator.is_, lrs, old)):
             for group in self.param_groups:
                 self._check_hparams(group)
             self._ensure_states()
@@ -260,17 +342,21 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                     table.copy_(host.pin_memory(), non_blocking=True)
                 else:
                     table.copy_(host)
-            self._hp_rows = rows
+            self._hp_rows, self._hp_lrs = rows, lrs
         for gi, lr in tensor_lrs:
             for table in self._hp.values():
                 table[gi, 0].copy_(lr.reshape(()), non_blocking=True)
 
     def check_bindings(self, full=True):
-        """Raise if a parameter's data or gradient no longer lives in the flat buffers.
+        """Raise if a parameter's data or gradient no longer lives in the flat buffers, or (with
+        ``full=True``) if a parameter that was frozen when the optimizer laid out its buffers
+        requires grad now (it has no place in them and would never be stepped).
 
-        ``step()`` checks the first and last parameter of each buffer (``full=False``), which
-        catches ``model.to(...)``, ``model.zero_grad()`` and ``backward(create_graph=True)``; call
-        this with ``full=True`` to check every parameter.
+        ``step()`` checks every parameter at the first step and at every ``FULL_CHECK_EVERY``-th
+        (256th) step after it, and otherwise only the first and last parameter of each buffer
+        (``full=False``, O(1) host work), which catches ``model.to(...)``, ``model.zero_grad()``
+        and ``backward(create_graph=True)`` at once. Call this (``full=True``) to check every
+        parameter now.
         """
         cls = type(self).__name__
         for buf in self._buffers:
@@ -292,7 +378,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                     raise RuntimeError(
                         f"{cls}: parameter {self._name(p)} has .grad None, but flatopt keeps every .grad as a view "
                         "into its flat gradient buffer; something set it to None (model.zero_grad(), or another "
-                        "optimizer's zero_grad()). Call opt.zero_grad() instead: it zeroes the buffer and keeps the views"
+                        "optimizer's zero_grad()). Call opt.zero_grad() instead: it zeroes the buffer and keeps the "
+                        "views"
                     )
                 if g.data_ptr() != grad_ptr:
                     why = "a sparse gradient" if g.is_sparse else "backward(create_graph=True) or `p.grad = ...`"
@@ -301,6 +388,22 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                         f"buffer ({why} replaces it). Use backward() without create_graph, dense gradients, and "
                         f"in-place changes to .grad, or construct the optimizer with flat=False"
                     )
+        unfrozen = [p for p in self._frozen if p.requires_grad] if full else []
+        if unfrozen:
+            names = ", ".join(self._name(p) for p in unfrozen[:8]) + (", ..." if len(unfrozen) > 8 else "")
+            raise RuntimeError(
+                f"{cls}: {len(unfrozen)} parameter(s) had requires_grad=False when the optimizer was created and "
+                f"require grad now: {names}. The optimizer left them out of its flat buffers, so it would never "
+                "step them. Set requires_grad before creating the optimizer; to keep the optimizer state, save "
+                "opt.state_dict() first and load it into the new optimizer"
+            )
+
+    def _check_bindings_at_step(self):
+        """step()'s binding check, amortised: full at the first step and at every FULL_CHECK_EVERY-th step
+        after it, the first and last parameter of each buffer otherwise. The count advances only when
+        the check passes, so a full check that raised runs again at the next step."""
+        self.check_bindings(full=not self._unused_reported or self._checked_steps % FULL_CHECK_EVERY == 0)
+        self._checked_steps += 1
 
     def _report_unused(self):
         unused = [p for b in self._buffers for p in b.params if p not in self._seen]
@@ -310,10 +413,11 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 h.remove()
             self._hooks = []
         if unused:
-            self._warn_unused(unused, stacklevel=4)
+            self._warn_unused(unused)
 
-    def _warn_unused(self, unused, stacklevel=2):
-        """Name the parameters that received no gradient before the first step (called once)."""
+    def _warn_unused(self, unused):
+        """Name the parameters that received no gradient before the first step (called once), at the
+        caller's line (``opt.step()``, or ``loss.backward()`` in in-backward mode)."""
         names = ", ".join(self._name(p) for p in unused[:8]) + (", ..." if len(unused) > 8 else "")
         action = (
             "skips them as torch.optim does (skip_unused=True)"
@@ -325,7 +429,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         warnings.warn(
             f"{type(self).__name__}: {len(unused)} parameter(s) received no gradient before the first step: "
             f"{names}. flatopt {action}",
-            stacklevel=stacklevel,
+            stacklevel=_outside_stacklevel(),
         )
 
     @torch.no_grad()
@@ -345,7 +449,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if not self.flat:
             self._step_unflat()
             return loss
-        self.check_bindings(full=not self._unused_reported)
+        self._check_bindings_at_step()
         if not self._graph_mode:  # a captured step refreshes hyper-parameters before each replay
             self._refresh_hparams(self._devices)
         if not self._unused_reported:
@@ -357,13 +461,21 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self._seen.clear()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        for buf in self._buffers:
-            self._functional(
-                buf.data, buf.grad, *(buf.states.get(n) for n in self._state_names),
-                hparams=self._hp[buf.device], meta=buf.meta, backend=self.backend,
-                grad_scale=None if grad_scale is None else grad_scale.to(buf.device),
-                found_inf=None if found_inf is None else found_inf.to(buf.device),
-            )  # fmt: skip
+
+        def launch():
+            for buf in self._buffers:
+                self._functional(
+                    buf.data, buf.grad, *(buf.states.get(n) for n in self._state_names),
+                    hparams=self._hp[buf.device], meta=buf.meta, backend=self.backend,
+                    grad_scale=None if grad_scale is None else grad_scale.to(buf.device),
+                    found_inf=None if found_inf is None else found_inf.to(buf.device),
+                )  # fmt: skip
+
+        graph = self._step_graph
+        if self.use_step_graph and not graph.failed and graph.usable(self, grad_scale, found_inf):
+            graph.run(self, launch)
+        else:
+            launch()
         return loss
 
     def _step_in_backward(self, closure):
@@ -395,22 +507,50 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         return self._in_backward.no_step() if self._in_backward is not None else nullcontext()
 
     def _step_unflat(self):
-        """flat=False: the same kernels, one launch per parameter, over the caller's own tensors."""
+        """flat=False: the same kernels, one launch per parameter, over the caller's own tensors.
+        Every parameter is checked before any is stepped."""
+        todo = [(gi, g, p) for gi, g in enumerate(self.param_groups) for p in g["params"] if p.grad is not None]
+        for _, group, p in todo:
+            self._check_unflat(p, group)
         self._refresh_hparams(self._devices)
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                meta, tensors = self._unflat_state(p, gi, group)
-                self._functional(
-                    *tensors, hparams=self._hp[p.device][gi : gi + 1], meta=meta, backend=self.backend,
-                    grad_scale=None if grad_scale is None else grad_scale.to(p.device),
-                    found_inf=None if found_inf is None else found_inf.to(p.device),
-                )  # fmt: skip
+        for gi, group, p in todo:
+            meta, tensors = self._unflat_state(p, gi, group)
+            self._functional(
+                *tensors, hparams=self._hp[p.device][gi : gi + 1], meta=meta, backend=self.backend,
+                grad_scale=None if grad_scale is None else grad_scale.to(p.device),
+                found_inf=None if found_inf is None else found_inf.to(p.device),
+            )  # fmt: skip
+
+    def _check_unflat(self, p, group):
+        """flat=False: what one launch over ``p``'s own tensors needs, checked before anything is stepped."""
+        cls, g = type(self).__name__, p.grad
+        if g.layout != torch.strided:
+            raise RuntimeError(
+                f"{cls} does not support sparse gradients: parameter {self._name(p)} has a {g.layout} .grad; use "
+                "sparse=False on the embedding (nn.Embedding(..., sparse=False)) that produces it"
+            )
+        if not is_dense(p):
+            raise RuntimeError(
+                f"{cls}(flat=False) needs dense parameters (no gaps or overlaps); {self._name(p)} has shape "
+                f"{tuple(p.shape)} and strides {p.stride()}: make it contiguous (p.data = p.data.contiguous())"
+            )
+        if g.stride() != p.stride() or g.dtype != p.dtype:
+            raise RuntimeError(
+                f"{cls}(flat=False): the .grad of {self._name(p)} has strides {g.stride()} and dtype {g.dtype}, the "
+                f"parameter {p.stride()} and {p.dtype}; they must match: give the gradient the parameter's layout "
+                "(p.grad = torch.empty_like(p).copy_(p.grad))"
+            )
+        state = self.state.get(p, {})
+        for name in self._state_names:
+            t = state.get(name)
+            if self._uses_state(name, group) and t is not None and (t.stride() != p.stride() or t.dtype != p.dtype):
+                raise RuntimeError(
+                    f"{cls}(flat=False): the state '{name}' of {self._name(p)} has strides {t.stride()} and dtype "
+                    f"{t.dtype}, the parameter {p.stride()} and {p.dtype}; they must match: load a state_dict whose "
+                    "tensors have the parameters' layouts and dtypes"
+                )
 
     def _unflat_state(self, p, gi, group):
         state = self.state[p]
@@ -436,14 +576,6 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if self._exported_step:
             state["step"] = meta.steps[0]
         tensors = [p, p.grad] + [state.get(n) for n in self._state_names]
-        for t in tensors[1:]:
-            if t is not None and (t.stride() != p.stride() or t.dtype != p.dtype):
-                raise RuntimeError(
-                    f"{type(self).__name__}(flat=False): the gradient or state of {self._name(p)} has strides "
-                    f"{t.stride()} and dtype {t.dtype}, the parameter {p.stride()} and {p.dtype}; they must match"
-                )
-        if not is_dense(p):
-            raise RuntimeError(f"{type(self).__name__}(flat=False) needs dense parameters; {self._name(p)} is not")
         flat = [None if t is None else t.as_strided((t.numel(),), (1,), t.storage_offset()) for t in tensors]
         return meta, flat
 

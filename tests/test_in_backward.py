@@ -157,6 +157,27 @@ def test_large_parameter_is_stepped_from_its_own_gradient_without_a_copy():
     assert opt._in_backward.peak_held == 0
 
 
+def test_large_parameters_get_their_own_buckets_and_small_ones_share():
+    """Wide layers with biases: each weight is stepped from its own gradient (no staging), the
+    biases share one bucket, and the result equals step mode."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    twin = copy.deepcopy(model)
+    ref = flatopt.AdamW(model, lr=1e-2)
+    opt = flatopt.AdamW(twin, lr=1e-2, in_backward=True, bucket_size=8192)
+    x = torch.randn(4, 64)
+    for step in range(1, 4):
+        model(x).square().mean().backward()
+        ref.step()
+        ref.zero_grad()
+        twin(x).square().mean().backward()
+        assert_models_equal(twin, model, opt, ref, step)
+    ib = opt._in_backward
+    assert [len(b.params) for b in ib.buckets] == [1] * 6 + [6]
+    assert ib.launches == 3 * 7
+    assert ib.peak_held == 6 * 64  # only the biases' bucket was ever staged
+
+
 def test_gradient_accumulation_with_no_step_matches_step_mode():
     torch.manual_seed(0)
     model = Net()

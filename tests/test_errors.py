@@ -1,0 +1,665 @@
+"""Bad input raises an error that says what is wrong and how to fix it, in torch's words where torch
+has them, and changes nothing: parameters, gradients, states, step counts and param_groups are as
+they were, and an optimizer whose call failed still steps exactly like an untouched twin."""
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from conftest import Net, loss_fn, make_batch
+from torch import nn
+
+import flatopt
+from flatopt.optimizer import FULL_CHECK_EVERY
+
+MAKE = {
+    "adamw": lambda ps, **k: flatopt.AdamW(ps, **{"lr": 1e-2, "weight_decay": 0.1, **k}),
+    "sgd": lambda ps, **k: flatopt.SGD(ps, **{"lr": 0.05, "momentum": 0.9, **k}),
+    "lion": lambda ps, **k: flatopt.Lion(ps, **{"lr": 1e-3, "weight_decay": 0.1, **k}),
+}
+
+
+def close(actual, expected, what, **tol):
+    """torch.testing.assert_close with explicit tolerances and a message naming the step and the tensor."""
+    torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def silent(fn, *args, **kwargs):
+    """Call ``fn`` with warnings silenced (the unused-parameter warning has a test of its own)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def _frozen(v):
+    """A deep copy of ``v`` in which tensors keep their address, for comparison after an error."""
+    if isinstance(v, torch.Tensor) and v.layout != torch.strided:
+        return ("tensor", None, v.dtype, v.detach().to_dense())
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.data_ptr(), v.dtype, v.detach().clone())
+    if isinstance(v, dict):
+        return {k: _frozen(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_frozen(x) for x in v)
+    return copy.deepcopy(v)
+
+
+def snapshot(params, opt=None, grads=True):
+    """Everything a failing call must leave as it was (gradients left out with ``grads=False``)."""
+    snap = {
+        "params": [
+            (_frozen(p.data), None if p.grad is None or not grads else _frozen(p.grad), p.requires_grad, p.stride())
+            for p in params
+        ]
+    }
+    if opt is not None:
+        snap["groups"] = [
+            {k: [id(q) for q in v] if k == "params" else _frozen(v) for k, v in g.items()} for g in opt.param_groups
+        ]
+        snap["state"] = {id(p): _frozen(dict(s)) for p, s in opt.state.items()}
+        snap["buffers"] = [
+            (
+                _frozen(b.data),
+                _frozen(b.grad) if grads else None,
+                _frozen(b.states),
+                _frozen(b.meta.steps),
+                b.meta.uniform,
+            )
+            for b in opt._buffers
+        ]
+        snap["hparams"] = {str(d): _frozen(t) for d, t in opt._hp.items()}
+    return snap
+
+
+def assert_unchanged(before, after, path="optimizer"):
+    if isinstance(before, tuple) and before and before[0] == "tensor":
+        _, ptr, dtype, value = before
+        _, ptr2, dtype2, value2 = after
+        assert (ptr2, dtype2) == (ptr, dtype), f"{path} was replaced"
+        close(value2, value, path, atol=0, rtol=0, equal_nan=True)
+    elif isinstance(before, dict):
+        assert before.keys() == after.keys(), f"{path}: keys {sorted(map(str, before))} -> {sorted(map(str, after))}"
+        for k in before:
+            assert_unchanged(before[k], after[k], f"{path}[{k!r}]")
+    elif isinstance(before, (list, tuple)):
+        assert len(before) == len(after), f"{path}: length {len(before)} -> {len(after)}"
+        for i, (a, b) in enumerate(zip(before, after, strict=True)):
+            assert_unchanged(a, b, f"{path}[{i}]")
+    else:
+        assert before == after, f"{path}: {before!r} -> {after!r}"
+
+
+def torch_message(fn, *args, **kwargs):
+    """The message of the ValueError that torch.optim raises for the same input."""
+    with pytest.raises(ValueError) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+def train_step(model, opt, gen):
+    loss_fn(model, make_batch(gen)).backward()
+    silent(opt.step)
+    opt.zero_grad()
+
+
+def trained(opt_name="adamw", steps=1, **kwargs):
+    """A Net and its optimizer after ``steps`` steps, and the batch generator to go on with."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = silent(MAKE[opt_name], model, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        train_step(model, opt, gen)
+    return model, opt, gen
+
+
+def assert_twins(model, opt, twin, twin_opt, step):
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        close(p, q, f"step {step}, {name}", atol=0, rtol=0)
+        for key, value in twin_opt.state.get(q, {}).items():
+            close(opt.state[p][key], value, f"step {step}, {name}.{key}", atol=0, rtol=0)
+
+
+def steps_like_twin(model, opt, gen, twin, twin_opt, twin_gen, start, n=2):
+    for step in range(start, start + n):
+        train_step(model, opt, gen)
+        train_step(twin, twin_opt, twin_gen)
+        assert_twins(model, opt, twin, twin_opt, step)
+
+
+# ---------------------------------------------------------------------------------------------- sparse
+
+
+class SparseNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.emb = nn.Embedding(10, 4, sparse=True)
+
+    def forward(self, x, idx):
+        return (self.lin(x) * self.emb(idx)).sum()
+
+
+@pytest.mark.parametrize("opt_name", list(MAKE))
+def test_sparse_embedding_module_is_refused(opt_name):
+    model = SparseNet()
+    params = list(model.parameters())
+    before = snapshot(params)
+    with pytest.raises(ValueError, match=r"does not support sparse gradients: Embedding 'emb'.*sparse=False"):
+        MAKE[opt_name](model)
+    assert_unchanged(before, snapshot(params))
+
+
+def test_sparse_gradient_is_refused_flat():
+    model = SparseNet()
+    params = list(model.parameters())  # a list: the module check cannot see the Embedding
+    opt = flatopt.AdamW(params, lr=0.1)
+    before = snapshot(params, opt, grads=False)
+    with pytest.raises((RuntimeError, ValueError), match="sparse"):  # at the backward or at the step
+        model(torch.randn(2, 3), torch.tensor([1, 7])).backward()
+        opt.step()
+    assert_unchanged(before, snapshot(params, opt, grads=False))
+
+
+def test_sparse_gradient_at_step_is_refused_unflat():
+    model = SparseNet()
+    params = list(model.parameters())
+    opt = flatopt.AdamW(params, lr=0.1, flat=False)
+    model(torch.randn(2, 3), torch.tensor([1, 7])).backward()
+    assert params[-1].grad.is_sparse
+    before = snapshot(params, opt)
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+    assert_unchanged(before, snapshot(params, opt))
+
+
+# ---------------------------------------------------------------------------------------------- bad parameters
+
+BAD_PARAMS = {
+    "complex": (lambda: torch.randn(3, 2, dtype=torch.complex64), r"does not support complex parameters.*view_as_real"),
+    "float64": (lambda: torch.randn(5, dtype=torch.float64), r"supports float32, bfloat16 and float16.*model\.to\("),
+    "non-dense": (lambda: torch.randn(4, 6)[:, ::2], r"needs dense parameters.*strides \(6, 2\).*contiguous"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_PARAMS))
+@pytest.mark.parametrize("form", ["list", "group-list", "group-generator"])
+def test_bad_parameter_is_refused(kind, form):
+    """Also in a group whose 'params' is a generator ({'params': model.layer.parameters()})."""
+    make, pattern = BAD_PARAMS[kind]
+    good = nn.Parameter(torch.randn(3, 3))
+    bad = nn.Parameter(make())
+    params = [good, bad]
+    groups = {
+        "list": lambda: params,
+        "group-list": lambda: [{"params": [good]}, {"params": [bad], "lr": 0.1}],
+        "group-generator": lambda: [{"params": [good]}, {"params": (p for p in [bad]), "lr": 0.1}],
+    }[form]
+    before = snapshot(params)
+    for opt_name in MAKE:
+        with pytest.raises(ValueError, match=pattern):
+            MAKE[opt_name](groups())
+    assert_unchanged(before, snapshot(params))
+
+
+@pytest.mark.parametrize("kind", list(BAD_PARAMS))
+def test_bad_parameter_in_add_param_group_changes_nothing(kind):
+    model, opt, gen = trained()
+    make, pattern = BAD_PARAMS[kind]
+    bad = nn.Parameter(make())
+    params = list(model.parameters()) + [bad]
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=pattern):
+        opt.add_param_group({"params": [bad]})
+    assert_unchanged(before, snapshot(params, opt))
+
+
+def test_parameter_in_two_groups():
+    a, b = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(4))
+    groups = lambda: [{"params": [a, b]}, {"params": [b], "lr": 0.1}]  # noqa: E731
+    expected = torch_message(torch.optim.AdamW, groups())
+    assert expected == "some parameters appear in more than one parameter group"
+    before = snapshot([a, b])
+    for opt_name in MAKE:
+        with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+            MAKE[opt_name](groups())
+    assert_unchanged(before, snapshot([a, b]))
+
+
+def test_parameter_in_two_groups_via_add_param_group():
+    model, opt, gen = trained()
+    params = list(model.parameters())
+    expected = torch_message(torch.optim.AdamW([params[0]]).add_param_group, {"params": [params[0]]})
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        opt.add_param_group({"params": [model.proj.weight], "lr": 0.1})
+    assert_unchanged(before, snapshot(params, opt))
+
+
+# ---------------------------------------------------------------------------------------------- hyper-parameters
+
+ADAMW_BAD = [
+    dict(lr=-1e-3),
+    dict(lr=float("nan")),
+    dict(lr=torch.tensor([1e-3, 1e-3])),
+    dict(eps=-1e-8),
+    dict(betas=(1.0, 0.999)),
+    dict(betas=(-0.1, 0.999)),
+    dict(betas=(0.9, 1.0)),
+    dict(betas=(0.9, -0.5)),
+    dict(weight_decay=-0.01),
+]
+SGD_BAD = [
+    dict(lr=-0.1),
+    dict(lr=torch.tensor([0.1, 0.1])),
+    dict(momentum=-0.9),
+    dict(weight_decay=-1e-4),
+    dict(nesterov=True),
+    dict(nesterov=True, momentum=0.9, dampening=0.1),
+]
+LION_BAD = [
+    (dict(lr=-1e-4), "Invalid learning rate: -0.0001"),
+    (dict(betas=(1.5, 0.99)), "Invalid beta parameter at index 0: 1.5"),
+    (dict(betas=(0.9, -0.01)), "Invalid beta parameter at index 1: -0.01"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1"),
+]
+
+
+def _ids(kw):
+    return ",".join(f"{k}={v.tolist() if isinstance(v, torch.Tensor) else v}" for k, v in kw.items())
+
+
+@pytest.mark.parametrize(
+    "cls_name, kwargs",
+    [("AdamW", kw) for kw in ADAMW_BAD] + [("SGD", kw) for kw in SGD_BAD],
+    ids=lambda x: _ids(x) if isinstance(x, dict) else x,
+)
+def test_invalid_hyperparameters_use_torch_wording(cls_name, kwargs):
+    p = nn.Parameter(torch.randn(5))
+    other = nn.Parameter(torch.randn(3))
+    expected = torch_message(getattr(torch.optim, cls_name), [p], **kwargs)
+    ours = getattr(flatopt, cls_name)
+    before = snapshot([p, other])
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        ours([p], **kwargs)
+    # torch.optim checks only the defaults; flatopt checks every group, in the same words
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        ours([{"params": [other]}, {"params": [p], **kwargs}])
+    assert_unchanged(before, snapshot([p, other]))
+
+
+@pytest.mark.parametrize("kwargs, expected", LION_BAD, ids=[_ids(kw) for kw, _ in LION_BAD])
+def test_invalid_lion_hyperparameters(kwargs, expected):
+    p = nn.Parameter(torch.randn(5))
+    before = snapshot([p])
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        flatopt.Lion([p], **kwargs)
+    assert_unchanged(before, snapshot([p]))
+
+
+@pytest.mark.parametrize("cls_name", ["AdamW", "SGD", "Lion"])
+def test_unknown_keyword_argument_is_a_type_error(cls_name):
+    p = nn.Parameter(torch.randn(5))
+    before = snapshot([p])
+    expected = f"{cls_name}.__init__() got an unexpected keyword argument 'foo'"
+    if hasattr(torch.optim, cls_name):
+        with pytest.raises(TypeError) as theirs:
+            getattr(torch.optim, cls_name)([p], foo=1)
+        assert str(theirs.value) == expected
+    with pytest.raises(TypeError, match=f"^{re.escape(expected)}$"):
+        getattr(flatopt, cls_name)([p], foo=1)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'fused'.*one fused kernel, so drop 'fused'"):
+        getattr(flatopt, cls_name)([p], fused=True)
+    assert_unchanged(before, snapshot([p]))
+
+
+def test_amsgrad_is_refused_with_a_pointer_to_torch():
+    p = nn.Parameter(torch.randn(5))
+    with pytest.raises(TypeError, match=r"'amsgrad'.*torch\.optim\.AdamW\(amsgrad=True\)"):
+        flatopt.AdamW([p], amsgrad=True)
+
+
+# ---------------------------------------------------------------------------------------------- backend
+
+
+def test_triton_backend_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = Net()
+    params = list(model.parameters())
+    before = snapshot(params)
+    for opt_name in MAKE:
+        with pytest.raises(ValueError, match=r"backend='triton' runs on CUDA tensors.*use backend='torch'"):
+            MAKE[opt_name](model, backend="triton")
+    assert_unchanged(before, snapshot(params))
+
+
+def test_unknown_backend():
+    model = Net()
+    params = list(model.parameters())
+    before = snapshot(params)
+    for opt_name in MAKE:
+        with pytest.raises(ValueError, match=r"^Invalid backend: 'nonsense'; expected one of \('triton', 'torch'\)$"):
+            MAKE[opt_name](model, backend="nonsense")
+    assert_unchanged(before, snapshot(params))
+
+
+# ---------------------------------------------------------------------------------------------- rebinding
+
+DATA_MESSAGE = r"parameter '{}' no longer lives in the optimizer's flat buffer.*Create the optimizer after"
+
+
+def rebind_to_bf16(model):
+    model.to(torch.bfloat16)
+    return "conv.weight", DATA_MESSAGE
+
+
+def rebind_first(model):
+    model.conv.weight.data = model.conv.weight.data.clone()
+    return "conv.weight", DATA_MESSAGE
+
+
+def rebind_middle(model):
+    model.proj.weight.data = model.proj.weight.data.clone()
+    return "proj.weight", DATA_MESSAGE
+
+
+def grads_to_none(model):
+    model.zero_grad()
+    return "conv.weight", r"parameter '{}' has \.grad None.*Call opt\.zero_grad\(\) instead"
+
+
+def middle_grad_to_none(model):
+    model.proj.zero_grad()
+    return "proj.weight", r"parameter '{}' has \.grad None.*Call opt\.zero_grad\(\) instead"
+
+
+def middle_grad_replaced(model):
+    model.proj.weight.grad = model.proj.weight.grad.clone()
+    return "proj.weight", r"\.grad of parameter '{}' is no longer a view into the flat gradient buffer"
+
+
+REBINDS = {
+    "model.to(bfloat16)": rebind_to_bf16,
+    "first p.data=clone": rebind_first,
+    "middle p.data=clone": rebind_middle,
+    "model.zero_grad()": grads_to_none,
+    "middle module.zero_grad()": middle_grad_to_none,
+    "middle p.grad=clone": middle_grad_replaced,
+}
+
+
+def step_until_refused(model, opt, pattern, bound):
+    """Step until step() raises (within ``bound`` steps), checking that the refused step changed nothing."""
+    params = list(model.parameters())
+    for _ in range(bound):
+        before = snapshot(params, opt)
+        try:
+            opt.step()
+        except RuntimeError as error:
+            assert re.search(pattern, str(error)), f"unexpected message: {error}"
+            assert_unchanged(before, snapshot(params, opt))
+            return
+    pytest.fail(f"step() did not refuse within {bound} steps (pattern {pattern!r})")
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+@pytest.mark.parametrize("how", list(REBINDS))
+def test_rebound_parameter_is_detected_at_the_next_step(how, steps_before):
+    """opt.check_bindings() detects any rebinding at once; step() at the next step for the first or
+    last parameter of a buffer and at the first step, and within FULL_CHECK_EVERY (256) steps for a
+    middle parameter after that (step() checks every parameter only every 256th step)."""
+    model, opt, gen = trained(steps=steps_before)
+    loss_fn(model, make_batch(gen)).backward()
+    name, pattern = REBINDS[how](model)
+    pattern = pattern.format(re.escape(name))
+    params = list(model.parameters())
+    before = snapshot(params, opt)
+    with pytest.raises(RuntimeError, match=pattern):
+        opt.check_bindings()
+    assert_unchanged(before, snapshot(params, opt))
+    bound = FULL_CHECK_EVERY if steps_before and how.startswith("middle") else 1
+    step_until_refused(model, opt, pattern, bound)
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_parameter_unfrozen_after_construction_is_refused(steps_before):
+    """A parameter frozen when the optimizer was created has no place in its buffers: training it
+    later is refused (by opt.check_bindings() at once, by step() within FULL_CHECK_EVERY steps), not
+    silently skipped."""
+    model, opt, gen = trained(steps=steps_before)
+    model.frozen.requires_grad_(True)
+    loss_fn(model, make_batch(gen)).backward()
+    pattern = (
+        r"2 parameter\(s\) had requires_grad=False when the optimizer was created and require grad now: "
+        r"'frozen\.weight', 'frozen\.bias'\..*never step them.*Set requires_grad before creating the optimizer"
+    )
+    params = list(model.parameters())
+    before = snapshot(params, opt)
+    with pytest.raises(RuntimeError, match=pattern):
+        opt.check_bindings()
+    assert_unchanged(before, snapshot(params, opt))
+    step_until_refused(model, opt, pattern, FULL_CHECK_EVERY if steps_before else 1)
+
+
+def test_rebound_parameter_message_uses_torch_param_names():
+    """Parameters given as named_parameters() (torch.optim keeps the names in 'param_names')."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    opt = flatopt.AdamW(model.named_parameters())
+    assert opt.param_groups[0]["param_names"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    model[0].weight.data = model[0].weight.data.clone()
+    with pytest.raises(RuntimeError, match=r"parameter '0\.weight' no longer lives"):
+        opt.step()
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_create_graph_backward_is_detected(steps_before):
+    model, opt, gen = trained(steps=steps_before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that create_graph=True makes a reference cycle
+        loss_fn(model, make_batch(gen)).backward(create_graph=True)
+    params = list(model.parameters())
+    before = snapshot(params, opt)
+    with pytest.raises(RuntimeError, match=r"'conv\.weight' is no longer a view.*create_graph"):
+        opt.step()
+    assert_unchanged(before, snapshot(params, opt))
+    for p in params:
+        p.grad = None  # break the graph's reference cycle
+
+
+# ---------------------------------------------------------------------------------------------- warnings
+
+
+def test_unused_parameter_warning_points_at_the_callers_line():
+    model, opt, gen = trained(steps=0)
+    loss_fn(model, make_batch(gen)).backward()
+    with pytest.warns(UserWarning, match="received no gradient") as record:
+        opt.step()
+    assert [w.filename for w in record] == [__file__]
+
+
+# ---------------------------------------------------------------------------------------------- load_state_dict
+
+
+def _state_dict(opt):
+    return copy.deepcopy(opt.state_dict())
+
+
+def sd_wrong_shape(sd, model):
+    sd["state"][0]["exp_avg"] = torch.zeros(5, 5)
+    return r"'exp_avg' of shape \(5, 5\) for parameter 0 \('conv\.weight'\), whose shape is \(5, 3, 3, 3\)"
+
+
+def sd_fewer_params(sd, model):
+    sd["param_groups"][0]["params"] = sd["param_groups"][0]["params"][:-1]
+    return "torch"
+
+
+def sd_more_groups(sd, model):
+    sd["param_groups"].append({**sd["param_groups"][0], "params": []})
+    return "torch"
+
+
+def sd_unknown_param(sd, model):
+    sd["state"][99] = sd["state"][0]
+    return r"state for parameter 99, but the optimizer has \d+ parameters"
+
+
+def sd_amsgrad_state(sd, model):
+    sd["state"][3]["max_exp_avg_sq"] = sd["state"][3]["exp_avg_sq"].clone()
+    return r"unexpected state \['max_exp_avg_sq'\] for parameter 3 \(amsgrad state"
+
+
+def sd_torch_amsgrad(sd, model):
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():
+        p.grad = torch.ones_like(p) if p.requires_grad else None
+    theirs = torch.optim.AdamW(ref.parameters(), amsgrad=True)
+    theirs.step()
+    sd.clear()
+    sd.update(theirs.state_dict())
+    return r"amsgrad"
+
+
+def sd_bad_lr(sd, model):
+    sd["param_groups"][0]["lr"] = -1.0
+    return r"^Invalid learning rate: -1\.0$"
+
+
+def sd_missing_step(sd, model):
+    del sd["state"][0]["step"]
+    return r"no 'step' for parameter 0 \('conv\.weight'\)"
+
+
+def sd_negative_step(sd, model):
+    sd["state"][0]["step"] = torch.tensor(-3.0)
+    return r"step -3\.0 for parameter 0; it must be >= 0"
+
+
+def sd_not_a_dict(sd, model):
+    sd["state"][0] = [1, 2]
+    return r"state list for parameter 0; expected a dict"
+
+
+BAD_STATE_DICTS = {f.__name__[3:]: f for f in (
+    sd_wrong_shape, sd_fewer_params, sd_more_groups, sd_unknown_param, sd_amsgrad_state, sd_torch_amsgrad,
+    sd_bad_lr, sd_missing_step, sd_negative_step, sd_not_a_dict,
+)}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_STATE_DICTS))
+def test_failing_load_state_dict_changes_nothing(case):
+    model, opt, gen = trained(steps=2)
+    twin, twin_opt, twin_gen = trained(steps=2)
+    sd = _state_dict(opt)
+    pattern = BAD_STATE_DICTS[case](sd, model)
+    if pattern == "torch":  # same input into torch.optim: same words
+        ref = torch.optim.AdamW(copy.deepcopy(model).parameters())
+        pattern = f"^{re.escape(torch_message(ref.load_state_dict, copy.deepcopy(sd)))}$"
+    params = list(model.parameters())
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=pattern):
+        opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot(params, opt))
+    steps_like_twin(model, opt, gen, twin, twin_opt, twin_gen, start=3)
+
+
+def test_failing_sgd_load_state_dict_changes_nothing():
+    model, opt, gen = trained("sgd", steps=2)
+    twin, twin_opt, twin_gen = trained("sgd", steps=2)
+    sd = _state_dict(opt)
+    sd["state"][3]["momentum_buffer"] = torch.zeros(13)
+    params = list(model.parameters())
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=r"'momentum_buffer' of shape \(13,\) for parameter 3 \('proj\.weight'\)"):
+        opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot(params, opt))
+    steps_like_twin(model, opt, gen, twin, twin_opt, twin_gen, start=3)
+
+
+# ---------------------------------------------------------------------------------------------- later hparams
+
+LATER_BAD = [
+    ("adamw", 0, "lr", -1.0),
+    ("adamw", 0, "betas", (1.5, 0.999)),
+    ("adamw", 1, "betas", (0.9, 1.0)),
+    ("adamw", 1, "betas", (-0.5, 0.999)),
+    ("adamw", 0, "eps", -1e-8),
+    ("adamw", 1, "weight_decay", -0.1),
+    ("sgd", 1, "lr", -0.5),
+    ("sgd", 0, "momentum", -0.9),
+    ("sgd", 1, "nesterov", True),
+    ("lion", 1, "betas", (0.9, 1.5)),
+    ("lion", 0, "lr", -1e-4),
+]
+
+
+def two_groups(model):
+    mats = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": mats}, {"params": rest, "lr": 1e-3}]
+
+
+@pytest.mark.parametrize(
+    "opt_name, group, key, value", LATER_BAD, ids=[f"{o}-group{g}-{k}={v}" for o, g, k, v in LATER_BAD]
+)
+def test_invalid_hyperparameter_set_later_is_refused_at_step(opt_name, group, key, value):
+    def build():
+        torch.manual_seed(0)
+        model = Net()
+        opt = silent(MAKE[opt_name], two_groups(model), **({"dampening": 0.1} if key == "nesterov" else {}))
+        gen = torch.Generator().manual_seed(1)
+        train_step(model, opt, gen)
+        return model, opt, gen
+
+    model, opt, gen = build()
+    twin, twin_opt, twin_gen = build()
+    good = opt.param_groups[group][key]
+    opt.param_groups[group][key] = value
+    if opt_name == "lion":
+        expected = "Invalid beta parameter at index 1: 1.5" if key == "betas" else f"Invalid learning rate: {value}"
+    else:
+        cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[opt_name]
+        kwargs = {"dampening": 0.1, "momentum": 0.9} if key == "nesterov" else {}
+        expected = torch_message(cls, [nn.Parameter(torch.ones(1))], **{key: value, **kwargs})
+    loss_fn(model, make_batch(gen)).backward()
+    loss_fn(twin, make_batch(twin_gen)).backward()
+    params = list(model.parameters())
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        opt.step()
+    assert_unchanged(before, snapshot(params, opt))
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):  # refused again, not only once
+        opt.step()
+    assert_unchanged(before, snapshot(params, opt))
+    opt.param_groups[group][key] = good
+    silent(opt.step)
+    silent(twin_opt.step)
+    opt.zero_grad()
+    twin_opt.zero_grad()
+    assert_twins(model, opt, twin, twin_opt, 2)
+    steps_like_twin(model, opt, gen, twin, twin_opt, twin_gen, start=3)
+
+
+def test_invalid_tensor_lr_set_later_is_refused_at_step():
+    model, opt, gen = trained(lr=torch.tensor(1e-2))
+    opt.param_groups[0]["lr"] = torch.tensor(-1.0)
+    loss_fn(model, make_batch(gen)).backward()
+    params = list(model.parameters())
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=r"^Invalid learning rate: -1\.0$|^Invalid learning rate: tensor\(-1\.\)$"):
+        opt.step()
+    assert_unchanged(before, snapshot(params, opt))
+
+
+def test_invalid_group_in_add_param_group_changes_nothing():
+    model, opt, gen = trained()
+    extra = nn.Parameter(torch.randn(7))
+    params = list(model.parameters()) + [extra]
+    expected = torch_message(torch.optim.AdamW, [extra], lr=-0.5)
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        opt.add_param_group({"params": [extra], "lr": -0.5})
+    assert_unchanged(before, snapshot(params, opt))

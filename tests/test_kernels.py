@@ -1,0 +1,302 @@
+"""Each Triton launcher (flatopt.kernels.adamw_step / sgd_step / lion_step) against its pure-torch
+reference (flatopt.reference.*_step, same signature), directly on flat buffers built by
+flatopt.layout.FlatBuffer: lengths that are not multiples of the block size, several param groups,
+per-parameter step counts, an active mask, grad_scale and found_inf, maximize. Every buffer and
+meta.steps are compared after each launch, and the launch counter must be back at zero.
+
+On a machine without a GPU the kernels run under the Triton interpreter, so sizes stay small; a
+block size of 128 makes several programs run (the last one partial), None is the default block.
+Each launch starts both sides from the same buffers (the kernel's output of the previous launch),
+so the comparison is one rounding per launch: under the interpreter a bfloat16 store truncates
+where torch rounds to nearest, one bf16 ulp, which TOL[bfloat16] (two ulps) allows.
+"""
+
+import pytest
+import torch
+from conftest import TOL, TRITON_SKIP, device_for
+
+import flatopt
+from flatopt import kernels, reference
+from flatopt.layout import FlatBuffer, StepMeta
+
+pytestmark = [
+    TRITON_SKIP,
+    # the beta1=0 group: the interpreter evaluates both branches of one_minus_pow's tl.where with numpy,
+    # including log(0) and 0/0 in the branch that the where discards
+    pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning"),
+]
+
+DEVICE = device_for("triton")
+STEP_BLOCK = kernels.common.STEP_BLOCK  # parameters per chunk when the last program advances the steps
+SHAPES = [(37,), (5, 13), (64,), (1,), (129,), (3, 3, 3), (70,)]  # 704 elements laid out: 5.5 blocks of 128
+GROUP_OF = [0, 1, 2, 0, 1, 2, 1]
+STEPS = [0.0, 3.0, 1.0, 10.0, 0.0, 7.0, 2.0]
+ACTIVE = [1, 0, 1, 1, 0, 1, 1]
+
+OPTS = {
+    "adamw": dict(
+        cls=flatopt.AdamW,
+        states=("exp_avg", "exp_avg_sq"),
+        groups=[
+            dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, maximize=False),
+            dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0, maximize=True),
+            dict(lr=5e-2, betas=(0.0, 0.5), eps=1e-3, weight_decay=0.5, maximize=False),
+        ],
+    ),
+    "sgd": dict(
+        cls=flatopt.SGD,
+        states=("momentum_buffer",),
+        groups=[
+            dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True, maximize=False),
+            dict(lr=0.05, momentum=0.0, dampening=0.0, weight_decay=0.1, nesterov=False, maximize=True),
+            dict(lr=0.02, momentum=0.5, dampening=0.3, weight_decay=0.0, nesterov=False, maximize=False),
+        ],
+    ),
+    "lion": dict(
+        cls=flatopt.Lion,
+        states=("exp_avg",),
+        groups=[
+            dict(lr=2e-2, betas=(0.9, 0.99), weight_decay=0.1),  # lr above a bf16 ulp, so every step shows
+            dict(lr=3e-2, betas=(0.95, 0.98), weight_decay=0.0),
+            dict(lr=5e-2, betas=(0.5, 0.9), weight_decay=1.0),
+        ],
+    ),
+}
+
+
+def close(actual, expected, what, **tol):
+    """torch.testing.assert_close with explicit tolerances and a message naming the step and the tensor."""
+    torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def launchers(opt):
+    return getattr(kernels, f"{opt}_step"), getattr(reference, f"{opt}_step")
+
+
+class Case:
+    """Flat buffers, their StepMeta and the hyper-parameter table of one kernel launch."""
+
+    def __init__(self, opt, dtype, variant, seed=0):
+        spec = OPTS[opt]
+        uniform = variant == "uniform"
+        groups = [0] * len(SHAPES) if uniform else GROUP_OF
+        gen = torch.Generator().manual_seed(seed)
+        params = [torch.randn(s, generator=gen).to(DEVICE, dtype) for s in SHAPES]
+        states = spec["states"] if variant != "no-momentum" else ()
+        self.buf = FlatBuffer(params, groups, states)
+        b = self.buf
+        for i in range(len(params)):
+            b.data_views[i].copy_(torch.randn(SHAPES[i], generator=gen))
+            b.grad_views[i].copy_(torch.randn(SHAPES[i], generator=gen))
+            for name, views in b.state_views.items():
+                value = torch.randn(SHAPES[i], generator=gen)
+                views[i].copy_(value.abs() * 0.01 if name == "exp_avg_sq" else value * 0.1)
+        rows = spec["groups"]
+        if variant == "no-momentum":
+            rows = [{**g, "momentum": 0.0, "nesterov": False} for g in rows]
+        self.hparams = torch.tensor([spec["cls"]._hparam_row(g) for g in rows], dtype=torch.float32, device=DEVICE)
+        self.meta = b.meta
+        self.meta.steps.copy_(torch.tensor([5.0] * len(SHAPES) if uniform else STEPS))
+        self.meta.uniform = uniform
+        if variant == "active":
+            self.meta.active = torch.tensor(ACTIVE, dtype=torch.uint8, device=DEVICE)
+        self.states = states
+        self.opt = opt
+        self.grad_scale = self.found_inf = None
+        if variant == "grad_scale":
+            self.grad_scale = torch.tensor([4.0], device=DEVICE)
+            self.found_inf = torch.tensor([0.0], device=DEVICE)
+
+    def tensors(self):
+        b = self.buf
+        out = {"param": b.data, "grad": b.grad, **b.states}
+        if self.opt == "sgd" and not self.states:
+            out["momentum_buffer"] = None
+        return out
+
+    def clone(self):
+        """An independent copy: same values, separate buffers and meta."""
+        other = object.__new__(Case)
+        other.__dict__.update(self.__dict__)
+        b = self.buf
+        other.buf = object.__new__(FlatBuffer)
+        other.buf.__dict__.update(b.__dict__)
+        other.buf.data, other.buf.grad = b.data.clone(), b.grad.clone()
+        other.buf.states = {k: v.clone() for k, v in b.states.items()}
+        other.hparams = self.hparams.clone()
+        m = self.meta
+        other.meta = other.buf.meta = StepMeta(
+            param_of_granule=m.param_of_granule.clone(),
+            param_group=m.param_group.clone(),
+            steps=m.steps.clone(),
+            counter=m.counter.clone(),
+            active=None if m.active is None else m.active.clone(),
+            uniform=m.uniform,
+        )
+        return other
+
+    def load(self, other):
+        """Copy ``other``'s buffers and steps into this case."""
+        for name, t in self.tensors().items():
+            if t is not None:
+                t.copy_(other.tensors()[name])
+        self.meta.steps.copy_(other.meta.steps)
+
+    def launch(self, fn, block_size, found_inf=None):
+        fn(
+            *self.tensors().values(),
+            hparams=self.hparams,
+            meta=self.meta,
+            grad_scale=self.grad_scale,
+            found_inf=self.found_inf if found_inf is None else found_inf,
+            block_size=block_size,
+        )
+
+
+def padding(buf):
+    pad = torch.ones(buf.numel, dtype=torch.bool, device=buf.device)
+    for s, e in buf.index.values():
+        pad[s:e] = False
+    return pad
+
+
+def compare(kernel, ref, launch, dtype):
+    for name, t in kernel.tensors().items():
+        if t is None:
+            continue
+        close(t, ref.tensors()[name], f"launch {launch}, {name}", **TOL[dtype])
+    close(kernel.meta.steps, ref.meta.steps, f"launch {launch}, steps", atol=0, rtol=0)
+    assert kernel.meta.counter.tolist() == [0], f"launch {launch}: counter left at {kernel.meta.counter.tolist()}"
+
+
+VARIANTS = ["uniform", "groups-and-steps", "active", "grad_scale"]
+
+
+@pytest.mark.parametrize("block_size", [128, None], ids=["block128", "default-block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "opt, variant",
+    [(opt, variant) for opt in OPTS for variant in VARIANTS] + [("sgd", "no-momentum")],  # SGD's optional buffer
+    ids=lambda x: x,
+)
+def test_kernel_matches_reference(opt, variant, dtype, block_size):
+    kernel_fn, ref_fn = launchers(opt)
+    kernel = Case(opt, dtype, variant)
+    ref = kernel.clone()
+    steps0 = kernel.meta.steps.clone()
+    active = torch.ones_like(steps0) if kernel.meta.active is None else kernel.meta.active.float()
+    untouched = {n: t.clone() for n, t in kernel.tensors().items() if t is not None}
+    pad = padding(kernel.buf)
+    for launch in (1, 2, 3):
+        ref.load(kernel)
+        kernel.launch(kernel_fn, block_size)
+        ref.launch(ref_fn, block_size)
+        compare(kernel, ref, launch, dtype)
+        close(kernel.meta.steps, steps0 + launch * active, f"launch {launch}, steps", atol=0, rtol=0)
+        for name, t in kernel.tensors().items():
+            if t is not None:
+                assert not t[pad].any(), f"launch {launch}: {name} padding is not zero"
+    # inactive parameters are left exactly as they were (gradients stay scaled too)
+    for i, on in enumerate(active.tolist()):
+        if not on:
+            s, e = kernel.buf.index[kernel.buf.params[i]]
+            for name, t in kernel.tensors().items():
+                if t is not None:
+                    assert torch.equal(t[s:e], untouched[name][s:e]), f"inactive params[{i}] {name} changed"
+    # every active parameter was updated
+    for i, on in enumerate(active.tolist()):
+        if on:
+            s, e = kernel.buf.index[kernel.buf.params[i]]
+            assert not torch.equal(kernel.buf.data[s:e], untouched["param"][s:e]), f"params[{i}] was not stepped"
+
+
+@pytest.mark.parametrize("block_size", [128, None], ids=["block128", "default-block"])
+@pytest.mark.parametrize("variant", ["uniform", "active", "grad_scale"])
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_found_inf_leaves_everything_unchanged(opt, variant, block_size):
+    kernel_fn, ref_fn = launchers(opt)
+    case = Case(opt, torch.float32, variant)
+    before = {n: t.clone() for n, t in case.tensors().items() if t is not None}
+    steps = case.meta.steps.clone()
+    for fn in (kernel_fn, ref_fn):
+        for _ in range(2):
+            case.launch(fn, block_size, found_inf=torch.tensor([1.0], device=DEVICE))
+            for name, t in case.tensors().items():
+                if t is not None:
+                    assert torch.equal(t, before[name]), f"{fn.__module__}: found_inf=1 changed {name}"
+            assert torch.equal(case.meta.steps, steps), f"{fn.__module__}: found_inf=1 advanced the steps"
+            assert case.meta.counter.tolist() == [0]
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_maximize_is_minimizing_the_negated_gradient(opt):
+    kernel_fn, _ = launchers(opt)
+    up = Case(opt, torch.float32, "groups-and-steps")
+    down = up.clone()
+    up.hparams[:, -1] = -1.0  # GRAD_SIGN: maximize in every group
+    down.hparams[:, -1] = 1.0
+    down.buf.grad.neg_()
+    for launch in (1, 2):
+        up.launch(kernel_fn, 128)
+        down.launch(kernel_fn, 128)
+        for name in ["param", *up.states]:
+            close(up.tensors()[name], down.tensors()[name], f"launch {launch}, {name}", atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_uniform_and_per_element_paths_agree(opt):
+    """One group and equal steps: the UNIFORM kernel (scalars per program) and the general one agree bit for bit."""
+    kernel_fn, _ = launchers(opt)
+    uniform = Case(opt, torch.float32, "uniform")
+    general = uniform.clone()
+    general.meta.uniform = False
+    for launch in (1, 2):
+        uniform.launch(kernel_fn, 128)
+        general.launch(kernel_fn, 128)
+        for name, t in uniform.tensors().items():
+            close(t, general.tensors()[name], f"launch {launch}, {name}", atol=0, rtol=0)
+        assert torch.equal(uniform.meta.steps, general.meta.steps)
+
+
+def test_launcher_rejects_mismatched_buffers():
+    kernel_fn, _ = launchers("adamw")
+    case = Case("adamw", torch.float32, "uniform")
+    t = case.tensors()
+    with pytest.raises(ValueError, match="flat buffers must share device, dtype and length"):
+        kernel_fn(t["param"], t["grad"][:-64], t["exp_avg"], t["exp_avg_sq"], hparams=case.hparams, meta=case.meta)
+    with pytest.raises(ValueError, match="flat buffers must be 1-D and contiguous"):
+        kernel_fn(
+            t["param"].view(-1, 64), t["grad"], t["exp_avg"], t["exp_avg_sq"], hparams=case.hparams, meta=case.meta
+        )
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_more_parameters_than_step_block(opt):
+    """More parameters than STEP_BLOCK: the last program advances the step counters in several chunks."""
+    kernel_fn, ref_fn = launchers(opt)
+    n = STEP_BLOCK + 77
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(1 + i % 3, generator=gen).to(DEVICE) for i in range(n)]
+    buf = FlatBuffer(params, [i % 3 for i in range(n)], OPTS[opt]["states"])
+    for views in [buf.data_views, buf.grad_views, *buf.state_views.values()]:
+        for v in views:
+            v.copy_(torch.rand(v.shape, generator=gen))
+    spec = OPTS[opt]
+    hparams = torch.tensor([spec["cls"]._hparam_row(g) for g in spec["groups"]], dtype=torch.float32, device=DEVICE)
+    buf.meta.steps.copy_(torch.arange(n) % 5)
+    buf.meta.active = (torch.arange(n) % 4 != 1).to(device=DEVICE, dtype=torch.uint8)
+    buf.meta.uniform = False
+    steps0 = buf.meta.steps.clone()
+    flat = [buf.data, buf.grad, *buf.states.values()]
+    ref = [t.clone() for t in flat]
+    ref_meta = StepMeta(
+        buf.meta.param_of_granule, buf.meta.param_group, steps0.clone(), buf.meta.counter.clone(), buf.meta.active
+    )
+    kernel_fn(*flat, hparams=hparams, meta=buf.meta)
+    ref_fn(*ref, hparams=hparams, meta=ref_meta)
+    for name, mine, theirs in zip(["param", "grad", *buf.states], flat, ref, strict=True):
+        close(mine, theirs, f"launch 1, {name}", **TOL[torch.float32])
+    close(buf.meta.steps, steps0 + buf.meta.active.float(), "launch 1, steps", atol=0, rtol=0)
+    close(ref_meta.steps, buf.meta.steps, "launch 1, reference steps", atol=0, rtol=0)
+    assert buf.meta.counter.tolist() == [0]

@@ -1,0 +1,576 @@
+"""The flat layout: flatopt.layout.FlatBuffer's offset arithmetic and views, and how the optimizers
+lay parameters out (input forms, tied and frozen parameters, one buffer per (device, dtype), .grad
+views through zero_grad and accumulation, add_param_group, one launch per buffer, flat=False)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import Net, assert_same, device_for, loss_fn, make_batch
+from torch import nn
+
+import flatopt
+from flatopt import kernels, reference
+from flatopt.layout import ALIGN, FlatBuffer, align_up
+
+# Sizes that are not multiples of ALIGN, exactly ALIGN, one past it, a scalar-like one and an
+# empty one in the middle.
+SHAPES = [(7,), (3, 5), (64,), (65,), (1,), (0,), (2, 3, 4), (130,)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+STATES = ("exp_avg", "exp_avg_sq")
+
+
+def make_tensors(shapes, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+
+def all_buffers(buf):
+    return {"data": buf.data, "grad": buf.grad, **buf.states}
+
+
+def padding_mask(buf):
+    """True on the elements of the buffer that belong to no parameter."""
+    pad = torch.ones(buf.numel, dtype=torch.bool)
+    for s, e in buf.index.values():
+        pad[s:e] = False
+    return pad
+
+
+def assert_view_of(view, flat, start, what):
+    """``view`` lives in ``flat``'s storage and its first element is ``flat[start]``."""
+    assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), f"{what} is not in the buffer"
+    assert view.storage_offset() == flat.storage_offset() + start, f"{what} starts at the wrong offset"
+
+
+def close(actual, expected, what, **tol):
+    """torch.testing.assert_close with explicit tolerances and a message naming the step and the tensor."""
+    torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def silent(fn, *args, **kwargs):
+    """Call ``fn`` with the unused- and duplicate-parameter warnings silenced (they have tests of their own)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def buffer_of(opt, p):
+    found = [buf for buf in opt._buffers if any(q is p for q in buf.params)]
+    assert len(found) == 1, f"parameter of shape {tuple(p.shape)} is in {len(found)} buffers"
+    return found[0]
+
+
+# ---------------------------------------------------------------------------------------------- FlatBuffer
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_offsets_aligned_disjoint_tight_and_length(dtype):
+    params = make_tensors(SHAPES, dtype)
+    buf = FlatBuffer(params, [0] * len(params), STATES)
+    prev_end = 0
+    for i, p in enumerate(params):
+        s, e = buf.index[p]
+        assert buf.starts[i] == s
+        assert s % ALIGN == 0, f"params[{i}] starts at {s}, not a multiple of ALIGN={ALIGN}"
+        assert e - s == p.numel()
+        assert s >= prev_end, f"params[{i}] overlaps the previous parameter"
+        assert s == align_up(prev_end), f"params[{i}] leaves more than the alignment padding before it"
+        prev_end = e
+    assert buf.numel == align_up(prev_end)
+    assert buf.numel % ALIGN == 0
+    for name, flat in all_buffers(buf).items():
+        assert flat.shape == (buf.numel,) and flat.dtype == dtype and flat.is_contiguous(), name
+    assert set(buf.states) == set(STATES)
+
+
+def test_length_of_one_small_parameter_is_one_granule():
+    buf = FlatBuffer([torch.ones(3)], [0])
+    assert buf.numel == ALIGN
+    assert buf.index[buf.params[0]] == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_views_cover_exactly_their_range_and_padding_stays_zero(dtype):
+    params = make_tensors(SHAPES, dtype)
+    buf = FlatBuffer(params, [0] * len(params), STATES)
+    pad = padding_mask(buf)
+    for name, flat in all_buffers(buf).items():
+        assert not flat.any(), f"{name} is not zero-initialised"
+        views = {"data": buf.data_views, "grad": buf.grad_views}.get(name) or buf.state_views[name]
+        for i, (p, view) in enumerate(zip(params, views, strict=True)):
+            s, e = buf.index[p]
+            assert view.shape == p.shape and view.stride() == p.stride() and view.dtype == dtype
+            assert_view_of(view, flat, s, f"{name} view {i}")
+            view.fill_(i + 1)  # writes through the view land in [s, e) of the flat buffer
+        for i, p in enumerate(params):
+            s, e = buf.index[p]
+            assert (flat[s:e] == i + 1).all(), f"{name}: the view of params[{i}] does not cover [{s}, {e})"
+        assert not flat[pad].any(), f"{name}: a view writes into the padding"
+
+
+def test_param_of_granule_group_table_and_step_meta():
+    params = make_tensors(SHAPES)
+    groups = [0, 1, 1, 2, 0, 2, 1, 0]
+    buf = FlatBuffer(params, groups, STATES)
+    owner = buf.meta.param_of_granule
+    assert owner.dtype == torch.int32 and owner.numel() == buf.numel // ALIGN
+    for g in range(owner.numel()):
+        # a granule belongs to the parameter whose aligned range [start, align_up(end)) holds it
+        holders = [
+            i for i, p in enumerate(params) if p.numel() and buf.starts[i] <= g * ALIGN < align_up(buf.index[p][1])
+        ]
+        assert holders == [int(owner[g])], f"granule {g} is owned by {int(owner[g])}, expected {holders}"
+    assert buf.meta.param_group.tolist() == groups and buf.meta.param_group.dtype == torch.int32
+    assert buf.meta.steps.tolist() == [0.0] * len(params) and buf.meta.steps.dtype == torch.float32
+    assert buf.meta.counter.tolist() == [0]
+    assert buf.meta.active is None
+    assert not buf.meta.uniform
+    assert FlatBuffer(make_tensors(SHAPES), [3] * len(SHAPES)).meta.uniform
+
+
+def test_param_of_granule_is_initialised_when_every_parameter_is_empty(monkeypatch):
+    real_empty = torch.empty
+
+    def dirty_empty(*args, **kwargs):  # uninitialised memory, made deterministic
+        t = real_empty(*args, **kwargs)
+        return t.fill_(-12345) if t.dtype == torch.int32 else t
+
+    monkeypatch.setattr(torch, "empty", dirty_empty)
+    buf = FlatBuffer([torch.zeros(0), torch.zeros(0, 3)], [0, 1])
+    monkeypatch.undo()
+    owner = buf.meta.param_of_granule
+    assert ((owner >= 0) & (owner < len(buf.params))).all(), f"param_of_granule holds {owner.tolist()}"
+
+
+def test_adopt_copies_values_and_existing_grads_into_views():
+    params = [nn.Parameter(t) for t in make_tensors(SHAPES)]
+    grads = make_tensors(SHAPES, seed=1)
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        if i % 3 != 2:  # every third parameter has no gradient yet
+            p.grad = g.clone()
+    values = [p.detach().clone() for p in params]
+    had_grad = [p.grad is not None for p in params]
+    buf = FlatBuffer(params, [0] * len(params))
+    buf.adopt()
+    for i, p in enumerate(params):
+        s, _ = buf.index[p]
+        assert_view_of(p.data, buf.data, s, f"params[{i}].data")
+        assert_view_of(p.grad, buf.grad, s, f"params[{i}].grad")
+        assert torch.equal(p.detach(), values[i])
+        assert torch.equal(p.grad, grads[i] if had_grad[i] else torch.zeros_like(p))
+    assert not buf.data[padding_mask(buf)].any() and not buf.grad[padding_mask(buf)].any()
+
+
+def strided_params():
+    """A channels_last conv weight, a transposed matrix, a permuted 3-d tensor, and a size-1 dim
+    with an arbitrary stride: all dense, none contiguous in the default format."""
+    gen = torch.Generator().manual_seed(3)
+    conv = torch.randn(5, 3, 3, 3, generator=gen).to(memory_format=torch.channels_last)
+    t = torch.randn(7, 9, generator=gen).t()
+    perm = torch.randn(2, 3, 5, generator=gen).permute(2, 0, 1)
+    odd = torch.randn(4, 6, generator=gen).as_strided((4, 1, 6), (6, 100, 1))
+    return [nn.Parameter(x) for x in (conv, t, perm, odd)]
+
+
+def test_views_keep_the_parameter_strides():
+    params = strided_params()
+    strides = [p.stride() for p in params]
+    values = [p.detach().clone() for p in params]
+    assert not params[0].is_contiguous() and params[0].is_contiguous(memory_format=torch.channels_last)
+    opt = flatopt.SGD(params, lr=0.1)
+    buf = opt._buffers[0]
+    for i, p in enumerate(params):
+        assert p.stride() == strides[i], f"params[{i}] lost its strides"
+        assert p.grad.stride() == strides[i], f"params[{i}].grad has strides {p.grad.stride()}"
+        assert torch.equal(p.detach(), values[i])
+        assert_view_of(p.data, buf.data, buf.index[p][0], f"params[{i}].data")
+    assert params[0].is_contiguous(memory_format=torch.channels_last)
+    # a backward accumulates into the views, with the parameter's strides kept
+    sum(((p * (i + 1)) ** 2).sum() for i, p in enumerate(params)).backward()
+    for i, p in enumerate(params):
+        assert_view_of(p.grad, buf.grad, buf.index[p][0], f"params[{i}].grad after backward")
+        assert p.grad.stride() == strides[i]
+        torch.testing.assert_close(p.grad, 2 * (i + 1) ** 2 * values[i], atol=1e-6, rtol=1e-6)
+    opt.step()
+    for i, p in enumerate(params):
+        expected = values[i] - 0.1 * 2 * (i + 1) ** 2 * values[i]
+        close(p.detach(), expected, f"step 1, params[{i}]", atol=1e-6, rtol=1e-5)
+        assert p.stride() == strides[i]
+
+
+# ---------------------------------------------------------------------------------------------- optimizer layout
+
+
+def forms(model):
+    """The same two param groups in every form torch.optim accepts."""
+    named = list(model.named_parameters())
+    mats = [(n, p) for n, p in named if p.dim() >= 2]
+    rest = [(n, p) for n, p in named if p.dim() < 2]
+    return {
+        "module": (model, model.parameters()),
+        "list": (list(model.parameters()),) * 2,
+        "generator": ((p for p in model.parameters()), (p for p in model.parameters())),
+        "named": (model.named_parameters(), model.named_parameters()),
+        "groups": [
+            [{"params": [p for _, p in mats], "weight_decay": 0.3}, {"params": [p for _, p in rest], "lr": 0.02}]
+        ]
+        * 2,
+        "generator_groups": [
+            [
+                {"params": (p for _, p in mats), "weight_decay": 0.3},
+                {"params": (p for _, p in rest), "lr": 0.02},
+            ]
+            for _ in range(2)
+        ],
+        "named_groups": [[{"params": mats, "weight_decay": 0.3}, {"params": rest, "lr": 0.02}]] * 2,
+    }
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("form", list(forms(Small())))
+def test_accepts_every_torch_input_form(form):
+    torch.manual_seed(0)
+    model = Small()
+    ref = copy.deepcopy(model)
+    ours = flatopt.AdamW(forms(model)[form][0], lr=0.01)
+    theirs = torch.optim.AdamW(forms(ref)[form][1], lr=0.01, foreach=False)
+    assert len(ours.param_groups) == len(theirs.param_groups)
+    for g, h in zip(ours.param_groups, theirs.param_groups, strict=True):
+        assert len(g["params"]) == len(h["params"]) and g["lr"] == h["lr"]
+        assert g["weight_decay"] == h["weight_decay"] and g.get("param_names") == h.get("param_names")
+    for p in model.parameters():
+        buf = buffer_of(ours, p)
+        assert_view_of(p.data, buf.data, buf.index[p][0], "data")
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    for step in (1, 2):
+        for m, o in ((model, ours), (ref, theirs)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert_same(p.detach(), q.detach(), step, name)
+
+
+def test_tied_parameters_appear_once():
+    model = Net()
+    assert model.head.weight is model.emb.weight
+    opt = silent(flatopt.AdamW, model)
+    laid_out = [p for buf in opt._buffers for p in buf.params]
+    trainable = [p for p in model.parameters() if p.requires_grad]  # nn.Module yields a tied weight once
+    assert len(laid_out) == len(trainable) == len({id(p) for p in laid_out})
+    buffer_of(opt, model.head.weight)
+
+
+def test_duplicate_parameter_in_a_list_is_stepped_once():
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))
+    w2, b2 = nn.Parameter(w.detach().clone()), nn.Parameter(b.detach().clone())
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        ours = flatopt.SGD([w, b, w], lr=0.1, momentum=0.9)
+    assert [p for p in ours.param_groups[0]["params"]] == [w, b]
+    assert [p for buf in ours._buffers for p in buf.params] == [w, b]
+    theirs = torch.optim.SGD([w2, b2], lr=0.1, momentum=0.9)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    for step in (1, 2, 3):
+        for (ww, bb), o in (((w, b), ours), ((w2, b2), theirs)):
+            (x @ ww + bb).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        assert_same(w.detach(), w2.detach(), step, "w")
+        assert_same(b.detach(), b2.detach(), step, "b")
+
+
+def test_frozen_parameters_are_left_alone():
+    torch.manual_seed(0)
+    model = Net()
+    frozen = list(model.frozen.parameters())
+    ptrs = [p.data_ptr() for p in frozen]
+    values = [p.detach().clone() for p in frozen]
+    opt = silent(flatopt.AdamW, model, lr=0.1, weight_decay=0.5)
+    for buf in opt._buffers:
+        assert not any(p is q for p in frozen for q in buf.params), "a frozen parameter was laid out"
+    assert all(any(p is q for q in opt.param_groups[0]["params"]) for p in frozen), "kept in the group as torch does"
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        loss_fn(model, make_batch(gen)).backward()
+        silent(opt.step)
+        opt.zero_grad()
+    for p, ptr, v in zip(frozen, ptrs, values, strict=True):
+        assert p.data_ptr() == ptr and p.grad is None and torch.equal(p.detach(), v)
+        assert p not in opt.state
+
+
+def test_one_buffer_per_dtype():
+    gen = torch.Generator().manual_seed(0)
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32]
+    params = [nn.Parameter(torch.randn(5 + i, generator=gen).to(dt)) for i, dt in enumerate(dtypes)]
+    opt = flatopt.AdamW([{"params": params[:3]}, {"params": params[3:], "lr": 0.1}])
+    assert [buf.dtype for buf in opt._buffers] == [torch.float32, torch.bfloat16, torch.float16]
+    for buf in opt._buffers:
+        assert buf.data.dtype == buf.grad.dtype == buf.dtype
+        assert all(s.dtype == buf.dtype for s in buf.states.values())
+        assert all(p.dtype == buf.dtype for p in buf.params)
+    for p in params:
+        buf = buffer_of(opt, p)
+        assert_view_of(p.data, buf.data, buf.index[p][0], "data")
+        assert_view_of(p.grad, buf.grad, buf.index[p][0], "grad")
+    fp32 = buffer_of(opt, params[0])
+    assert fp32.group_ids == [0, 0, 1] and fp32.meta.param_group.tolist() == [0, 0, 1]
+
+
+def check_grad_views(opt, model):
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        buf = buffer_of(opt, p)
+        assert_view_of(p.grad, buf.grad, buf.index[p][0], f"{name}.grad")
+        assert p.grad.stride() == p.stride(), name
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_keeps_views_and_zeroes_the_buffer(set_to_none):
+    torch.manual_seed(0)
+    model = Net()
+    opt = silent(flatopt.AdamW, model)
+    loss_fn(model, make_batch(torch.Generator().manual_seed(1))).backward()
+    assert all(buf.grad.any() for buf in opt._buffers)
+    opt.zero_grad(set_to_none=set_to_none)
+    check_grad_views(opt, model)
+    for buf in opt._buffers:
+        assert not buf.grad.any()
+    for p in model.parameters():
+        assert p.grad is None if not p.requires_grad else not p.grad.any()
+
+
+def test_two_backwards_accumulate_in_place():
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = silent(flatopt.AdamW, model)
+    gen = torch.Generator().manual_seed(1)
+    batches = [make_batch(gen), make_batch(gen)]
+    for batch in batches:
+        loss_fn(model, batch).backward()
+        loss_fn(ref, batch).backward()
+    check_grad_views(opt, model)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if p.requires_grad and q.grad is not None:
+            close(p.grad, q.grad, f"after 2 backwards, {name}.grad", atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_padding_stays_zero_through_steps(backend, opt_name):
+    device = device_for(backend)
+    torch.manual_seed(0)
+    model = Net().to(device)
+    make = {
+        "adamw": lambda ps: flatopt.AdamW(ps, lr=0.1, weight_decay=0.5, backend=backend),
+        "sgd": lambda ps: flatopt.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.5, nesterov=True, backend=backend),
+    }[opt_name]
+    opt = silent(make, model)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        loss_fn(model, make_batch(gen, device=device)).backward()
+        silent(opt.step)
+    for buf in opt._buffers:
+        pad = padding_mask(buf).to(device)
+        assert pad.any(), "the test model must leave padding"
+        for name, flat in all_buffers(buf).items():
+            assert flat.any(), f"{name} was never written"
+            assert not flat[pad].any(), f"{name}: padding is not zero after 3 steps"
+
+
+def test_add_param_group_keeps_values_and_state(backend):
+    """Two steps over part of a model, add the rest as a new group, three more steps: the same as
+    torch.optim doing the same, and nothing already there changes when the group is added."""
+    device = device_for(backend)
+    torch.manual_seed(0)
+    model = Net().to(device)
+    ref = copy.deepcopy(model)
+    first = [model.conv.weight, model.conv.bias, model.proj.weight]
+    rest = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in first)]
+    names = {p: n for n, p in model.named_parameters()}
+    ref_of = dict(zip(model.parameters(), ref.parameters(), strict=True))
+    ours = flatopt.AdamW(first, lr=0.02, weight_decay=0.1, backend=backend)
+    theirs = torch.optim.AdamW([ref_of[p] for p in first], lr=0.02, weight_decay=0.1, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+
+    def train(step, params):
+        batch = make_batch(gen, device=device)
+        for m, o in ((model, ours), (ref, theirs)):
+            loss_fn(m, batch).backward()
+            silent(o.step)
+            o.zero_grad(set_to_none=False)
+        for p in params:
+            assert_same(p.detach(), ref_of[p].detach(), step, names[p])
+            for key, value in theirs.state[ref_of[p]].items():
+                mine = ours.state[p][key]
+                if key == "step":
+                    assert float(mine) == float(value), f"step {step}, {names[p]}: step {float(mine)}"
+                else:
+                    assert_same(mine, value, step, f"{names[p]}.{key}")
+
+    for step in (1, 2):
+        train(step, first)
+    for p in rest:  # neither optimizer zeroes gradients of parameters it does not hold: start them afresh
+        p.grad = None
+        ref_of[p].grad = None
+    before = {p: (p.detach().clone(), {k: v.clone() for k, v in ours.state[p].items()}) for p in first}
+    group = {"params": rest, "lr": 0.01, "weight_decay": 0.0}
+    ours.add_param_group(group)
+    theirs.add_param_group({**group, "params": [ref_of[p] for p in rest]})
+    for p in first:
+        assert torch.equal(p.detach(), before[p][0])
+        for k, v in before[p][1].items():
+            assert torch.equal(ours.state[p][k].cpu(), v.cpu()), f"{names[p]}.{k} changed in add_param_group"
+    for p in first + rest:
+        buf = buffer_of(ours, p)
+        assert_view_of(p.data, buf.data, buf.index[p][0], names[p])
+        assert_view_of(p.grad, buf.grad, buf.index[p][0], names[p] + ".grad")
+    for p in rest:
+        ref_of[p].grad = torch.zeros_like(ref_of[p])  # flatopt steps them from now on, as torch.optim does
+    for step in (3, 4, 5):
+        train(step, first + rest)
+
+
+MOMENTUM_SCHEDULES = {  # step -> momentum of the second group
+    "on at step 3": {3: 0.9},
+    # on, off, on again: torch.optim keeps the momentum buffer through momentum=0 and goes on from it
+    "on, off, on again": {3: 0.9, 5: 0.0, 7: 0.9},
+}
+
+
+@pytest.mark.parametrize("schedule", list(MOMENTUM_SCHEDULES))
+def test_momentum_switched_on_later_in_a_buffer_shared_with_a_momentum_group(backend, schedule):
+    """The group's first momentum step sets the buffer to the update (torch's buf <- d), although
+    its parameters' step counts are already > 0; a later one goes on from the kept buffer."""
+    device = device_for(backend)
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(5, device=device)), nn.Parameter(torch.randn(6, device=device))
+    a2, b2 = nn.Parameter(a.detach().clone()), nn.Parameter(b.detach().clone())
+    ours = flatopt.SGD([{"params": [a], "momentum": 0.9}, {"params": [b]}], lr=0.1, dampening=0.5, backend=backend)
+    theirs = torch.optim.SGD([{"params": [a2], "momentum": 0.9}, {"params": [b2]}], lr=0.1, dampening=0.5)
+    assert len(ours._buffers) == 1
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 10):
+        if step in MOMENTUM_SCHEDULES[schedule]:  # a scheduler or the user changes the second group's momentum
+            ours.param_groups[1]["momentum"] = theirs.param_groups[1]["momentum"] = MOMENTUM_SCHEDULES[schedule][step]
+        ga, gb = torch.randn(5, generator=gen).to(device), torch.randn(6, generator=gen).to(device)
+        a.grad.copy_(ga)
+        b.grad.copy_(gb)
+        a2.grad, b2.grad = ga.clone(), gb.clone()
+        silent(ours.step)
+        theirs.step()
+        assert_same(a.detach(), a2.detach(), step, "group 0")
+        assert_same(b.detach(), b2.detach(), step, "group 1")
+
+
+# ---------------------------------------------------------------------------------------------- launches
+
+OPTIMIZERS = {
+    "adamw": (lambda ps, **k: flatopt.AdamW(ps, lr=1e-2, **k), "adamw_step"),
+    "sgd": (lambda ps, **k: flatopt.SGD(ps, lr=1e-2, momentum=0.9, **k), "sgd_step"),
+    "lion": (lambda ps, **k: flatopt.Lion(ps, lr=1e-3, **k), "lion_step"),
+}
+
+
+def layouts(case, device):
+    """(param groups, number of (device, dtype) buffers) for each launch-count case."""
+    gen = torch.Generator().manual_seed(0)
+
+    def tensors(n, dtype=torch.float32):
+        return [nn.Parameter(torch.randn(1 + i % 7, 1 + i % 5, generator=gen).to(device, dtype)) for i in range(n)]
+
+    if case == "1-group":
+        return [{"params": tensors(6)}], 1
+    if case == "5-groups":
+        return [{"params": tensors(2 + g), "lr": 1e-3 * (g + 1)} for g in range(5)], 1
+    if case == "300-params":
+        ps = tensors(300)
+        return [{"params": ps[:100]}, {"params": ps[100:250], "lr": 1e-3}, {"params": ps[250:]}], 1
+    if case == "2-dtypes":
+        return [{"params": tensors(4) + tensors(3, torch.bfloat16)}, {"params": tensors(2, torch.bfloat16)}], 2
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case", ["1-group", "5-groups", "300-params", "2-dtypes"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_one_launch_per_buffer_per_step(backend, opt_name, case, monkeypatch):
+    make, entry = OPTIMIZERS[opt_name]
+    module = kernels if backend == "triton" else reference
+    calls = []
+    real = getattr(module, entry)
+
+    def counted(param, *args, **kwargs):
+        calls.append(param)
+        return real(param, *args, **kwargs)
+
+    monkeypatch.setattr(module, entry, counted)
+    groups, n_buffers = layouts(case, device_for(backend))
+    params = [p for g in groups for p in g["params"]]
+    opt = make(groups, backend=backend)
+    assert len(opt._buffers) == n_buffers
+    for step in (1, 2):
+        calls.clear()
+        before = [buf.data.clone() for buf in opt._buffers]
+        sum((p.float() * (i % 3 - 1.5)).sum() for i, p in enumerate(params)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert len(calls) == n_buffers, f"step {step}: {len(calls)} launches for {n_buffers} buffer(s)"
+        assert {c.data_ptr() for c in calls} == {buf.data.data_ptr() for buf in opt._buffers}
+        for buf, b in zip(opt._buffers, before, strict=True):
+            assert not torch.equal(buf.data, b), f"step {step} did not step the {buf.dtype} buffer"
+
+
+# ---------------------------------------------------------------------------------------------- flat=False
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_flat_false_keeps_tensors_in_place_and_matches_torch(backend, opt_name):
+    """Also with the Triton kernels, over parameters whose sizes are not multiples of GRANULE."""
+    make = {
+        "adamw": (
+            lambda m: flatopt.AdamW(m, lr=1e-2, weight_decay=0.1, flat=False, backend=backend),
+            lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, foreach=False),
+        ),
+        "sgd": (
+            lambda m: flatopt.SGD(m, lr=0.05, momentum=0.9, weight_decay=0.1, flat=False, backend=backend),
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1, foreach=False),
+        ),
+    }[opt_name]
+    device = device_for(backend)
+    torch.manual_seed(0)
+    model = Net().to(device)
+    ref = copy.deepcopy(model)
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    strides = {n: p.stride() for n, p in model.named_parameters()}
+    ours, theirs = make[0](model), make[1](ref)
+    assert ours._buffers == []
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 6):
+        batch = make_batch(gen, device=device)
+        for m, o in ((model, ours), (ref, theirs)):
+            loss_fn(m, batch).backward()
+            o.step()
+            o.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert p.data_ptr() == ptrs[name] and p.stride() == strides[name], f"step {step}: {name} moved"
+            assert_same(p.detach(), q.detach(), step, name)
+            for key, value in theirs.state.get(q, {}).items():
+                mine = ours.state[p][key]
+                if key == "step":
+                    assert float(mine) == float(value), f"step {step}, {name}: step count {float(mine)}"
+                else:
+                    assert_same(mine, value, step, f"{name}.{key}")
+        assert model.unused.weight not in ours.state or not ours.state[model.unused.weight]

@@ -1,0 +1,100 @@
+"""step() replays its kernel launches from a CUDA graph once a configuration has run: the result
+must be bit-identical to launching directly, through lr changes, a state buffer added later
+and GradScaler steps (which launch directly)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import flatopt
+from flatopt.step_graph import StepGraph
+
+
+def test_step_graph_is_not_used_off_cuda():
+    model = nn.Linear(4, 3)
+    opt = flatopt.AdamW(model)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert not StepGraph.usable(opt, None, None)
+    assert opt._step_graph.graph is None
+
+
+def two_optimizers(make, seed=0):
+    torch.manual_seed(seed)
+    a = nn.Sequential(nn.Linear(33, 70), nn.Tanh(), nn.Linear(70, 5)).cuda()
+    b = copy.deepcopy(a)
+    oa, ob = make(a), make(b)
+    ob.use_step_graph = False
+    return (a, oa), (b, ob)
+
+
+def step_both(pairs, x, scaler=None):
+    for model, opt in pairs:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler[id(opt)].scale(loss).backward()
+            scaler[id(opt)].step(opt)
+            scaler[id(opt)].update()
+
+
+def assert_identical(pairs, step):
+    (a, oa), (b, ob) = pairs
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q), f"step {step}: parameters differ"
+        for key, value in ob.state[q].items():
+            assert torch.equal(oa.state[p][key], value), f"step {step}: {key} differs"
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: flatopt.AdamW(m, lr=1e-2, weight_decay=0.1),
+        lambda m: flatopt.SGD(m, lr=1e-2, momentum=0.9, nesterov=True),
+        lambda m: flatopt.Lion(m, lr=1e-3, weight_decay=0.1),
+    ],
+    ids=["adamw", "sgd", "lion"],
+)
+def test_replayed_step_is_bit_identical_to_direct_launches(make):
+    pairs = two_optimizers(make)
+    x = torch.randn(16, 33, device="cuda")
+    for step in range(1, 11):
+        for _, opt in pairs:
+            for g in opt.param_groups:
+                g["lr"] = 1e-2 / step  # a scheduler changing lr every step
+        step_both(pairs, x)
+        assert_identical(pairs, step)
+    assert pairs[0][1]._step_graph.graph is not None, "the graph was not used"
+    assert pairs[1][1]._step_graph.graph is None
+
+
+@pytest.mark.requires_cuda
+def test_state_added_later_records_a_new_graph():
+    pairs = two_optimizers(lambda m: flatopt.SGD(m, lr=1e-2))
+    x = torch.randn(16, 33, device="cuda")
+    for step in range(1, 4):
+        step_both(pairs, x)
+    first = pairs[0][1]._step_graph.key
+    for _, opt in pairs:
+        opt.param_groups[0]["momentum"] = 0.9  # allocates the momentum buffer
+    for step in range(4, 9):
+        step_both(pairs, x)
+        assert_identical(pairs, step)
+    assert pairs[0][1]._step_graph.key != first
+
+
+@pytest.mark.requires_cuda
+def test_grad_scaler_steps_launch_directly_and_agree():
+    pairs = two_optimizers(lambda m: flatopt.AdamW(m, lr=1e-2))
+    scaler = {id(o): torch.amp.GradScaler("cuda", init_scale=2.0**10) for _, o in pairs}
+    x = torch.randn(16, 33, device="cuda")
+    for step in range(1, 6):
+        step_both(pairs, x, scaler)
+        assert_identical(pairs, step)
+    assert pairs[0][1]._step_graph.graph is None
