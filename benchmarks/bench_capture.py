@@ -1,0 +1,564 @@
+"""Question: per training step (zero_grad + forward + backward + AdamW step, bf16 autocast), how fast is flatopt's
+``opt.capture`` against torch's eager fused AdamW, a hand-captured CUDA graph of torch's capturable fused AdamW and
+``torch.compile(mode="reduce-overhead")``, on a launch-bound and on a compute-bound model?
+
+Models (written here: token + position embeddings, pre-LN blocks with F.scaled_dot_product_attention(is_causal=True),
+MLP 4x with GELU, head tied to the token embedding; fp32 parameters, bf16 autocast in the forward):
+
+    small   2 layers, d=256, 4 heads, vocab 4096, batch 8 x 128 tokens (launch-bound)
+    gpt2    GPT-2 small: 12 layers, d=768, 12 heads, vocab 50257, batch 8 x 512 tokens
+
+Implementations (each on a fresh model from the same seed, trained on the same batches):
+
+    torch-fused                  torch.optim.AdamW(fused=True), eager, zero_grad(set_to_none=True)
+    torch-fused-graph            the whole step hand-captured in one CUDA graph: AdamW(fused=True, capturable=True),
+                                 zero_grad(set_to_none=False) inside the graph, static inputs, side-stream warm-up
+    torch-compile-ro             torch.compile(model, mode="reduce-overhead"), eager fused AdamW step
+    flatopt                      flatopt.AdamW, eager
+    flatopt-capture              flatopt.AdamW, opt.capture(train_step, x, y)
+    flatopt-capture-compiled     flatopt.AdamW, opt.capture around torch.compile(model) (default mode)
+
+Every implementation runs the same number of training steps (warm-up + timed) from the same initial parameters on
+the same cycle of batches; a captured step's warm-up is undone before its first replay (flatopt does that itself; for
+torch's hand-captured graph the parameters are put back and the AdamW states zeroed, which is AdamW's initial
+state). Median ms per step (20th-80th percentile) from CUDA events around each step, the first and the final loss
+(reported, not asserted: bf16 autocast differs slightly between implementations). The torch.compile cases run last,
+each in a subprocess with a timeout taken from what is left of --budget-s (a case without time is recorded as
+skipped, with the reason). flatopt's targets (reported with margins, not asserted): flatopt-capture <= torch-fused-
+graph on both models and the fastest of all on the small model; flatopt-capture-compiled faster than torch-compile-ro
+on GPT-2 small. Exit status 1 when a flatopt case failed.
+
+GPU run from the repository root (about 1 minute, plus up to 4 compilations within --budget-s, default 200 s):
+
+    PYTHONPATH=. python3 benchmarks/bench_capture.py [--no-compile] [--json PATH] [--markdown PATH]
+
+CPU smoke run (tiny models; the CUDA-graph and compile cases are recorded as skipped; measures nothing):
+
+    PYTHONPATH=. python3 benchmarks/bench_capture.py --device cpu --smoke --out /tmp/flatopt-smoke
+
+Markdown table of a stored result: ``python3 benchmarks/bench_capture.py --report RESULT.json``.
+"""
+
+import argparse
+import itertools
+import json
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable (after any installed flatopt)
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flatopt
+from benchmarks import harness
+from benchmarks.bench_memory import time_steps
+from benchmarks.bench_step import RESULT_PREFIX, _csv, run_worker
+
+HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+N_BATCHES = 4  # the steps cycle through this many fixed batches
+MIN_COMPILE_S = 20.0  # a compile case is not started with less time than this left
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    layers: int
+    dim: int
+    heads: int
+    vocab: int
+    batch: int
+    tokens: int
+
+
+MODELS = {
+    "small": GPTConfig(layers=2, dim=256, heads=4, vocab=4096, batch=8, tokens=128),
+    "gpt2": GPTConfig(layers=12, dim=768, heads=12, vocab=50257, batch=8, tokens=512),
+}
+SMOKE_MODELS = {
+    "small": GPTConfig(layers=2, dim=32, heads=2, vocab=64, batch=2, tokens=16),
+    "gpt2": GPTConfig(layers=2, dim=48, heads=3, vocab=97, batch=2, tokens=16),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.fc_proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A GPT with a tied head; ``forward(idx, targets)`` returns the mean cross-entropy loss (fp32)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab, cfg.dim)
+        self.wpe = nn.Embedding(cfg.tokens, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        for m in self.modules():  # GPT-2's initialisation
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx, targets):
+        # cache_enabled=False: autocast's weight cast cache must be off inside a CUDA graph capture
+        with torch.autocast(idx.device.type, dtype=torch.bfloat16, cache_enabled=False):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            for block in self.blocks:
+                x = block(x)
+            logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def gpt_numel(cfg):
+    """Parameters of GPT(cfg): embeddings, per block 2 LayerNorms and 4 Linears, the final LayerNorm (head tied)."""
+    d = cfg.dim
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+    return cfg.vocab * d + cfg.tokens * d + cfg.layers * block + 2 * d
+
+
+def make_batches(cfg, device, seed):
+    """``N_BATCHES`` fixed (tokens, next tokens) pairs of random token sequences."""
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    out = []
+    for _ in range(N_BATCHES):
+        x = torch.randint(0, cfg.vocab, (cfg.batch, cfg.tokens + 1), generator=gen)
+        out.append((x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)))
+    return out
+
+
+def make_model(cfg, device, seed):
+    torch.manual_seed(seed)
+    return GPT(cfg).to(device)
+
+
+# ----------------------------------------------------------------------------------- implementations
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    note: str
+    ours: bool = False
+    needs_cuda: bool = False
+    compiled: bool = False  # torch.compile: runs last, in a subprocess with a timeout
+
+
+IMPLS = (
+    Impl("torch-fused", "torch.optim.AdamW(fused=True), eager, zero_grad(set_to_none=True)"),
+    Impl(
+        "torch-fused-graph",
+        "zero_grad(set_to_none=False) + forward + backward + AdamW(fused=True, capturable=True).step() hand-captured "
+        "in one CUDA graph (side-stream warm-up, static inputs)",
+        needs_cuda=True,
+    ),
+    Impl("flatopt", "flatopt.AdamW(model), eager: zero_grad(), forward, backward, step()", ours=True),
+    Impl("flatopt-capture", "flatopt.AdamW(model); opt.capture(train_step, x, y)", ours=True, needs_cuda=True),
+    Impl(
+        "torch-compile-ro",
+        'torch.compile(model, mode="reduce-overhead"), eager torch.optim.AdamW(fused=True) step',
+        needs_cuda=True,
+        compiled=True,
+    ),
+    Impl(
+        "flatopt-capture-compiled",
+        "flatopt.AdamW(model); opt.capture(train_step, x, y) with train_step calling torch.compile(model)",
+        ours=True,
+        needs_cuda=True,
+        compiled=True,
+    ),
+)
+IMPL_BY_NAME = {i.name: i for i in IMPLS}
+
+
+def _eager(model, opt, zero):
+    def step(x, y):
+        zero()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def build(name, model, batches, device, compile_backend):
+    """``name`` on ``model``; returns (step(x, y) -> loss tensor, objects to keep alive, release function)."""
+    x0, y0 = batches[0]
+    if name == "torch-fused":
+        opt = torch.optim.AdamW(model.parameters(), **HPARAMS, fused=True)
+        return _eager(model, opt, lambda: opt.zero_grad(set_to_none=True)), [opt], None
+    if name == "torch-fused-graph":
+        opt = torch.optim.AdamW(model.parameters(), **HPARAMS, fused=True, capturable=True)
+        sx, sy = x0.clone(), y0.clone()
+        out = {}
+
+        def body():
+            opt.zero_grad(set_to_none=False)
+            out["loss"] = model(sx, sy)
+            out["loss"].backward()
+            opt.step()
+
+        initial = [p.detach().clone() for p in model.parameters()]
+        graph = harness.capture_cuda_graph(body, warmup=3)
+        with torch.no_grad():  # undo the warm-up: initial parameters, AdamW's initial (zero) states
+            for p, p0 in zip(model.parameters(), initial, strict=True):
+                p.copy_(p0)
+            for state in opt.state.values():
+                for t in state.values():
+                    if isinstance(t, torch.Tensor):
+                        t.zero_()
+        del initial
+
+        def step(x, y):
+            sx.copy_(x)
+            sy.copy_(y)
+            graph.replay()
+            return out["loss"]
+
+        return step, [opt, graph], None
+    if name == "torch-compile-ro":
+        opt = torch.optim.AdamW(model.parameters(), **HPARAMS, fused=True)
+        compiled = torch.compile(model, mode="reduce-overhead", backend=compile_backend)
+        eager = _eager(compiled, opt, lambda: opt.zero_grad(set_to_none=True))
+
+        def step(x, y):
+            torch.compiler.cudagraph_mark_step_begin()
+            return eager(x, y)
+
+        return step, [opt, compiled], None
+    backend = "triton" if device.type == "cuda" else "torch"
+    opt = flatopt.AdamW(model, **HPARAMS, backend=backend)
+    if name == "flatopt":
+        return _eager(model, opt, opt.zero_grad), [opt], None
+    fwd = model if name == "flatopt-capture" else torch.compile(model, backend=compile_backend)
+
+    def train_step(x, y):
+        loss = fwd(x, y)
+        loss.backward()
+        return loss
+
+    captured = opt.capture(train_step, x0, y0)
+    return captured, [opt, fwd], captured.release
+
+
+def train(step, batches, device, args, row):
+    """``args.warmup`` steps (the first loss read after the first), then ``args.iters`` timed steps; the batches
+    cycle. Fills the row with losses, warm-up seconds and timings."""
+    counter = itertools.count()
+    last = [None]
+
+    def one():
+        i = next(counter)
+        last[0] = step(*batches[i % N_BATCHES])
+
+    t1 = time.perf_counter()
+    one()
+    row["first_loss"] = last[0].item()
+    for _ in range(args.warmup - 1):
+        one()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    row["warmup_s"] = round(time.perf_counter() - t1, 2)
+    times = time_steps(one, device, args.iters)
+    row["final_loss"] = last[0].item()
+    row["steps"] = next(counter)
+    med, q20, q80 = harness.quantiles(times)
+    row.update(median_ms=med, q20_ms=q20, q80_ms=q80, iters=len(times), status="ok")
+
+
+def run_impl(model_name, impl, cfg, device, args):
+    """Build, train and time one implementation; never raises (failures are recorded in the row)."""
+    row = dict(model=model_name, impl=impl.name, ours=impl.ours, status=None)
+    if impl.needs_cuda and device.type != "cuda":
+        reason = "CUDA graphs and torch.compile's reduce-overhead mode need a CUDA device"
+        row.update(status="skipped", reason=reason if impl.compiled else "CUDA graphs need a CUDA device")
+        return row
+    t0 = time.perf_counter()
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    model = batches = step = keep = release = None
+    try:
+        batches = make_batches(cfg, device, args.seed)
+        model = make_model(cfg, device, args.seed)
+        step, keep, release = build(impl.name, model, batches, device, args.compile_backend)
+        row["build_s"] = round(time.perf_counter() - t0, 2)
+        train(step, batches, device, args, row)
+    except Exception as e:  # recorded; the run goes on
+        row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
+    finally:
+        if release is not None:
+            release()
+        del model, batches, step, keep, release
+        try:
+            harness.free_memory(device, baseline)
+        except Exception as e:  # a sticky CUDA error: the next cases will say so too
+            row["cleanup_error"] = f"{type(e).__name__}: {e}"[:500]
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+# ------------------------------------------------------------------------------ compile subprocesses
+def worker_command(args, model_name, impl_name):
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-model", model_name]
+    cmd += ["--worker-impl", impl_name, "--device", args.device, "--seed", str(args.seed)]
+    cmd += ["--warmup", str(args.warmup), "--iters", str(args.iters), "--compile-backend", args.compile_backend]
+    return cmd + (["--smoke"] if args.smoke else [])
+
+
+def worker(args):
+    """Subprocess entry: run one implementation on one model; print one result line."""
+    device = torch.device(args.device)
+    cfg = (SMOKE_MODELS if args.smoke else MODELS)[args.worker_model]
+    row = run_impl(args.worker_model, IMPL_BY_NAME[args.worker_impl], cfg, device, args)
+    print(RESULT_PREFIX + json.dumps(row), flush=True)
+    return 0
+
+
+def run_compiled(args, model_name, impl, deadline):
+    row = dict(model=model_name, impl=impl.name, ours=impl.ours, status=None)
+    left = deadline - time.monotonic()
+    if args.no_compile:
+        row.update(status="skipped", reason="--no-compile")
+    elif impl.needs_cuda and torch.device(args.device).type != "cuda":
+        row.update(status="skipped", reason="CUDA graphs and torch.compile's reduce-overhead mode need a CUDA device")
+    elif left < MIN_COMPILE_S:
+        row.update(status="skipped", reason=f"time budget (--budget-s {args.budget_s:g}) spent before this case")
+    else:
+        t0 = time.perf_counter()
+        timeout = min(args.compile_timeout_s, left)
+        row.update(run_worker(worker_command(args, model_name, impl.name), timeout))
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+# ------------------------------------------------------------------------------------------- targets
+def _target(what, model, value, threshold, why_missing):
+    """Milliseconds, lower is better; margin > 0: met by that much."""
+    if value is None or threshold is None:
+        return dict(target=what, model=model, value=value, threshold=threshold, unit="ms", met=None, margin=None,
+                    note=why_missing)  # fmt: skip
+    margin = threshold - value
+    return dict(target=what, model=model, value=value, threshold=threshold, unit="ms", met=margin >= 0,
+                margin=margin, note=None)  # fmt: skip
+
+
+def evaluate_targets(rows, models):
+    ms = {(r["model"], r["impl"]): r["median_ms"] for r in rows if r["status"] == "ok"}
+    why = {(r["model"], r["impl"]): f"{r['status']}: {r.get('reason', '')}" for r in rows if r["status"] != "ok"}
+
+    def missing(*keys):
+        return "; ".join(f"{k[1]} {why.get(k, 'not run')}" for k in keys if k not in ms) or None
+
+    out = []
+    for m in models:
+        mine, theirs = (m, "flatopt-capture"), (m, "torch-fused-graph")
+        out.append(_target("flatopt-capture <= torch-fused-graph", m, ms.get(mine), ms.get(theirs),
+                           missing(mine, theirs)))  # fmt: skip
+    if "small" in models:
+        others = [v for (m, i), v in ms.items() if m == "small" and i != "flatopt-capture"]
+        best = min(others) if others else None
+        out.append(_target("flatopt-capture fastest of all (small)", "small", ms.get(("small", "flatopt-capture")),
+                           best, missing(("small", "flatopt-capture")) or "no other implementation ran"))  # fmt: skip
+    if "gpt2" in models:
+        mine, theirs = ("gpt2", "flatopt-capture-compiled"), ("gpt2", "torch-compile-ro")
+        out.append(_target("flatopt-capture-compiled <= torch-compile-ro", "gpt2", ms.get(mine), ms.get(theirs),
+                           missing(mine, theirs)))  # fmt: skip
+    return out
+
+
+def loss_agreement(rows):
+    """Final loss of each implementation minus torch-fused's, per model (same steps, init and data)."""
+    ref = {r["model"]: r["final_loss"] for r in rows if r["impl"] == "torch-fused" and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] == "ok" and r["model"] in ref:
+            r["final_loss_minus_torch_fused"] = r["final_loss"] - ref[r["model"]]
+    return ref
+
+
+# ------------------------------------------------------------------------------------------- output
+def _num(x, spec):
+    return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+
+def markdown(record):
+    lines = []
+    if record.get("smoke"):
+        lines += [f"> **{record['note']}**", ""]
+    env = record["env"]
+    lines += [
+        f"Capture benchmark (AdamW, bf16 autocast, one training step): {env.get('device_name')}, "
+        f"torch {env.get('torch')}, triton {env.get('triton')}, {env.get('date')}. "
+        f"{record['steps']} steps per implementation from the same init on the same batches.",
+        "",
+        "| model | implementation | median ms (p20-p80) | first loss | final loss | final - torch-fused | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in record["results"]:
+        if r["status"] != "ok":
+            reason = (r.get("reason") or "").splitlines()[0][:150] if r.get("reason") else ""
+            lines.append(f"| {r['model']} | {r['impl']} | - | - | - | - | {r['status']}: {reason} |")
+            continue
+        spread = f"{_num(r['median_ms'], '.3f')} ({_num(r['q20_ms'], '.3f')}-{_num(r['q80_ms'], '.3f')})"
+        note = f"warm-up {r.get('warmup_s', 0):.1f} s" + (f", build {r['build_s']:.1f} s" if r.get("build_s") else "")
+        lines.append(
+            f"| {r['model']} | {r['impl']} | {spread} | {_num(r['first_loss'], '.4f')} | {_num(r['final_loss'], '.4f')}"
+            f" | {_num(r.get('final_loss_minus_torch_fused'), '+.2e')} | {note} |"
+        )
+    lines += ["", "| flatopt target | model | value | threshold | met | margin |", "|---|---|---|---|---|---|"]
+    for t in record["targets"]:
+        if t["met"] is None:
+            lines.append(f"| {t['target']} | {t['model']} | - | - | n/a | {t['note']} |")
+        else:
+            met = "yes" if t["met"] else "**no**"
+            lines.append(
+                f"| {t['target']} | {t['model']} | {t['value']:.3f} ms | {t['threshold']:.3f} ms | {met} "
+                f"| {t['margin']:+.3f} ms ({100 * t['margin'] / t['threshold']:+.1f} %) |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def print_row(r):
+    if r["status"] == "ok":
+        detail = (
+            f"{r['median_ms']:9.3f} ms [{r['q20_ms']:.3f}-{r['q80_ms']:.3f}]  loss {r['first_loss']:.4f} -> "
+            f"{r['final_loss']:.4f}  (warm-up {r.get('warmup_s', 0):.1f} s)"
+        )
+    else:
+        detail = f"{r['status'].upper()}: {r.get('reason', '')}"
+    print(f"  {r['model']:5} {r['impl']:25} {detail}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("--device", default="cuda", help="cuda (default), or cpu with --smoke")
+    add("--smoke", action="store_true", help="tiny models, few steps: a code-path check whose output is not a result")
+    add("--models", type=_csv(tuple(MODELS)), default=list(MODELS), help="default: small,gpt2")
+    add("--impls", type=_csv(tuple(IMPL_BY_NAME)), default=list(IMPL_BY_NAME), help="default: all")
+    add("--warmup", type=int, default=None, help="steps before timing, counted in the training (default 10; smoke 2)")
+    add("--iters", type=int, default=None, help="timed steps (default 40; smoke 3)")
+    add("--no-compile", action="store_true", help="skip the torch.compile cases")
+    add("--compile-timeout-s", type=float, default=120.0, help="per torch.compile case (default: 120)")
+    add("--compile-backend", default="inductor", help="torch.compile backend (default: inductor)")
+    add("--budget-s", type=float, default=200.0, help="wall-clock budget; later cases are skipped (default: 200)")
+    add("--out", type=Path, default=None, help="directory for the JSON (default: benchmarks/results)")
+    add("--json", type=Path, default=None, help="exact JSON path (overrides --out)")
+    add("--markdown", type=Path, default=None, help="also write the markdown table to this file")
+    add("--report", type=Path, default=None, help="print the markdown table of a stored result and exit")
+    add("--seed", type=int, default=0)
+    add("--worker", action="store_true", help=argparse.SUPPRESS)
+    add("--worker-model", help=argparse.SUPPRESS)
+    add("--worker-impl", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.report is None:
+        if torch.device(args.device).type == "cpu" and not args.smoke:
+            p.error("CPU timings answer nothing this benchmark asks; use --device cuda, or --smoke (a code-path check)")
+        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+            p.error("--device cuda, but CUDA is not available here; use --device cpu --smoke for a code-path check")
+    args.warmup = max(1, args.warmup if args.warmup is not None else (2 if args.smoke else 10))
+    args.iters = max(1, args.iters if args.iters is not None else (3 if args.smoke else 40))
+    return args
+
+
+def output_path(args):
+    if args.json is not None:
+        return args.json
+    out = args.out or (Path(tempfile.gettempdir()) / "flatopt-smoke" if args.smoke else harness.RESULTS_DIR)
+    return out / f"{'smoke-' if args.smoke else ''}capture-{harness.timestamp()}.json"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.report is not None:
+        print(markdown(json.loads(args.report.read_text())), end="")
+        return 0
+    device = torch.device(args.device)
+    saved_threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # tiny tensors; a busy machine makes OpenMP spinning very slow
+    try:
+        return worker(args) if args.worker else run(args, argv)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def run(args, argv):
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    device = torch.device(args.device)
+    configs = SMOKE_MODELS if args.smoke else MODELS
+    path = output_path(args)
+    record = dict(
+        schema=1,
+        benchmark="capture",
+        question="per training step (AdamW, bf16 autocast): eager, CUDA-graph captured and torch.compile'd, "
+                 "torch.optim against flatopt",
+        kind="smoke" if args.smoke else "measurement",
+        smoke=args.smoke,
+        note=harness.SMOKE_NOTE if args.smoke else None,
+        env=harness.environment(device),
+        command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        settings=dict(warmup=args.warmup, iters=args.iters, budget_s=args.budget_s, seed=args.seed,
+                      compile_backend=args.compile_backend, compile_timeout_s=args.compile_timeout_s,
+                      no_compile=args.no_compile, batches=N_BATCHES),
+        steps=args.warmup + args.iters,
+        hparams=HPARAMS,
+        models={m: dict(asdict(configs[m]), params=gpt_numel(configs[m])) for m in args.models},
+        impls={i.name: i.note for i in IMPLS},
+        results=[],
+        targets=[],
+    )  # fmt: skip
+    if args.smoke:
+        print(harness.SMOKE_NOTE)
+    print(f"device: {record['env']['device_name']}; torch {torch.__version__}; JSON: {path}")
+    rows = record["results"]
+    chosen = [i for i in IMPLS if i.name in args.impls]
+    for impl in [i for i in chosen if not i.compiled] + [i for i in chosen if i.compiled]:
+        for m in args.models:
+            if impl.compiled:
+                row = run_compiled(args, m, impl, deadline)
+            elif time.monotonic() > deadline:
+                row = dict(model=m, impl=impl.name, ours=impl.ours, status="skipped",
+                           reason=f"time budget (--budget-s {args.budget_s:g}) spent")  # fmt: skip
+            else:
+                row = run_impl(m, impl, configs[m], device, args)
+            rows.append(row)
+            print_row(row)
+            harness.write_json(path, record)
+    rows.sort(key=lambda r: (list(MODELS).index(r["model"]), list(IMPL_BY_NAME).index(r["impl"])))
+    record["reference_final_loss"] = loss_agreement(rows)
+    record["targets"] = evaluate_targets(rows, args.models)
+    failed = [r for r in rows if r["ours"] and r["status"] == "failed"]
+    record["flatopt_failed"] = bool(failed)
+    record["total_s"] = round(time.monotonic() - start, 1)
+    harness.write_json(path, record)
+    text = markdown(record)
+    print("\n" + text, end="")
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
+    print(f"\nwrote {path} ({record['total_s']:.0f} s)")
+    if failed:
+        print(f"flatopt failed in {len(failed)} case(s); exit status 1", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,590 @@
+"""Question: on a model of about 1B parameters, what do in-backward updates save in peak memory, and what do
+they cost in step time and kernel launches, against torch's fused AdamW, torch's documented
+optimizer-in-backward recipe and flatopt's step mode?
+
+Model: 30 blocks ``x + Linear(8192->2048)(GELU(Linear(2048->8192)(x)))`` (1,006,940,160 parameters),
+input 4 x 256 tokens of dimension 2048 (random normal), loss = mean square of the output, AdamW, fp32 and bf16
+parameters (states in the parameter's dtype). Cases, each on a fresh model built from the same seed:
+
+    fwd-bwd                     forward + backward only, every gradient freed as it arrives (no optimizer):
+                                the activation peak and the kernels of forward + backward
+    torch-fused                 torch.optim.AdamW(fused=True), zero_grad(set_to_none=True)
+    torch-in-backward           torch's recipe: one AdamW(fused=True) per parameter, step() and zero_grad()
+                                from p.register_post_accumulate_grad_hook
+    flatopt                     flatopt.AdamW, step mode (flat gradient buffer)
+    flatopt-in-backward         flatopt.AdamW(in_backward=True), default bucket_size (2**25 elements)
+    flatopt-in-backward-small   flatopt.AdamW(in_backward=True, bucket_size=2**22)
+
+Per case: peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, reset after warm-up, which
+allocates the lazy optimizer states and compiles the kernels; the peak including warm-up is kept too), the
+memory of parameters and of optimizer states, the memory held between steps, the step time (CUDA events around
+zero_grad + forward + backward + step, median of the timed steps) and the kernel launches of one step
+(torch.profiler: device kernels and memsets/copies; kernels whose name contains "adam"; flatopt's own launch
+counter in in-backward mode). Every byte figure is relative to the memory allocated before the case.
+
+Peak activations are measured, not estimated: the peak of the fwd-bwd case minus the memory it holds between
+steps (parameters and input). It includes the one gradient being produced, as every optimizer case does.
+``peak(torch-in-backward) - params - states`` is recorded as an upper bound beside it.
+
+flatopt's targets (reported with margins, not asserted): in-backward peak <= params + states + input + peak
+activations + one bucket (bucket_size x element size); in-backward step time <= step mode x 1.02 (noise margin);
+optimizer launches per step <= 1/4 of torch's recipe (kernels beyond forward + backward, and "adam" kernels).
+
+GPU run from the repository root (about 1-2 minutes on an H100 for fp32 and bf16):
+
+    PYTHONPATH=. python3 benchmarks/bench_memory.py [--dtypes fp32,bf16] [--json PATH] [--markdown PATH]
+
+CPU smoke run (tiny model, CPU timer, no profiler; checks the code path, measures nothing):
+
+    PYTHONPATH=. python3 benchmarks/bench_memory.py --device cpu --smoke --out /tmp/flatopt-smoke
+
+Markdown table of a stored result: ``python3 benchmarks/bench_memory.py --report RESULT.json``.
+"""
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable (after any installed flatopt)
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flatopt
+from benchmarks import harness
+from benchmarks.bench_step import _csv
+
+GIB = 2**30
+HPARAMS = dict(lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+TARGET_TIME_RATIO = 1.02  # in-backward step time / step mode time, noise margin included
+TARGET_LAUNCH_FRACTION = 0.25  # in-backward optimizer launches / torch recipe's ("far fewer")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    blocks: int
+    dim: int
+    hidden: int
+    batch: int
+    tokens: int
+    small_bucket: int  # bucket_size of the flatopt-in-backward-small case
+
+    @property
+    def numel(self):
+        return model_numel(self.blocks, self.dim, self.hidden)
+
+
+FULL = Sizes(blocks=30, dim=2048, hidden=8192, batch=4, tokens=256, small_bucket=2**22)
+SMOKE = Sizes(blocks=2, dim=64, hidden=256, batch=2, tokens=8, small_bucket=2**12)
+
+
+def model_numel(blocks=30, dim=2048, hidden=8192):
+    """Parameters of the block stack: each block has a dim x hidden and a hidden x dim weight and their biases."""
+    return blocks * (2 * dim * hidden + hidden + dim)
+
+
+def element_size(dtype):
+    return torch.empty((), dtype=harness.DTYPES.get(dtype, dtype)).element_size()
+
+
+def param_bytes(numel, dtype):
+    return numel * element_size(dtype)
+
+
+def adamw_state_bytes(numel, dtype):
+    """exp_avg and exp_avg_sq in the parameter's dtype (the step counters are negligible)."""
+    return 2 * numel * element_size(dtype)
+
+
+def bucket_bytes(bucket_size, dtype):
+    """Bytes of one in-backward bucket's staging gradient: bucket_size elements of the parameter's dtype."""
+    return bucket_size * element_size(dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, hidden, dtype):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden, dtype=dtype)
+        self.fc2 = nn.Linear(hidden, dim, dtype=dtype)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class BlockStack(nn.Module):
+    def __init__(self, sizes, dtype):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(sizes.dim, sizes.hidden, dtype) for _ in range(sizes.blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def loss_of(model, x):
+    return model(x).float().square().mean()
+
+
+# ------------------------------------------------------------------------------------------- cases
+@dataclass(frozen=True)
+class Case:
+    name: str
+    note: str
+    ours: bool = False
+    bucket: str = None  # "default" or "small": flatopt in-backward
+
+
+CASES = (
+    Case("fwd-bwd", "forward + backward only, each gradient freed by its post-accumulate-grad hook (no optimizer)"),
+    Case("torch-fused", "torch.optim.AdamW(fused=True), zero_grad(set_to_none=True) before each forward"),
+    Case(
+        "torch-in-backward",
+        "torch's optimizer-in-backward recipe: one torch.optim.AdamW(fused=True) per parameter, step() and "
+        "zero_grad() from p.register_post_accumulate_grad_hook",
+    ),
+    Case("flatopt", "flatopt.AdamW(model), step mode: zero_grad() (one memset), forward, backward, step()", ours=True),
+    Case(
+        "flatopt-in-backward",
+        "flatopt.AdamW(model, in_backward=True), default bucket_size; step() and zero_grad() called as in step mode",
+        ours=True,
+        bucket="default",
+    ),
+    Case(
+        "flatopt-in-backward-small",
+        "flatopt.AdamW(model, in_backward=True, bucket_size=small_bucket)",
+        ours=True,
+        bucket="small",
+    ),
+)
+CASE_BY_NAME = {c.name: c for c in CASES}
+
+
+def _free_grad(p):
+    p.grad = None
+
+
+def build(case, model, x, device, sizes):
+    """Set up ``case`` on ``model`` with input ``x``; returns (train step, what to keep alive, a function giving the
+    bytes of optimizer state, the flatopt optimizer or None)."""
+    params = list(model.parameters())
+    if case.name == "fwd-bwd":
+        hooks = [p.register_post_accumulate_grad_hook(_free_grad) for p in params]
+
+        def step():
+            loss_of(model, x).backward()
+
+        return step, hooks, None, None
+    if case.name == "torch-fused":
+        opt = torch.optim.AdamW(params, **HPARAMS, fused=True)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, x).backward()
+            opt.step()
+
+        return step, [opt], lambda: _torch_states([opt]), None
+    if case.name == "torch-in-backward":
+        opts = {p: torch.optim.AdamW([p], **HPARAMS, fused=True) for p in params}
+
+        def hook(p):
+            opts[p].step()
+            opts[p].zero_grad(set_to_none=True)
+
+        hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
+
+        def step():
+            loss_of(model, x).backward()
+
+        return step, [opts, hooks], lambda: _torch_states(opts.values()), None
+    kwargs = {}
+    if case.bucket is not None:
+        kwargs["in_backward"] = True
+        if case.bucket == "small":
+            kwargs["bucket_size"] = sizes.small_bucket
+    backend = "triton" if torch.device(device).type == "cuda" else "torch"
+    opt = flatopt.AdamW(model, **HPARAMS, backend=backend, **kwargs)
+
+    def step():
+        opt.zero_grad()
+        loss_of(model, x).backward()
+        opt.step()
+
+    return step, [opt], lambda: _flatopt_states(opt), opt
+
+
+def _torch_states(opts):
+    tensors = [t for opt in opts for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _flatopt_states(opt):
+    return sum(t.numel() * t.element_size() for b in opt._buffers for t in b.states.values())
+
+
+def count_device_events(events):
+    """Device work in profiler events: kernels, memsets/copies, and kernels whose name contains 'adam'."""
+    out = dict(kernels=0, memops=0, adam_kernels=0)
+    for e in events:
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        name = str(e.name)
+        if name.startswith(("Memset", "Memcpy", "memset", "memcpy")):
+            out["memops"] += 1
+        else:
+            out["kernels"] += 1
+            out["adam_kernels"] += "adam" in name.lower()
+    return out
+
+
+def profile_step(step, device):
+    """Device events of one call of ``step`` (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    return count_device_events(prof.events())
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _allocated(device):
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def time_steps(step, device, iters):
+    """Per-step milliseconds: CUDA events around each call on CUDA, perf_counter on the CPU."""
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def run_case(case, dtype_name, sizes, device, args):
+    """Build, measure and free one case; never raises (failures and OOMs are recorded in the row)."""
+    row = dict(case=case.name, dtype=dtype_name, ours=case.ours, status=None)
+    if case.bucket is not None:
+        row["bucket_size"] = sizes.small_bucket if case.bucket == "small" else flatopt.in_backward.DEFAULT_BUCKET_SIZE
+    dtype = harness.DTYPES[dtype_name]
+    t0 = time.perf_counter()
+    model = x = step = keep = states = opt = None
+    cuda = device.type == "cuda"
+    try:
+        harness.free_memory(device)
+        base = _allocated(device)
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            model = BlockStack(sizes, dtype)
+        _sync(device)
+        row["params_bytes"] = _allocated(device) - base if cuda else param_bytes(sizes.numel, dtype)
+        gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+        x = torch.randn(sizes.batch, sizes.tokens, sizes.dim, generator=gen, device=device, dtype=dtype)
+        row["input_bytes"] = x.numel() * x.element_size()
+        step, keep, states, opt = build(case, model, x, device, sizes)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        launches0 = opt._in_backward.launches if opt is not None and opt._in_backward is not None else None
+        for _ in range(args.warmup):
+            step()
+        _sync(device)
+        if launches0 is not None:
+            row["flatopt_launches_per_step"] = (opt._in_backward.launches - launches0) / args.warmup
+        row["states_bytes"] = states() if states else 0
+        if cuda:
+            row["warmup_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+            row["held_bytes"] = _allocated(device) - base
+            torch.cuda.reset_peak_memory_stats(device)
+        times = time_steps(step, device, args.iters)
+        if cuda:
+            row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+        med, q20, q80 = harness.quantiles(times)
+        row.update(median_ms=med, q20_ms=q20, q80_ms=q80, iters=len(times))
+        if cuda and not args.no_profile:
+            try:
+                row.update(profile_step(step, device))
+            except Exception as e:  # the measurement goes on without the launch count
+                row["profile_error"] = f"{type(e).__name__}: {e}"[:500]
+        elif not cuda:
+            row["profile_error"] = "kernels are counted with torch.profiler on a CUDA device"
+        with torch.no_grad():
+            row["final_loss"] = loss_of(model, x).item()
+        row["status"] = "ok"
+    except torch.cuda.OutOfMemoryError as e:
+        row.update(status="oom", reason=f"OutOfMemoryError: {str(e).splitlines()[0]}"[:500])
+    except Exception as e:  # recorded; the run goes on
+        row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
+    finally:
+        del model, x, step, keep, states, opt
+        gc.collect()
+        try:
+            harness.free_memory(device)
+        except Exception as e:  # a sticky CUDA error: the next cases will say so too
+            row["cleanup_error"] = f"{type(e).__name__}: {e}"[:500]
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def warm_libraries(device, dtypes):
+    """One small GEMM forward + backward per dtype, so that cuBLAS workspaces exist before the first case's
+    baseline (they persist, and would otherwise be counted in the first case only)."""
+    for name in dtypes:
+        lin = nn.Linear(64, 64, device=device, dtype=harness.DTYPES[name])
+        lin(torch.randn(8, 64, device=device, dtype=harness.DTYPES[name])).float().square().mean().backward()
+    _sync(device)
+
+
+# ------------------------------------------------------------------------------------------ targets
+def _target(what, dtype, value, threshold, unit, why_missing=None):
+    """Lower is better for every target here; margin > 0: met by that much."""
+    if value is None or threshold is None:
+        return dict(target=what, dtype=dtype, value=value, threshold=threshold, unit=unit, met=None, margin=None,
+                    note=why_missing or "not measured")  # fmt: skip
+    margin = threshold - value
+    return dict(target=what, dtype=dtype, value=value, threshold=threshold, unit=unit, met=margin >= 0,
+                margin=margin, note=None)  # fmt: skip
+
+
+def derive(rows, dtypes):
+    """Peak activations per dtype, and flatopt's targets."""
+    idx = {(r["case"], r["dtype"]): r for r in rows if r["status"] == "ok"}
+    activations, targets = {}, []
+    for dt in dtypes:
+        fb, recipe = idx.get(("fwd-bwd", dt)), idx.get(("torch-in-backward", dt))
+        act = None
+        if fb and fb.get("peak_bytes") is not None:
+            act = fb["peak_bytes"] - fb["held_bytes"]
+        bound = None
+        if recipe and recipe.get("peak_bytes") is not None:
+            bound = recipe["peak_bytes"] - recipe["params_bytes"] - recipe["states_bytes"]
+        activations[dt] = dict(measured_bytes=act, recipe_upper_bound_bytes=bound)
+        step_mode = idx.get(("flatopt", dt))
+        for name in ("flatopt-in-backward", "flatopt-in-backward-small"):
+            r = idx.get((name, dt))
+            value = threshold = None
+            if r and r.get("peak_bytes") is not None and act is not None:
+                one_bucket = bucket_bytes(r["bucket_size"], dt)
+                threshold = (r["params_bytes"] + r["states_bytes"] + r["input_bytes"] + act + one_bucket) / GIB
+                value = r["peak_bytes"] / GIB
+            what = f"{name} peak <= params + states + input + activations + 1 bucket"
+            targets.append(_target(what, dt, value, threshold, "GiB", "needs the fwd-bwd case and a CUDA peak"))
+            ratio = r["median_ms"] / step_mode["median_ms"] if r and step_mode else None
+            what = f"{name} time / flatopt step mode <= {TARGET_TIME_RATIO:g}"
+            targets.append(_target(what, dt, ratio, TARGET_TIME_RATIO, "x"))
+            for key, label in (("extra_kernels", "kernels beyond fwd+bwd"), ("adam_kernels", "adam kernels")):
+                mine, theirs = _launches(r, fb, key), _launches(recipe, fb, key)
+                frac = mine / theirs if mine is not None and theirs else None
+                what = f"{name} {label} / torch recipe's <= {TARGET_LAUNCH_FRACTION:g}"
+                targets.append(_target(what, dt, frac, TARGET_LAUNCH_FRACTION, "x", "needs profiler counts"))
+    return activations, targets
+
+
+def _launches(row, fwd_bwd, key):
+    if row is None or row.get("kernels") is None:
+        return None
+    if key == "adam_kernels":
+        return row["adam_kernels"]
+    if fwd_bwd is None or fwd_bwd.get("kernels") is None:
+        return None
+    return row["kernels"] + row["memops"] - fwd_bwd["kernels"] - fwd_bwd["memops"]
+
+
+# ------------------------------------------------------------------------------------------- output
+def _gib(x):
+    return f"{x / GIB:.2f}" if isinstance(x, (int, float)) else "-"
+
+
+def _num(x, spec):
+    return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+
+def markdown(record):
+    lines = []
+    if record.get("smoke"):
+        lines += [f"> **{record['note']}**", ""]
+    env = record["env"]
+    s = record["sizes"]
+    lines += [
+        f"In-backward memory benchmark: {env.get('device_name')}, torch {env.get('torch')}, "
+        f"triton {env.get('triton')}, "
+        f"{env.get('date')}. Model: {s['blocks']} blocks {s['dim']}->{s['hidden']}->{s['dim']} "
+        f"({record['params']:,} parameters), batch {s['batch']}x{s['tokens']}, AdamW. GiB = 2**30 bytes.",
+        "",
+        "| dtype | case | peak GiB | params GiB | states GiB | held between steps GiB | step ms (p20-p80) "
+        "| kernels+memops / step | adam kernels | flatopt launches |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in record["results"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['dtype']} | {r['case']} | {r['status'].upper()}: {r.get('reason', '')[:120]} |||||||")
+            continue
+        spread = f"{_num(r['median_ms'], '.1f')} ({_num(r['q20_ms'], '.1f')}-{_num(r['q80_ms'], '.1f')})"
+        launches = r["kernels"] + r["memops"] if r.get("kernels") is not None else None
+        lines.append(
+            f"| {r['dtype']} | {r['case']} | {_gib(r.get('peak_bytes'))} | {_gib(r['params_bytes'])} | "
+            f"{_gib(r['states_bytes'])} | {_gib(r.get('held_bytes'))} | {spread} | {_num(launches, 'd')} | "
+            f"{_num(r.get('adam_kernels'), 'd')} | {_num(r.get('flatopt_launches_per_step'), '.0f')} |"
+        )
+    lines += ["", "Peak activations (fwd-bwd peak minus what it holds between steps; the torch recipe's peak minus "
+              "params and states is an upper bound):", ""]  # fmt: skip
+    for dt, a in record["activations"].items():
+        lines.append(
+            f"- {dt}: {_gib(a['measured_bytes'])} GiB measured; upper bound {_gib(a['recipe_upper_bound_bytes'])} GiB"
+        )
+    lines += ["", "| flatopt target | dtype | value | threshold | met | margin |", "|---|---|---|---|---|---|"]
+    for t in record["targets"]:
+        if t["met"] is None:
+            lines.append(f"| {t['target']} | {t['dtype']} | - | - | n/a | {t['note']} |")
+        else:
+            met = "yes" if t["met"] else "**no**"
+            lines.append(
+                f"| {t['target']} | {t['dtype']} | {t['value']:.3f} {t['unit']} | {t['threshold']:.3f} {t['unit']} "
+                f"| {met} | {t['margin']:+.3f} {t['unit']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def print_row(r):
+    if r["status"] == "ok":
+        detail = (
+            f"peak {_gib(r.get('peak_bytes'))} GiB, params {_gib(r['params_bytes'])}, states {_gib(r['states_bytes'])}"
+            f", held {_gib(r.get('held_bytes'))}; {r['median_ms']:.2f} ms; kernels {_num(r.get('kernels'), 'd')} "
+            f"memops {_num(r.get('memops'), 'd')} adam {_num(r.get('adam_kernels'), 'd')}"
+        )
+        if r.get("flatopt_launches_per_step") is not None:
+            detail += f"; flatopt launches {r['flatopt_launches_per_step']:.0f}"
+    else:
+        detail = f"{r['status'].upper()}: {r.get('reason', '')}"
+    print(f"  {r['dtype']:4} {r['case']:26} {detail}  ({r['seconds']:.1f} s)", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("--device", default="cuda", help="cuda (default), or cpu with --smoke")
+    add("--smoke", action="store_true", help="tiny model and few steps: a code-path check whose output is not a result")
+    add("--dtypes", type=_csv(("fp32", "bf16")), default=["fp32", "bf16"], help="default: fp32,bf16")
+    add("--cases", type=_csv(tuple(CASE_BY_NAME)), default=list(CASE_BY_NAME), help="default: all")
+    add("--warmup", type=int, default=None, help="steps before timing (default 3; smoke 2)")
+    add("--iters", type=int, default=None, help="timed steps (default 10; smoke 2)")
+    add("--no-profile", action="store_true", help="do not count kernels with torch.profiler")
+    add("--budget-s", type=float, default=150.0, help="wall-clock budget; later cases are skipped (default: 150)")
+    add("--out", type=Path, default=None, help="directory for the JSON (default: benchmarks/results)")
+    add("--json", type=Path, default=None, help="exact JSON path (overrides --out)")
+    add("--markdown", type=Path, default=None, help="also write the markdown table to this file")
+    add("--report", type=Path, default=None, help="print the markdown table of a stored result and exit")
+    add("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.report is None:
+        if torch.device(args.device).type == "cpu" and not args.smoke:
+            p.error("CPU memory and timings answer nothing this benchmark asks; use --device cuda, or --smoke")
+        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+            p.error("--device cuda, but CUDA is not available here; use --device cpu --smoke for a code-path check")
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.smoke else 3)
+    args.iters = args.iters if args.iters is not None else (2 if args.smoke else 10)
+    return args
+
+
+def output_path(args):
+    if args.json is not None:
+        return args.json
+    out = args.out or (Path(tempfile.gettempdir()) / "flatopt-smoke" if args.smoke else harness.RESULTS_DIR)
+    return out / f"{'smoke-' if args.smoke else ''}memory-{harness.timestamp()}.json"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.report is not None:
+        print(markdown(json.loads(args.report.read_text())), end="")
+        return 0
+    start = time.monotonic()
+    device = torch.device(args.device)
+    sizes = SMOKE if args.smoke else FULL
+    path = output_path(args)
+    record = dict(
+        schema=1,
+        benchmark="memory",
+        question="in-backward AdamW on a ~1B-parameter model: peak memory, step time and kernel launches per step",
+        kind="smoke" if args.smoke else "measurement",
+        smoke=args.smoke,
+        note=harness.SMOKE_NOTE if args.smoke else None,
+        env=harness.environment(device),
+        command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        settings=dict(warmup=args.warmup, iters=args.iters, budget_s=args.budget_s, seed=args.seed,
+                      profile=not args.no_profile),
+        hparams=HPARAMS,
+        sizes=asdict(sizes),
+        params=sizes.numel,
+        expected_bytes={dt: dict(params=param_bytes(sizes.numel, dt), states=adamw_state_bytes(sizes.numel, dt),
+                                 default_bucket=bucket_bytes(flatopt.in_backward.DEFAULT_BUCKET_SIZE, dt),
+                                 small_bucket=bucket_bytes(sizes.small_bucket, dt)) for dt in args.dtypes},
+        cases={c.name: c.note for c in CASES},
+        targets_definition=dict(time_ratio=TARGET_TIME_RATIO, launch_fraction=TARGET_LAUNCH_FRACTION),
+        results=[],
+        activations={},
+        targets=[],
+    )  # fmt: skip
+    if args.smoke:
+        print(harness.SMOKE_NOTE)
+    print(f"device: {record['env']['device_name']}; torch {torch.__version__}; {sizes.numel:,} params; JSON: {path}")
+    saved_threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # tiny tensors; a busy machine makes OpenMP spinning very slow
+    try:
+        if device.type == "cuda":
+            warm_libraries(device, args.dtypes)
+        for dt in args.dtypes:
+            for name in args.cases:
+                case = CASE_BY_NAME[name]
+                if time.monotonic() - start > args.budget_s:
+                    row = dict(case=name, dtype=dt, ours=case.ours, status="skipped", seconds=0.0,
+                               reason=f"time budget (--budget-s {args.budget_s:g}) spent")  # fmt: skip
+                else:
+                    row = run_case(case, dt, sizes, device, args)
+                record["results"].append(row)
+                print_row(row)
+                harness.write_json(path, record)
+    finally:
+        torch.set_num_threads(saved_threads)
+    record["activations"], record["targets"] = derive(record["results"], args.dtypes)
+    failed = [r for r in record["results"] if r["ours"] and r["status"] in ("failed", "oom")]
+    record["flatopt_failed"] = bool(failed)
+    record["total_s"] = round(time.monotonic() - start, 1)
+    harness.write_json(path, record)
+    text = markdown(record)
+    print("\n" + text, end="")
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
+    print(f"\nwrote {path} ({record['total_s']:.0f} s)")
+    if failed:
+        print(f"flatopt failed in {len(failed)} case(s); exit status 1", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+#!/usr/bin/env bash
+# One command on a GPU machine, from anywhere, needing no network: the test suite (GPU tests included), the
+# optimizer-step benchmark (bench_step.py), the in-backward memory benchmark (bench_memory.py), the capture
+# benchmark (bench_capture.py), then the step plot and one markdown summary.
+#
+#   benchmarks/run_gpu.sh [more bench_step.py options, e.g. --sets gpt2 --no-compile]
+#   FLATOPT_SECTIONS="memory capture" benchmarks/run_gpu.sh          # a subset, in this order
+#   FLATOPT_DRY_RUN=1 benchmarks/run_gpu.sh                         # CPU check: smoke runs, tiny budgets
+#
+# First installs the package (pip install --no-deps --no-build-isolation -e .); if that fails, maps
+# flatopt.kernels to kernels/ with a sitecustomize.py on PYTHONPATH, as an editable install does.
+#
+# Sections: tests step memory capture (FLATOPT_SECTIONS, default all four; FLATOPT_SKIP_TESTS=1 drops tests).
+# Time: everything ends within FLATOPT_RUN_BUDGET_S seconds (default 560; the device stops commands at 600).
+# Before each section the time left (minus FLATOPT_RESERVE_S, default 15, for the plot and summary) is shared
+# among the sections still to run in proportion to their weights, FLATOPT_SHARE_TESTS / _STEP / _MEMORY /
+# _CAPTURE (defaults 90 / 150 / 120 / 200), so time a section does not use goes to the next ones. Each
+# benchmark gets its share as --budget-s (minus 15 s for writing) and is stopped by `timeout` at its share;
+# the step benchmark runs with --quick when its share is under 240 s.
+#
+# Writes at most 7 files to $OUT (default: benchmarks/results), every name stamped with the run's UTC time:
+#   run-STAMP.log (everything printed, nvidia-smi included), junit-STAMP.xml, step-STAMP.json,
+#   memory-STAMP.json, capture-STAMP.json, step-STAMP.png, summary-STAMP.md (the three markdown tables)
+# Exit status: non-zero when a test failed, a benchmark failed (a flatopt case failed), or the plot failed.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+DEST=${OUT:-benchmarks/results}
+mkdir -p "$DEST"
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+START=$SECONDS
+DRY=${FLATOPT_DRY_RUN:-0}
+BUDGET=${FLATOPT_RUN_BUDGET_S:-560}
+RESERVE=${FLATOPT_RESERVE_S:-15}
+SECTIONS=${FLATOPT_SECTIONS:-tests step memory capture}
+if [ "${FLATOPT_SKIP_TESTS:-0}" = 1 ]; then SECTIONS=${SECTIONS//tests/}; fi
+declare -A SHARE=([tests]=${FLATOPT_SHARE_TESTS:-90} [step]=${FLATOPT_SHARE_STEP:-150}
+  [memory]=${FLATOPT_SHARE_MEMORY:-120} [capture]=${FLATOPT_SHARE_CAPTURE:-200})
+for s in $SECTIONS; do
+  if [ -z "${SHARE[$s]+x}" ]; then
+    echo "run_gpu.sh: unknown section '$s' in FLATOPT_SECTIONS; expected some of: tests step memory capture" >&2
+    exit 2
+  fi
+done
+LOG="$DEST/run-$STAMP.log"
+WORK=$(mktemp -d)
+exec > >(tee -a "$LOG") 2>&1 # everything below goes to the terminal and to the one log
+TEE_PID=$!
+finish() { # let tee write the last lines before the command ends
+  rm -rf "$WORK"
+  exec >&- 2>&-
+  wait "$TEE_PID" 2>/dev/null || true
+}
+trap finish EXIT
+
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$DRY" = 1 ]; then
+  echo "DRY RUN (FLATOPT_DRY_RUN=1): smoke runs on the CPU, nothing installed; checks this script, measures nothing"
+  PY=${PYTHON:-python3}
+  BENCH_DEV=(--device cpu --smoke)
+  PLOT_SMOKE=(--allow-smoke)
+else
+  PY=python3
+  BENCH_DEV=()
+  PLOT_SMOKE=()
+  unset TRITON_INTERPRET # the kernels run on the GPU here
+fi
+
+# flatopt.kernels is the kernels/ directory (pyproject's package-dir): install the package, editable.
+if [ "$DRY" != 1 ]; then
+  echo "== install: $PY -m pip install --no-deps --no-build-isolation -e . -q"
+  $PY -m pip install --no-deps --no-build-isolation -e . -q || echo "pip install failed; trying the sitecustomize mapping"
+fi
+if ! $PY -c "import flatopt.kernels" 2>/dev/null; then
+  SHIM="$WORK/shim"
+  mkdir -p "$SHIM"
+  cat >"$SHIM/sitecustomize.py" <<EOF
+# Written by benchmarks/run_gpu.sh: maps flatopt.kernels to $REPO/kernels, as an editable install does.
+import importlib.abc
+import importlib.util
+import sys
+
+_KERNELS = "$REPO/kernels"
+
+
+class _FlatoptKernelsFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "flatopt.kernels":
+            return None
+        return importlib.util.spec_from_file_location(
+            name, _KERNELS + "/__init__.py", submodule_search_locations=[_KERNELS]
+        )
+
+
+sys.meta_path.append(_FlatoptKernelsFinder())
+EOF
+  export PYTHONPATH="$SHIM:$PYTHONPATH"
+  $PY -c "import flatopt.kernels" || {
+    echo "run_gpu.sh: cannot import flatopt.kernels, even through $SHIM/sitecustomize.py" >&2
+    exit 1
+  }
+  echo "flatopt is not installed: flatopt.kernels is mapped to $REPO/kernels for this run"
+fi
+
+$PY - <<'EOF'
+import platform, torch, triton, flatopt.kernels
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE"
+print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, {name}")
+print(f"flatopt from {flatopt.kernels.__file__}")
+EOF
+echo "== nvidia-smi"
+nvidia-smi 2>&1 || true
+echo "sections: $SECTIONS; budget $BUDGET s (reserve $RESERVE s)"
+
+# share SECTION: seconds for SECTION = time left (minus the reserve) x its weight / weights of the sections left
+share() {
+  local left=$((BUDGET - (SECONDS - START) - RESERVE)) total=0 s seen=0
+  for s in $SECTIONS; do
+    if [ "$s" = "$1" ]; then seen=1; fi
+    if [ "$seen" = 1 ]; then total=$((total + SHARE[$s])); fi
+  done
+  if [ "$total" -le 0 ] || [ "$left" -le 0 ]; then
+    echo 0
+  else
+    echo $((left * SHARE[$1] / total))
+  fi
+}
+
+declare -A RC
+# run_section NAME SECONDS CMD...: runs CMD under `timeout SECONDS`, prints the wall time, records the status
+run_section() {
+  local name=$1 secs=$2 t0=$SECONDS rc
+  shift 2
+  echo
+  echo "== $name (at most $secs s, $((SECONDS - START)) s into the run)"
+  if [ "$secs" -lt 20 ]; then
+    echo "-- $name: skipped, only $secs s left (FLATOPT_RUN_BUDGET_S=$BUDGET)"
+    RC[$name]=skipped
+    return
+  fi
+  timeout --kill-after=5 "$secs" "$@"
+  rc=$?
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then echo "$name: stopped after $secs s"; fi
+  echo "-- $name: $((SECONDS - t0)) s, exit status $rc"
+  RC[$name]=$rc
+}
+
+for s in $SECTIONS; do
+  secs=$(share "$s")
+  inner=$((secs - 15))
+  case $s in
+  tests)
+    if [ "$DRY" = 1 ]; then
+      run_section tests "$secs" env TRITON_INTERPRET=1 $PY -m pytest -q -rfEs tests/test_benchmarks.py \
+        --junitxml="$DEST/junit-$STAMP.xml"
+    else
+      run_section tests "$secs" $PY -m pytest -q -rfEs tests/ --junitxml="$DEST/junit-$STAMP.xml"
+    fi
+    ;;
+  step)
+    QUICK=()
+    if [ "$secs" -lt 240 ] || [ "$DRY" = 1 ]; then QUICK=(--quick); fi
+    if [ "$DRY" = 1 ]; then QUICK+=(--no-compile); fi
+    run_section step "$secs" $PY benchmarks/bench_step.py --json "$DEST/step-$STAMP.json" --budget-s "$inner" \
+      ${BENCH_DEV[@]+"${BENCH_DEV[@]}"} ${QUICK[@]+"${QUICK[@]}"} "$@"
+    ;;
+  memory)
+    run_section memory "$secs" $PY benchmarks/bench_memory.py --json "$DEST/memory-$STAMP.json" \
+      --markdown "$WORK/memory.md" --budget-s "$inner" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"}
+    ;;
+  capture)
+    run_section capture "$secs" $PY benchmarks/bench_capture.py --json "$DEST/capture-$STAMP.json" \
+      --markdown "$WORK/capture.md" --budget-s "$inner" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"}
+    ;;
+  esac
+done
+
+echo
+echo "== plot and summary"
+t0=$SECONDS
+plot_rc=0
+SUMMARY="$DEST/summary-$STAMP.md"
+{
+  echo "# flatopt GPU run $STAMP"
+  echo
+  for s in $SECTIONS; do echo "- $s: exit status ${RC[$s]:-not run}"; done
+} >"$SUMMARY"
+if [ -f "$DEST/step-$STAMP.json" ]; then
+  timeout 60 $PY benchmarks/plot.py "$DEST/step-$STAMP.json" --png "$DEST/step-$STAMP.png" \
+    --markdown "$WORK/step.md" ${PLOT_SMOKE[@]+"${PLOT_SMOKE[@]}"} || plot_rc=$?
+  if [ "$plot_rc" != 0 ]; then RC[plot]=$plot_rc; fi
+elif [[ " $SECTIONS " == *" step "* ]]; then
+  echo "no step-$STAMP.json: nothing to plot"
+  RC[plot]=1
+fi
+for part in step memory capture; do
+  if [ -f "$WORK/$part.md" ]; then
+    printf '\n## %s\n\n' "$part" >>"$SUMMARY"
+    cat "$WORK/$part.md" >>"$SUMMARY"
+  fi
+done
+rm -f "$DEST"/*-"$STAMP".json.tmp
+echo "-- plot and summary: $((SECONDS - t0)) s"
+
+status=0
+summary=""
+for k in "${!RC[@]}"; do
+  summary+=" $k=${RC[$k]}"
+  if [ "${RC[$k]}" != 0 ] && [ "${RC[$k]}" != skipped ]; then status=1; fi
+done
+echo "== done in $((SECONDS - START)) s:$summary; files in $DEST:"
+ls -1 "$DEST" | grep -F "$STAMP"
+echo "($(ls -1 "$DEST" | grep -cF "$STAMP") files)"
+exit $status

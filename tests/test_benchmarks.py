@@ -1,0 +1,466 @@
+"""CPU checks of benchmarks/: every module imports; the pure functions (bytes per element, floor arithmetic,
+quantiles, parameter-set generators, targets) give the right numbers; the step benchmark's main path runs
+on the CPU in smoke mode, records failures per implementation, and feeds plot.py (PNG and markdown);
+a smoke result cannot be drawn as a measurement. The memory and capture benchmarks: their arithmetic and
+targets, and their smoke runs on the CPU (CUDA-graph and compile cases recorded as skipped)."""
+
+import importlib
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def import_benchmark(name):
+    """``benchmarks.<name>``, with the repository root on sys.path only while importing it."""
+    added = str(ROOT) not in sys.path
+    if added:
+        sys.path.append(str(ROOT))
+    try:
+        return importlib.import_module(f"benchmarks.{name}")
+    finally:
+        if added:
+            sys.path.remove(str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def harness():
+    return import_benchmark("harness")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return import_benchmark("bench_step")
+
+
+@pytest.fixture(scope="module")
+def plot():
+    return import_benchmark("plot")
+
+
+def test_every_benchmark_module_imports():
+    names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
+    assert {"harness", "bench_step", "plot"} <= set(names)
+    for name in names:
+        assert import_benchmark(name).__doc__, f"benchmarks/{name}.py has no module docstring"
+
+
+def test_bytes_per_element(harness):
+    expected = {
+        ("adamw", torch.float32): 28,  # read p, g, m, v; write p, m, v
+        ("adamw", torch.bfloat16): 14,
+        ("adamw", torch.float16): 14,
+        ("sgd", torch.float32): 20,  # read p, g, buf; write p, buf
+        ("sgd", torch.bfloat16): 10,
+        ("lion", torch.float32): 20,  # read p, g, m; write p, m
+        ("lion", torch.bfloat16): 10,
+    }
+    for (opt, dtype), n in expected.items():
+        assert harness.bytes_per_element(opt, dtype) == n, (opt, dtype)
+    assert harness.bytes_per_element("adamw", "bf16") == 14
+
+
+def test_floor_arithmetic(harness, bench):
+    # the design notes' GPT-2 AdamW floor: 124.4M elements * 28 B at 3.00 TB/s = 1.16 ms
+    assert harness.floor_ms(124_439_808, 28, 3000.0) == pytest.approx(1.16144, rel=1e-4)
+    assert harness.gbps(3e9, 1.0) == pytest.approx(3000.0)  # 3 GB in 1 ms
+    assert harness.gbps(28e6, 0.01) == pytest.approx(2800.0)
+    assert harness.pct_of_floor(1.0, 1.25) == pytest.approx(80.0)
+    row = dict(optimizer="adamw", dtype="fp32", elements=10**6, status="ok", median_ms=0.0125)
+    bench.add_derived(row, copy_gbps=2800.0)
+    assert row["bytes"] == 28 * 10**6
+    assert row["floor_ms"] == pytest.approx(0.01)
+    assert row["gbps"] == pytest.approx(2240.0)
+    assert row["pct_floor"] == pytest.approx(80.0)
+    skipped = bench.add_derived(dict(optimizer="lion", dtype="bf16", elements=10, status="skipped"), 1000.0)
+    assert skipped["bytes"] == 100 and "pct_floor" not in skipped
+
+
+def test_quantiles_match_numpy(harness):
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 100):
+        xs = rng.random(n).tolist()
+        assert harness.quantiles(xs) == pytest.approx(np.quantile(xs, [0.5, 0.2, 0.8]).tolist())
+    with pytest.raises(ValueError, match="empty"):
+        harness.quantiles([])
+
+
+def test_gpt2_set(harness):
+    s = harness.shape_set("gpt2")
+    assert (s.tensors, s.numel) == (148, 124_439_808)
+    shapes = dict(s.shapes)
+    assert shapes["wte.weight"] == (50257, 768) and shapes["wpe.weight"] == (1024, 768)
+    assert shapes["h.11.attn.c_attn.weight"] == (768, 2304) and shapes["h.0.mlp.c_proj.weight"] == (3072, 768)
+    assert shapes["ln_f.bias"] == (768,)
+
+
+def test_llama_set(harness):
+    s = harness.shape_set("llama")
+    assert (s.tensors, s.numel) == (147, 1_204_881_408)
+    shapes = dict(s.shapes)
+    assert shapes["embed_tokens.weight"] == (32000, 2048) and shapes["lm_head.weight"] == (32000, 2048)
+    assert shapes["layers.15.mlp.down_proj.weight"] == (2048, 8192)
+
+
+def test_many_small_set(harness):
+    s = harness.shape_set("many-small")
+    sizes = [shape[0] for _, shape in s.shapes]
+    assert s.tensors == 3000 and s.numel == 48_843_948
+    assert 256 <= min(sizes) and max(sizes) <= 32768 and len(set(sizes)) > 2500
+    assert harness.many_small_shapes() == s.shapes  # deterministic
+    assert harness.many_small_shapes(seed=8) != s.shapes
+
+
+def test_smoke_sets_follow_the_same_rules(harness):
+    assert harness.shape_set("gpt2", smoke=True).tensors == 4 + 12 * 2
+    assert harness.shape_set("llama", smoke=True).tensors == 3 + 9 * 2
+    assert harness.shape_set("many-small", smoke=True).tensors == 30
+    for name in harness.SET_NAMES:
+        assert "smoke" in harness.shape_set(name, smoke=True).title
+    with pytest.raises(ValueError, match="unknown parameter set"):
+        harness.shape_set("gpt3")
+
+
+def test_make_params_are_random_not_zero(harness):
+    params = harness.make_params([("a", (3, 5)), ("b", (7,))], torch.bfloat16, "cpu", seed=1)
+    assert [p.dtype for p in params] == [torch.bfloat16] * 2
+    for p in params:
+        assert p.grad is not None and p.grad.shape == p.shape
+        assert p.detach().std() > 0.3 and p.grad.std() > 0.3
+
+
+def _row(opt, set_name, dtype, pct=None, host=None, status="ok"):
+    return dict(optimizer=opt, set=set_name, dtype=dtype, impl="flatopt", status=status, pct_floor=pct, host_us=host)
+
+
+def test_targets_met_missed_and_missing(bench):
+    rows = [
+        _row("adamw", "gpt2", "fp32", pct=98.5, host=20.0),
+        _row("adamw", "many-small", "fp32", pct=96.0, host=30.0),
+        _row("adamw", "llama", "fp32", status="failed"),
+    ]
+    rows[2]["reason"] = "RuntimeError: boom"
+    targets = bench.evaluate_targets(rows, ["gpt2", "many-small", "llama"], ["fp32"], ["adamw"])
+    by = {(t["target"].split()[0], t["set"]): t for t in targets}
+    assert by[(">=", "gpt2")]["met"] is True and by[(">=", "gpt2")]["margin"] == pytest.approx(1.5)
+    assert by[(">=", "many-small")]["met"] is False and by[(">=", "many-small")]["margin"] == pytest.approx(-1.0)
+    assert by[(">=", "llama")]["met"] is None and "failed: RuntimeError: boom" in by[(">=", "llama")]["note"]
+    assert by[("host", "gpt2")]["met"] is True and by[("host", "gpt2")]["margin"] == pytest.approx(20.0)
+    ratio = by[("host", "many-small/gpt2")]
+    assert ratio["value"] == pytest.approx(1.5) and ratio["met"] is False
+    assert ratio["margin"] == pytest.approx(bench.TARGET_HOST_RATIO - 1.5)
+    assert len(targets) == 3 + 2 + 1
+
+
+def test_cpu_run_must_be_a_smoke_run(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu"])
+    assert "--smoke" in capsys.readouterr().err
+
+
+def test_smoke_run_on_cpu_then_plot(bench, plot, tmp_path, capsys):
+    path = tmp_path / "smoke.json"
+    assert bench.main(["--device", "cpu", "--smoke", "--no-compile", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["kind"] == "smoke" and record["smoke"] is True and "SMOKE RUN" in record["note"]
+    assert record["env"]["torch"] == torch.__version__ and record["copy"]["gbps"] > 0
+    rows = {(r["set"], r["dtype"], r["optimizer"], r["impl"]): r for r in record["results"]}
+    for s in ("gpt2", "many-small", "llama"):
+        assert record["sets"][s]["tensors"] == len(bench.harness.shape_set(s, smoke=True).shapes)
+        for dt in ("fp32", "bf16"):
+            for opt in ("adamw", "sgd", "lion"):
+                r = rows[(s, dt, opt, "flatopt")]
+                assert r["status"] == "ok", r
+                assert (
+                    r["median_ms"] > 0 and r["pct_floor"] > 0 and r["bytes"] == r["elements"] * r["bytes_per_element"]
+                )
+                assert (r.get("host_us") is not None) == (s in bench.HOST_SETS)
+                assert rows[(s, dt, opt, "flatopt-graph")]["status"] == "skipped"
+            for opt in ("adamw", "sgd"):
+                assert rows[(s, dt, opt, "torch-foreach")]["status"] == "ok"
+                assert rows[(s, dt, opt, "torch-fused")]["status"] == "ok"
+            assert rows[(s, dt, "lion", "foreach-lion")]["status"] == "ok"
+            assert rows[(s, dt, "adamw", "torch-compile")]["reason"] == "--no-compile"
+    assert len(record["targets"]) == 3 * 2 * (3 + 2 + 1)
+    assert [s["name"] for s in record["sections"]][0] == "copy bandwidth"
+
+    capsys.readouterr()
+    assert plot.main([str(path)]) == 2  # a smoke run is not drawn as a result
+    assert "smoke run" in capsys.readouterr().err
+    png, md = tmp_path / "smoke.png", tmp_path / "smoke.md"
+    assert plot.main([str(path), "--allow-smoke", "--png", str(png), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert text.startswith("> **SMOKE RUN") and "| AdamW | gpt2 | fp32 | flatopt |" in text
+    assert "flatopt-graph, skipped (all 18 cases): CUDA graphs need a CUDA device" in text
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "PNG skipped" in capsys.readouterr().out
+
+
+def test_flatopt_failure_is_recorded_and_sets_exit_status(bench, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setitem(bench.FLATOPT, "adamw", broken)
+    path = tmp_path / "r.json"
+    argv = ["--device", "cpu", "--smoke", "--sets", "gpt2", "--dtypes", "fp32", "--optimizers", "adamw"]
+    argv += ["--impls", "flatopt,torch-fused", "--json", str(path)]
+    assert bench.main(argv) == 1
+    record = json.loads(path.read_text())
+    status = {r["impl"]: r for r in record["results"]}
+    assert status["flatopt"]["status"] == "failed" and "kernel exploded" in status["flatopt"]["reason"]
+    assert "Traceback" in status["flatopt"]["traceback"]
+    assert status["torch-fused"]["status"] == "ok"  # the run went on
+    assert record["flatopt_failed"] is True
+
+
+def test_spent_budget_skips_cases(bench, tmp_path):
+    path = tmp_path / "r.json"
+    argv = ["--device", "cpu", "--smoke", "--sets", "gpt2", "--dtypes", "fp32", "--budget-s", "0", "--json", str(path)]
+    assert bench.main(argv) == 0
+    rows = json.loads(path.read_text())["results"]
+    assert rows and all(r["status"] == "skipped" for r in rows)
+    assert all("time budget" in r["reason"] or "CUDA graphs" in r["reason"] for r in rows)
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.*:DeprecationWarning")  # raised inside torch's compiler
+def test_compile_worker_in_process(bench, capsys):
+    argv = ["--compile-worker", "--device", "cpu", "--smoke", "--worker-set", "gpt2", "--worker-dtype", "fp32"]
+    try:
+        assert bench.main(argv + ["--compile-backend", "eager"]) == 0
+    finally:
+        torch._dynamo.reset()
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(bench.RESULT_PREFIX)]
+    assert len(lines) == 1
+    result = json.loads(lines[0][len(bench.RESULT_PREFIX) :])
+    assert result["status"] == "ok", result
+    assert result["median_ms"] > 0 and result["compile_s"] > 0 and result["host_us"] > 0
+
+
+def test_compile_command_round_trips(bench):
+    args = bench.parse_args(["--device", "cpu", "--smoke"])
+    cmd = bench.compile_command(args, "many-small", "bf16")
+    assert cmd[0] == sys.executable and cmd[1].endswith("bench_step.py")
+    worker = bench.parse_args(cmd[2:])
+    assert worker.compile_worker and worker.smoke and worker.device == "cpu"
+    assert (worker.worker_set, worker.worker_dtype, worker.compile_backend) == ("many-small", "bf16", "eager")
+
+
+def test_run_worker_result_failure_and_timeout(bench):
+    ok = [sys.executable, "-c", f'print(\'noise\'); print({bench.RESULT_PREFIX!r} + \'{{"status": "ok", "x": 1}}\')']
+    assert bench.run_worker(ok, timeout_s=60) == {"status": "ok", "x": 1}
+    crash = [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"]
+    failed = bench.run_worker(crash, timeout_s=60)
+    assert failed["status"] == "failed" and "status 3" in failed["reason"] and failed["stderr_tail"] == "boom"
+    t0 = time.monotonic()
+    slow = bench.run_worker([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=0.5)
+    assert slow["status"] == "timeout" and "within 0.5 s" in slow["reason"]
+    assert time.monotonic() - t0 < 30
+
+
+# ------------------------------------------------------------------------------ bench_memory.py, bench_capture.py
+@pytest.fixture(scope="module")
+def memory():
+    return import_benchmark("bench_memory")
+
+
+@pytest.fixture(scope="module")
+def capture():
+    return import_benchmark("bench_capture")
+
+
+def test_memory_model_arithmetic(memory):
+    # 30 blocks x (2048*8192*2 + 8192 + 2048) = 30 x 33,564,672 parameters
+    assert memory.model_numel() == 1_006_940_160 == memory.FULL.numel
+    assert memory.param_bytes(memory.FULL.numel, "fp32") == 4_027_760_640
+    assert memory.param_bytes(memory.FULL.numel, "fp32") / 2**30 == pytest.approx(3.751, abs=1e-3)
+    assert memory.adamw_state_bytes(memory.FULL.numel, "fp32") / 2**30 == pytest.approx(7.503, abs=1e-3)
+    assert memory.param_bytes(memory.FULL.numel, "bf16") == 2_013_880_320
+    assert memory.bucket_bytes(2**25, "fp32") == 128 * 2**20 and memory.bucket_bytes(2**22, "bf16") == 8 * 2**20
+    model = memory.BlockStack(memory.SMOKE, torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == memory.SMOKE.numel
+
+
+def test_memory_count_device_events(memory):
+    class Event:
+        def __init__(self, name, device_type):
+            self.name, self.device_type = name, device_type
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [Event("ampere_sgemm_128x64_nn", cuda), Event("Memset (Device)", cuda), Event("Memcpy HtoD", cuda)]
+    events += [Event("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", cuda)]
+    events += [Event("adamw_kernel", cuda), Event("aten::addmm", cpu), Event("adamw_kernel", cpu)]
+    assert memory.count_device_events(events) == dict(kernels=3, memops=2, adam_kernels=2)
+
+
+def _mem_row(case, dtype, **kw):
+    return dict(case=case, dtype=dtype, status="ok", **kw)
+
+
+def test_memory_targets(memory):
+    gib = 2**30
+    rows = [
+        _mem_row("fwd-bwd", "fp32", peak_bytes=6 * gib, held_bytes=4 * gib, kernels=100, memops=0),
+        _mem_row(
+            "torch-in-backward",
+            "fp32",
+            peak_bytes=14 * gib,
+            params_bytes=4 * gib,
+            states_bytes=8 * gib,
+            median_ms=10.0,
+            kernels=340,
+            memops=0,
+            adam_kernels=120,
+        ),
+        _mem_row("flatopt", "fp32", median_ms=10.0),
+        _mem_row(
+            "flatopt-in-backward",
+            "fp32",
+            peak_bytes=14 * gib,
+            params_bytes=4 * gib,
+            states_bytes=8 * gib,
+            input_bytes=0,
+            bucket_size=2**25,
+            median_ms=9.0,
+            kernels=140,
+            memops=20,
+            adam_kernels=60,
+        ),
+    ]
+    activations, targets = memory.derive(rows, ["fp32"])
+    assert activations["fp32"] == dict(measured_bytes=2 * gib, recipe_upper_bound_bytes=2 * gib)
+    by = {t["target"]: t for t in targets}
+    peak = by["flatopt-in-backward peak <= params + states + input + activations + 1 bucket"]
+    assert peak["value"] == 14 and peak["threshold"] == pytest.approx(14.125) and peak["met"] is True
+    assert by["flatopt-in-backward time / flatopt step mode <= 1.02"]["value"] == pytest.approx(0.9)
+    extra = by["flatopt-in-backward kernels beyond fwd+bwd / torch recipe's <= 0.25"]
+    assert extra["value"] == pytest.approx(60 / 240) and extra["met"] is True
+    adam = by["flatopt-in-backward adam kernels / torch recipe's <= 0.25"]
+    assert adam["value"] == pytest.approx(0.5) and adam["met"] is False and adam["margin"] == pytest.approx(-0.25)
+    small = [t for t in targets if t["target"].startswith("flatopt-in-backward-small")]
+    assert len(small) == 4 and all(t["met"] is None for t in small)
+
+
+def test_memory_smoke_run_on_cpu(memory, tmp_path, capsys):
+    path, md = tmp_path / "memory.json", tmp_path / "memory.md"
+    assert memory.main(["--device", "cpu", "--smoke", "--json", str(path), "--markdown", str(md)]) == 0
+    record = json.loads(path.read_text())
+    assert record["kind"] == "smoke" and record["smoke"] is True and "SMOKE RUN" in record["note"]
+    assert record["benchmark"] == "memory" and record["params"] == memory.SMOKE.numel
+    rows = {(r["case"], r["dtype"]): r for r in record["results"]}
+    assert len(rows) == len(memory.CASES) * 2
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["median_ms"] > 0 and "torch.profiler" in r["profile_error"]
+    for dt in ("fp32", "bf16"):
+        assert rows[("flatopt", dt)]["states_bytes"] == memory.adamw_state_bytes(memory.SMOKE.numel, dt)
+        assert rows[("flatopt-in-backward", dt)]["flatopt_launches_per_step"] == 1  # one bucket holds the model
+        # 2**12-element buckets: each weight (at least 2**12 // 8 elements) is a bucket of its own, and the
+        # biases, laid out after the large parameters, share one bucket
+        assert rows[("flatopt-in-backward-small", dt)]["flatopt_launches_per_step"] == 2 * memory.SMOKE.blocks + 1
+        losses = {rows[(c, dt)]["final_loss"] for c in ("flatopt", "flatopt-in-backward", "flatopt-in-backward-small")}
+        assert max(losses) - min(losses) <= 1e-3 * max(losses)  # in-backward trains as step mode does
+    assert md.read_text().startswith("> **SMOKE RUN") and "| fp32 | flatopt-in-backward |" in md.read_text()
+    capsys.readouterr()
+    assert memory.main(["--report", str(path)]) == 0
+    assert "| bf16 | torch-in-backward |" in capsys.readouterr().out
+
+
+def test_memory_budget_and_failure(memory, tmp_path, monkeypatch):
+    path = tmp_path / "m.json"
+    argv = ["--device", "cpu", "--smoke", "--dtypes", "fp32", "--json", str(path)]
+    assert memory.main(argv + ["--budget-s", "0"]) == 0
+    assert all(r["status"] == "skipped" for r in json.loads(path.read_text())["results"])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(memory.flatopt, "AdamW", broken)
+    assert memory.main(argv + ["--cases", "torch-fused,flatopt"]) == 1
+    record = json.loads(path.read_text())
+    status = {r["case"]: r for r in record["results"]}
+    assert status["flatopt"]["status"] == "failed" and "kernel exploded" in status["flatopt"]["reason"]
+    assert status["torch-fused"]["status"] == "ok" and record["flatopt_failed"] is True
+
+
+def test_capture_gpt_numel(capture):
+    cfg = capture.MODELS["gpt2"]
+    assert capture.gpt_numel(cfg) == 124_439_808 - 1024 * 768 + 512 * 768  # GPT-2 small, 512 positions
+    for cfg in capture.SMOKE_MODELS.values():
+        assert sum(p.numel() for p in capture.GPT(cfg).parameters()) == capture.gpt_numel(cfg)
+
+
+def test_capture_targets(capture):
+    def row(model, impl, ms=None, status="ok"):
+        return dict(model=model, impl=impl, status=status, median_ms=ms, reason="boom" if status != "ok" else None)
+
+    small = dict(zip(("torch-fused", "torch-fused-graph", "flatopt", "flatopt-capture", "torch-compile-ro"),
+                     (6.0, 0.75, 3.0, 0.70, 1.85), strict=True))  # fmt: skip
+    rows = [row("small", impl, ms) for impl, ms in small.items()]
+    rows += [row("gpt2", "torch-fused-graph", 23.6), row("gpt2", "flatopt-capture", 24.0)]
+    rows += [row("gpt2", "torch-compile-ro", 18.5), row("gpt2", "flatopt-capture-compiled", status="timeout")]
+    by = {(t["target"], t["model"]): t for t in capture.evaluate_targets(rows, ["small", "gpt2"])}
+    t = by[("flatopt-capture <= torch-fused-graph", "small")]
+    assert t["met"] is True and t["margin"] == pytest.approx(0.05)
+    t = by[("flatopt-capture <= torch-fused-graph", "gpt2")]
+    assert t["met"] is False and t["margin"] == pytest.approx(-0.4)
+    t = by[("flatopt-capture fastest of all (small)", "small")]
+    assert t["met"] is True and t["threshold"] == 0.75
+    t = by[("flatopt-capture-compiled <= torch-compile-ro", "gpt2")]
+    assert t["met"] is None and "flatopt-capture-compiled timeout: boom" in t["note"]
+
+
+def test_capture_smoke_run_on_cpu(capture, tmp_path, capsys):
+    path, md = tmp_path / "capture.json", tmp_path / "capture.md"
+    assert capture.main(["--device", "cpu", "--smoke", "--json", str(path), "--markdown", str(md)]) == 0
+    record = json.loads(path.read_text())
+    assert record["kind"] == "smoke" and record["benchmark"] == "capture" and "SMOKE RUN" in record["note"]
+    rows = {(r["model"], r["impl"]): r for r in record["results"]}
+    assert len(rows) == 2 * len(capture.IMPLS)
+    for m in ("small", "gpt2"):
+        for impl in ("torch-fused", "flatopt"):
+            r = rows[(m, impl)]
+            assert r["status"] == "ok" and r["median_ms"] > 0 and r["steps"] == record["steps"]
+            assert r["final_loss"] < r["first_loss"]  # it trains
+        # same init, data and steps: flatopt trains as torch does
+        assert rows[(m, "flatopt")]["final_loss_minus_torch_fused"] == pytest.approx(0.0, abs=1e-3)
+        for impl in ("torch-fused-graph", "flatopt-capture", "torch-compile-ro", "flatopt-capture-compiled"):
+            assert rows[(m, impl)]["status"] == "skipped" and "CUDA" in rows[(m, impl)]["reason"]
+    assert all(t["met"] is None for t in record["targets"]) and len(record["targets"]) == 4
+    text = md.read_text()
+    assert text.startswith("> **SMOKE RUN") and "| small | flatopt | " in text
+    capsys.readouterr()
+    assert capture.main(["--report", str(path)]) == 0
+    assert "| gpt2 | torch-fused | " in capsys.readouterr().out
+
+
+def test_capture_worker_and_command(capture, capsys):
+    args = capture.parse_args(["--device", "cpu", "--smoke", "--iters", "2"])
+    cmd = capture.worker_command(args, "small", "torch-fused")
+    assert cmd[0] == sys.executable and cmd[1].endswith("bench_capture.py")
+    assert capture.main(cmd[2:]) == 0  # the worker, in process
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(capture.RESULT_PREFIX)]
+    assert len(lines) == 1
+    result = json.loads(lines[0][len(capture.RESULT_PREFIX) :])
+    assert result["status"] == "ok" and result["impl"] == "torch-fused" and result["iters"] == 2
+
+
+def test_capture_flatopt_failure_sets_exit_status(capture, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(capture.flatopt, "AdamW", broken)
+    path = tmp_path / "c.json"
+    argv = ["--device", "cpu", "--smoke", "--models", "small", "--impls", "torch-fused,flatopt", "--json", str(path)]
+    assert capture.main(argv) == 1
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["results"]}
+    assert rows["flatopt"]["status"] == "failed" and "kernel exploded" in rows["flatopt"]["reason"]
+    assert rows["torch-fused"]["status"] == "ok"
