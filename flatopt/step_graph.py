@@ -54,17 +54,19 @@ class StepGraph:
     def run(self, opt, launch):
         """Run ``launch()`` (which launches every buffer's kernel on the current stream) through the graph."""
         key = self.key_of(opt)
-        if key != self.key:
-            self.key, self.graph = key, None
-            if key not in self.seen:  # first launch of this configuration: compile it
-                self.seen.add(key)
-                launch()
-                return
-            self.graph = self._record(launch)
-            if self.graph is None:
-                launch()
-                return
-        self.graph.replay()
+        if key == self.key and self.graph is not None:
+            self.graph.replay()
+            return
+        self.key, self.graph = key, None
+        if key not in self.seen:  # first launch of this configuration: compile it
+            self.seen.add(key)
+            launch()
+            return
+        self.graph = self._record(launch)
+        if self.graph is None:
+            launch()
+        else:
+            self.graph.replay()
 
     def _record(self, launch):
         """Record ``launch()`` on a side stream; returns None (and stops trying) if recording fails."""

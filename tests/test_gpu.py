@@ -115,8 +115,8 @@ def lion_ambiguous(t, h, grad_scale):
     """Elements whose Lion update direction c = beta1 * m + (1 - beta1) * g is within rounding of zero:
     a fused multiply-add may give its sign either way there (the update then differs by 2 * lr)."""
     g = t["grad"].float() if grad_scale is None else t["grad"].float() / grad_scale.float()
-    a = t["exp_avg"].float() * h[:, kernels.lion.BETA1]
-    b = h[:, kernels.lion.ONE_MINUS_BETA1] * g
+    a = t["exp_avg"].float() * h[:, kernels.lion.BETA1.value]
+    b = h[:, kernels.lion.ONE_MINUS_BETA1.value] * g
     size = a.abs() + b.abs()
     return ((a + b).abs() <= 1e-6 * size) & (size > 0)  # padding (all zeros) is unambiguous
 
@@ -130,7 +130,12 @@ def assert_step_matches(name, ours, ref, meta_ours, meta_ref, dtype, step, lion_
             bound = tol["atol"] + tol["rtol"] * b.float().abs()
             bad = ~((diff <= bound) | (lion_amb & (diff <= 2 * lr + bound)))
             assert not bad.any(), f"step {step}, {name} param: {int(bad.sum())} elements differ from the reference"
-            assert int(lion_amb.sum()) <= max(16, a.numel() // 10**5), f"step {step}: too many ambiguous signs"
+            # The mask must stay narrow, or the check above could not fail. How many inputs cancel to within
+            # rounding depends on the data's precision: 16-bit values sit on a coarse grid, so exact cancellations
+            # of beta1 * m and (1 - beta1) * g are about 100x more frequent than in float32 (seen on an H100:
+            # 135 to 1229 of 12.2M elements in bf16/fp16 at the first step).
+            cap = max(16, a.numel() // (10**5 if dtype == torch.float32 else 10**3))
+            assert int(lion_amb.sum()) <= cap, f"step {step}: too many ambiguous signs"
         else:
             torch.testing.assert_close(a, b, **tol, msg=lambda m, k=key: f"step {step}, {name} {k}: {m}")
     assert torch.equal(meta_ours.steps, meta_ref.steps), f"step {step}: step counts differ"

@@ -98,3 +98,42 @@ def test_grad_scaler_steps_launch_directly_and_agree():
         step_both(pairs, x, scaler)
         assert_identical(pairs, step)
     assert pairs[0][1]._step_graph.graph is None
+
+
+class FakeGraph:
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def test_run_launches_first_then_records_then_replays(monkeypatch):
+    """The state machine, without a GPU: the first step of a configuration launches directly (it
+    compiles), the second records and replays, later ones replay; a new configuration starts over,
+    and a configuration seen before is recorded again at once."""
+    graph = StepGraph()
+    keys = iter(["a", "a", "a", "b", "b", "a"])
+    monkeypatch.setattr(StepGraph, "key_of", staticmethod(lambda opt: next(keys)))
+    recorded = []
+
+    def record(launch):
+        recorded.append(FakeGraph())
+        return recorded[-1]
+
+    monkeypatch.setattr(graph, "_record", record)
+    launches = []
+    for _ in range(6):
+        graph.run(None, lambda: launches.append(1))
+    assert len(launches) == 2  # the first step of "a" and of "b"
+    assert [g.replays for g in recorded] == [2, 1, 1]  # "a" twice, "b" once, "a" again once
+
+
+def test_run_falls_back_to_launching_when_recording_fails(monkeypatch):
+    graph = StepGraph()
+    monkeypatch.setattr(StepGraph, "key_of", staticmethod(lambda opt: "a"))
+    monkeypatch.setattr(graph, "_record", lambda launch: None)
+    launches = []
+    for _ in range(3):
+        graph.run(None, lambda: launches.append(1))
+    assert len(launches) == 3
