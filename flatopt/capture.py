@@ -230,4 +230,3 @@ class CapturedStep:
         self.graph = None
         self.outputs = None
         self.static = None
-

@@ -61,8 +61,7 @@ class CheckpointMixin:
         if extra:
             hint = " (amsgrad state: flatopt.AdamW does not implement amsgrad)" if "max_exp_avg_sq" in extra else ""
             raise ValueError(
-                f"loaded state dict has unexpected state {extra} for parameter {k}{hint}; "
-                f"{cls} keeps {sorted(allowed)}"
+                f"loaded state dict has unexpected state {extra} for parameter {k}{hint}; {cls} keeps {sorted(allowed)}"
             )
         tensors = {}
         for name in names:
@@ -144,7 +143,9 @@ class CheckpointMixin:
             for p, (step, tensors) in parsed.items():
                 if p in flat_params:
                     continue
-                own = {n: t.to(p.device, p.dtype).clone(memory_format=torch.preserve_format) for n, t in tensors.items()}
+                own = {
+                    n: t.to(p.device, p.dtype).clone(memory_format=torch.preserve_format) for n, t in tensors.items()
+                }
                 if self._exported_step:
                     own["step"] = torch.tensor(step, dtype=torch.float32)
                 self.state[p] = own

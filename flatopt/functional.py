@@ -32,4 +32,6 @@ def sgd(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_i
 
 def lion(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, backend="triton"):
     """One Lion step over flat buffers; see :mod:`flatopt.kernels.lion`."""
-    _impl("lion_step", backend)(param, grad, exp_avg, hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf)
+    _impl("lion_step", backend)(
+        param, grad, exp_avg, hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf
+    )

@@ -244,11 +244,11 @@ class InBackward:
             active[[self.index_of[p] for p in bucket.arrived]] = 1
             meta = StepMeta(**{**vars(meta), "active": active.to(buf.device), "uniform": False})
         s, e = bucket.start, bucket.end
+        states = (buf.states.get(n) for n in opt._state_names)
         opt._functional(
-            buf.data[s:e], grad, *(None if t is None else t[s:e] for t in (buf.states.get(n) for n in opt._state_names)),
+            buf.data[s:e], grad, *(None if t is None else t[s:e] for t in states),
             hparams=opt._hp[buf.device], meta=meta, backend=opt.backend,
         )  # fmt: skip
         self.launches += 1
         bucket.done = True
         self._release(bucket)
-

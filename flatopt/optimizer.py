@@ -306,9 +306,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
     def _refresh_uniform(self, buf):
         steps = buf.meta.steps
-        buf.meta.uniform = (
-            not self.skip_unused and len(set(buf.group_ids)) == 1 and bool((steps == steps[0]).all())
-        )
+        buf.meta.uniform = not self.skip_unused and len(set(buf.group_ids)) == 1 and bool((steps == steps[0]).all())
         if self._in_backward is not None:
             self._in_backward.dirty = True
 
@@ -603,9 +601,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         """
         from flatopt.capture import CapturedStep
 
-        return CapturedStep(
-            self, train_step, example_inputs, warmup=warmup, max_grad_norm=max_grad_norm, scaler=scaler
-        )
+        return CapturedStep(self, train_step, example_inputs, warmup=warmup, max_grad_norm=max_grad_norm, scaler=scaler)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):

@@ -29,7 +29,12 @@ class SGD(FlatOptimizer):
     ):
         reject_kwargs("SGD", kwargs)
         defaults = dict(
-            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
         )
         super().__init__(
             params,

@@ -50,7 +50,15 @@ def lion_kernel(
     offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
     group, steps, active = load_param_meta(
-        offsets, mask, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, param_lo, GRANULE, UNIFORM,
+        offsets,
+        mask,
+        param_of_granule_ptr,
+        param_group_ptr,
+        step_ptr,
+        active_ptr,
+        param_lo,
+        GRANULE,
+        UNIFORM,
         HAS_ACTIVE,
     )
     inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)

@@ -136,7 +136,10 @@ def test_skip_unused_matches_torch_default(backend, opt):
             lambda ps, **k: flatopt.SGD(ps, lr=0.05, momentum=0.9, dampening=0.2, weight_decay=0.1, **k),
             lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.2, weight_decay=0.1),
         ),
-        "lion": (lambda ps, **k: flatopt.Lion(ps, lr=1e-3, weight_decay=0.1, **k), lambda ps: LionReference(ps, 1e-3, weight_decay=0.1)),
+        "lion": (
+            lambda ps, **k: flatopt.Lion(ps, lr=1e-3, weight_decay=0.1, **k),
+            lambda ps: LionReference(ps, 1e-3, weight_decay=0.1),
+        ),
     }[opt]
     model, ref, ours, theirs = train_pair(
         device_for(backend),
@@ -152,7 +155,9 @@ def test_unused_parameters_warn_once_with_names():
     model = Net()
     opt = flatopt.AdamW(model, lr=1e-2)
     gen = torch.Generator().manual_seed(1)
-    with pytest.warns(UserWarning, match=r"2 parameter\(s\) received no gradient.*: 'unused\.weight', 'unused\.bias'\."):
+    with pytest.warns(
+        UserWarning, match=r"2 parameter\(s\) received no gradient.*: 'unused\.weight', 'unused\.bias'\."
+    ):
         loss_fn(model, make_batch(gen)).backward()
         opt.step()
     with warnings.catch_warnings():
@@ -186,7 +191,10 @@ def test_grad_scaler_with_injected_inf(backend, opt):
     torch.optim through unscale_ + a skipped step. Everything must agree, and the step with an
     inf must change no parameter, state or step count."""
     make = {
-        "adamw": (lambda m: flatopt.AdamW(m, lr=1e-2, backend=backend), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)),
+        "adamw": (
+            lambda m: flatopt.AdamW(m, lr=1e-2, backend=backend),
+            lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        ),
         "sgd": (
             lambda m: flatopt.SGD(m, lr=0.05, momentum=0.9, backend=backend),
             lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import triton
-
 from flatopt.kernels.adamw import NUM_HPARAMS as ADAMW_HP
 from flatopt.kernels.adamw import adamw_kernel
 from flatopt.kernels.common import BLOCK_SIZE, GRANULE, NUM_WARPS, STEP_BLOCK

@@ -114,6 +114,7 @@ def test_reentrant_checkpointing_is_refused():
     gen = torch.Generator().manual_seed(1)
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
         loss_fn(model, make_batch(gen)).backward()
+    assert opt._in_backward.task is None and opt._in_backward.held == 0, "the failed pass left state behind"
     # The optimizer is left usable: the same model without checkpointing trains normally afterwards.
     model.use_reentrant = None
     loss_fn(model, make_batch(gen)).backward()
@@ -314,7 +315,9 @@ def test_state_dict_round_trip_with_torch_optim():
                 second.step()
                 second.zero_grad(set_to_none=False)
                 for (name, p), q in zip(model2.named_parameters(), ref.parameters()):
-                    torch.testing.assert_close(p, q, atol=2e-6, rtol=2e-5, msg=lambda m: f"{direction} {step} {name}: {m}")
+                    torch.testing.assert_close(
+                        p, q, atol=2e-6, rtol=2e-5, msg=lambda m: f"{direction} {step} {name}: {m}"
+                    )
 
 
 def test_step_and_zero_grad_are_harmless_and_data_stays_in_the_buffer():
