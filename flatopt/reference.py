@@ -56,31 +56,49 @@ def lion_math(p, g, m, *, lr, beta1, omb1, beta2, omb2, weight_decay):
     return p, m
 
 
-def _element_meta(meta, hparams, numel):
-    """Per-element (hyper-parameter columns, completed steps, active mask), or per-buffer scalars."""
+def _pieces(meta, hparams, numel):
+    """The launch's elements as pieces ``(start, end, hyper-parameters, completed steps, active mask)``.
+
+    UNIFORM: one piece with scalars. Otherwise, on the CPU: one piece per run of consecutive parameters
+    sharing param group, step count and active flag, with scalars (inactive runs are left out); the
+    host reads the small tables, which costs nothing there. On other devices: one piece whose
+    hyper-parameters, steps and mask are given per element, with no host synchronisation. Either way
+    every element sees the same float32 values, so the results are identical.
+    """
     if meta.uniform:
-        row = hparams.index_select(0, meta.param_group[meta.first : meta.first + 1].long())[0]
-        return row, meta.steps[meta.first], None
-    pidx = torch.repeat_interleave(meta.param_of_granule.long(), ALIGN)[:numel]
-    cols = hparams.index_select(0, meta.param_group.long()[pidx]).t()
-    active = None if meta.active is None else meta.active.bool()[pidx]
-    return cols, meta.steps[pidx], active
+        return [(0, numel, hparams[meta.param_group[meta.first].long()], meta.steps[meta.first], None)]
+    owner = meta.param_of_granule.long()
+    if owner.device.type != "cpu":
+        pidx = torch.repeat_interleave(owner, ALIGN)[:numel]
+        cols = hparams.index_select(0, meta.param_group.long()[pidx]).t()
+        active = None if meta.active is None else meta.active.bool()[pidx]
+        return [(0, numel, cols, meta.steps[pidx], active)]
+    group, steps = meta.param_group.long()[owner], meta.steps[owner]
+    active = torch.ones_like(owner, dtype=torch.bool) if meta.active is None else meta.active.bool()[owner]
+    change = (group[1:] != group[:-1]) | (steps[1:] != steps[:-1]) | (active[1:] != active[:-1])
+    bounds = [0, *(torch.nonzero(change).flatten() + 1).tolist(), owner.numel()]
+    return [
+        (a * ALIGN, min(b * ALIGN, numel), hparams[group[a]], steps[a], None)
+        for a, b in zip(bounds, bounds[1:])
+        if active[a]
+    ]
 
 
-def _apply(meta, found_inf, writes, active):
-    """Write each (buffer, new value) where the step applies and advance the step counters."""
-    keep = active
-    if found_inf is not None:
-        ok = found_inf.reshape(()) == 0
-        keep = ok if keep is None else keep & ok
-    for dst, new in writes:
-        dst.copy_(new if keep is None else torch.where(keep, new, dst.float()))
+def _run(meta, hparams, numel, found_inf, update):
+    """Apply ``update(start, end, h, steps)`` (a list of (buffer slice, new value)) to each piece where the
+    step applies (not where the piece's mask is off, nor anywhere when ``found_inf``), then advance the
+    step counters of the launch's active parameters."""
+    ok = None if found_inf is None else found_inf.reshape(()) == 0
+    for start, end, h, steps, active in _pieces(meta, hparams, numel):
+        keep = active if ok is None else (ok if active is None else active & ok)
+        for dst, new in update(start, end, h, steps):
+            dst.copy_(new if keep is None else torch.where(keep, new, dst.float()))
     steps = meta.steps[meta.first : meta.stop]
     inc = torch.ones_like(steps)
     if meta.active is not None:
         inc = inc * meta.active[meta.first : meta.stop].float()
-    if found_inf is not None:
-        inc = inc * (found_inf.reshape(()) == 0).float()
+    if ok is not None:
+        inc = inc * ok.float()
     steps.add_(inc)
 
 
@@ -89,43 +107,53 @@ def _unscale(grad, grad_scale):
     torch's fused kernels leave the unscaled gradient in ``.grad`` when they step."""
     g = grad.float()
     if grad_scale is None:
-        return g, ()
+        return g, []
     g = g / grad_scale.reshape(()).float()
-    return g, ((grad, g),)
+    return g, [(grad, g)]
 
 
 def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
     assert hparams.shape[1] == ADAMW_HP
-    h, steps, active = _element_meta(meta, hparams, param.numel())
-    g, store_grad = _unscale(grad, grad_scale)
-    p, m, v = adamw_math(
-        param.float(), g, exp_avg.float(), exp_avg_sq.float(), t=steps + 1,
-        lr=h[0], beta1=h[1], omb1=h[2], beta2=h[3], omb2=h[4], log_beta1=h[5], log_beta2=h[6],
-        eps=h[7], weight_decay=h[8], grad_sign=h[9],
-    )  # fmt: skip
-    _apply(meta, found_inf, [(param, p), (exp_avg, m), (exp_avg_sq, v), *store_grad], active)
+
+    def update(s, e, h, steps):
+        g, store_grad = _unscale(grad[s:e], grad_scale)
+        p, m, v = adamw_math(
+            param[s:e].float(), g, exp_avg[s:e].float(), exp_avg_sq[s:e].float(), t=steps + 1,
+            lr=h[0], beta1=h[1], omb1=h[2], beta2=h[3], omb2=h[4], log_beta1=h[5], log_beta2=h[6],
+            eps=h[7], weight_decay=h[8], grad_sign=h[9],
+        )  # fmt: skip
+        return [(param[s:e], p), (exp_avg[s:e], m), (exp_avg_sq[s:e], v), *store_grad]
+
+    _run(meta, hparams, param.numel(), found_inf, update)
 
 
 def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
     assert hparams.shape[1] == SGD_HP
-    h, steps, active = _element_meta(meta, hparams, param.numel())
-    g, store_grad = _unscale(grad, grad_scale)
-    buf = None if momentum_buffer is None else momentum_buffer.float()
-    p, buf = sgd_math(
-        param.float(), g, buf, first=steps == 0, lr=h[0], momentum=h[1], one_minus_dampening=h[2],
-        weight_decay=h[3], nesterov=h[4], grad_sign=h[5],
-    )  # fmt: skip
-    writes = [(param, p), *store_grad]
-    if momentum_buffer is not None:
-        writes.append((momentum_buffer, torch.where(h[1] != 0, buf, momentum_buffer.float())))
-    _apply(meta, found_inf, writes, active)
+
+    def update(s, e, h, steps):
+        g, store_grad = _unscale(grad[s:e], grad_scale)
+        buf = None if momentum_buffer is None else momentum_buffer[s:e].float()
+        p, new_buf = sgd_math(
+            param[s:e].float(), g, buf, first=steps == 0, lr=h[0], momentum=h[1], one_minus_dampening=h[2],
+            weight_decay=h[3], nesterov=h[4], grad_sign=h[5],
+        )  # fmt: skip
+        writes = [(param[s:e], p), *store_grad]
+        if buf is not None:
+            writes.append((momentum_buffer[s:e], torch.where(h[1] != 0, new_buf, buf)))
+        return writes
+
+    _run(meta, hparams, param.numel(), found_inf, update)
 
 
 def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
     assert hparams.shape[1] == LION_HP
-    h, _, active = _element_meta(meta, hparams, param.numel())
-    g, store_grad = _unscale(grad, grad_scale)
-    p, m = lion_math(
-        param.float(), g, exp_avg.float(), lr=h[0], beta1=h[1], omb1=h[2], beta2=h[3], omb2=h[4], weight_decay=h[5]
-    )
-    _apply(meta, found_inf, [(param, p), (exp_avg, m), *store_grad], active)
+
+    def update(s, e, h, steps):
+        g, store_grad = _unscale(grad[s:e], grad_scale)
+        p, m = lion_math(
+            param[s:e].float(), g, exp_avg[s:e].float(),
+            lr=h[0], beta1=h[1], omb1=h[2], beta2=h[3], omb2=h[4], weight_decay=h[5],
+        )  # fmt: skip
+        return [(param[s:e], p), (exp_avg[s:e], m), *store_grad]
+
+    _run(meta, hparams, param.numel(), found_inf, update)
