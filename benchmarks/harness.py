@@ -8,8 +8,8 @@ Every script measures the same way:
   flush is needed between them.
 * the floor: bytes that must move / device-to-device copy bandwidth measured in the same run
   (``dst.copy_(src)`` of a large buffer, counting read + write bytes).
-* host time: ``time.perf_counter`` around one call with no synchronisation inside the timed region
-  (the device is synchronised before each call, outside it, so a full launch queue never blocks).
+* host time: ``time.perf_counter`` around each call, no synchronisation inside the timed region, in
+  bursts of back-to-back calls between synchronisations (see ``host_time``).
 * inputs: random normal parameters and gradients, never zeros.
 
 On the CPU the same functions time with ``time.perf_counter``; that is only for smoke runs, which
@@ -153,8 +153,15 @@ def device_time(fn, device, settings):
     return Timing(med, q20, q80, n)
 
 
+HOST_BURST = 64  # calls timed back to back between synchronisations: well under the launch queue's depth
+
+
 def host_time(fn, device, settings):
-    """Host-side microseconds of one call of ``fn`` (no synchronisation inside the timed region).
+    """Host-side microseconds of one call of ``fn``, each call timed on its own, no synchronisation inside
+    the timed region, in bursts of back-to-back calls as a training loop makes them (the host runs ahead
+    of the device). The device is synchronised only between bursts, so no call starts right after a
+    blocking wait (a thread that has just slept in a synchronisation runs its next call slower, the more
+    so the longer the wait), and a burst is too short to fill the launch queue.
 
     Returns (median, 20th, 80th percentile, calls). The garbage collector is paused while timing.
     """
@@ -166,9 +173,11 @@ def host_time(fn, device, settings):
         deadline = time.perf_counter() + settings.host_budget_s
         while len(times) < settings.host_calls and (len(times) < 5 or time.perf_counter() < deadline):
             sync()
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e6)
+            fn()  # the burst's first call follows the synchronisation: not timed
+            for _ in range(min(HOST_BURST, settings.host_calls - len(times))):
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e6)
         sync()
     finally:
         if was_enabled:
@@ -336,8 +345,20 @@ def make_params(shapes, dtype, device, seed=0):
 
 
 # ----------------------------------------------------------------------------------------- environment
+GIT_COMMIT_VARIABLE = "FLATOPT_GIT_COMMIT"
+
+
 def environment(device):
-    """What a result must be stored with: device, library versions, date, commit."""
+    """What a result must be stored with: device, library versions, date, commit.
+
+    The commit is the repository's (``git rev-parse HEAD``, with ``git_dirty``), recorded with
+    ``git_commit_source="repository"``. When the environment variable ``FLATOPT_GIT_COMMIT`` is set and not
+    empty, its value is recorded as ``git_commit`` instead, with ``git_commit_source="FLATOPT_GIT_COMMIT"``: a
+    copy of the working tree whose git metadata lags behind it (as on a machine the tree was copied to) is then
+    recorded with the commit it was copied from, e.g. ``FLATOPT_GIT_COMMIT=$(git rev-parse HEAD) bash
+    benchmarks/run_gpu.sh``. What the repository itself reported is kept as ``repository_git_commit`` and
+    ``repository_git_dirty``.
+    """
     import flatopt
 
     device = torch.device(device)
@@ -366,7 +387,17 @@ def environment(device):
         )
     else:
         env["device_name"] = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    env.update(_git())
+    repo = _git()
+    given = os.environ.get(GIT_COMMIT_VARIABLE, "").strip()
+    if given:
+        env.update(
+            git_commit=given,
+            git_commit_source=GIT_COMMIT_VARIABLE,
+            repository_git_commit=repo.get("git_commit"),
+            repository_git_dirty=repo.get("git_dirty"),
+        )
+    else:
+        env.update(repo, git_commit_source="repository")
     return env
 
 

@@ -1,21 +1,40 @@
-"""Draw a stored step-benchmark result: a PNG of percent of the floor per parameter set and implementation,
-and a markdown table of every result and target.
+"""Draw a stored benchmark result: a PNG, and a markdown table of every result and target.
 
-Reads only the JSON that ``bench_step.py`` wrote, so figures and tables always come from stored results:
+Reads only the JSON that a benchmark script wrote, so figures and tables always come from stored results. The
+kind of result is read from the JSON's "benchmark" field (bench_step.py writes none; the others write "memory"
+and "capture"), and its "schema" (1):
+
+    step      bench_step.py: percent of the copy-bandwidth floor per parameter set and implementation
+    memory    bench_memory.py: per dtype, peak memory per case against params + states and flatopt's target
+              (params + states + input + activations + one bucket), then step time with kernel launches per step
+    capture   bench_capture.py: per model, median ms per training step and implementation (20th-80th percentile),
+              with flatopt's targets
 
     python3 benchmarks/plot.py benchmarks/results/step-<stamp>.json                # PNG next to the JSON
     python3 benchmarks/plot.py RESULT.json --png out.png --markdown out.md
     python3 benchmarks/plot.py RESULT.json --no-png --markdown                      # table to stdout
 
+Cases that did not run (skipped, failed, out of memory, timed out) are drawn as labelled gaps, never as zeros. A
+capture JSON may carry published torch numbers to compare with, added by hand as
+``"torch_reference_ms": {model: {implementation: ms}}`` (and ``"torch_reference_source": "..."``); they are drawn
+as markers when present, and nothing is drawn when absent.
+
 Smoke runs are refused unless ``--allow-smoke`` is given; their PNG and markdown are then labelled
 as smoke runs across the figure and at the top of the table. The PNG needs matplotlib; without it the
-PNG is skipped with a message and the markdown is still written.
+PNG is skipped with a message and the markdown is still written. The markdown of a memory or capture result
+is the benchmark script's own (``--report``), which imports torch and flatopt.
 """
 
 import argparse
+import importlib
 import json
+import math
 import sys
+import textwrap
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable (after any installed flatopt)
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 OPTIMIZER_TITLES = {"adamw": "AdamW", "sgd": "SGD (momentum)", "lion": "Lion"}
 IMPL_ORDER = (
@@ -32,10 +51,26 @@ IMPL_ORDER = (
 SMOKE_LABEL = "SMOKE RUN: NOT A MEASUREMENT"
 
 
+KINDS = ("step", "memory", "capture")
+SCHEMAS = (1,)
+
+
+def kind_of(record, path="the JSON"):
+    """The kind of result, step, memory or capture, from the record's "benchmark" and "schema" fields
+    (bench_step.py writes no "benchmark" field); ValueError for anything else."""
+    if not isinstance(record, dict) or "results" not in record or "env" not in record:
+        raise ValueError(f"{path} is not a benchmark result (no 'results'/'env')")
+    kind = record.get("benchmark", "step")
+    if kind not in KINDS:
+        raise ValueError(f"{path}: unknown benchmark {kind!r}; plot.py draws {', '.join(KINDS)}")
+    if record.get("schema") not in SCHEMAS:
+        raise ValueError(f"{path}: {kind} result of schema {record.get('schema')!r}; plot.py reads schema {SCHEMAS}")
+    return kind
+
+
 def load(path):
     record = json.loads(Path(path).read_text())
-    if "results" not in record or "env" not in record:
-        raise ValueError(f"{path} is not a bench_step.py result (no 'results'/'env')")
+    kind_of(record, path)
     return record
 
 
@@ -173,15 +208,421 @@ def plot_png(record, path):
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------------------ shared drawing helpers
+GIB = 2**30
+GAP_LABELS = {"skipped": "skipped", "failed": "FAILED", "oom": "out of memory", "timeout": "timed out"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def gap_label(row, what="not measured"):
+    """The label of a bar that has no value: why the case did not run (or did not measure ``what``)."""
+    if row is None:
+        return "not run"
+    status = row.get("status")
+    if status == "ok":
+        return what
+    label = GAP_LABELS.get(status, str(status))
+    reason = (row.get("reason") or "").strip().splitlines()
+    if reason:
+        lines = textwrap.wrap(reason[0], 30)
+        if len(lines) > 2:
+            lines = [lines[0], lines[1][:27] + "..."]
+        label += ":\n" + "\n".join(lines)
+    return label
+
+
+def _draw_bars(ax, slots, colors, top):
+    """One bar per slot (name, value or None, lower error, upper error, gap label); a slot without a value is left
+    empty and labelled (a gap, never a zero bar). ``top`` is the y-axis top. Returns the bar of each drawn slot."""
+    drawn = {}
+    for x, (name, value, lo, hi, gap) in enumerate(slots):
+        if value is None:
+            ax.text(x, 0.03 * top, gap, rotation=90, ha="center", va="bottom", fontsize=7, color="0.35")
+            ax.bar(x, top * 0.84, 0.7, color="none", edgecolor="0.75", ls=":", lw=0.8)  # below a legend at the top
+            continue
+        err = None
+        if lo is not None and hi is not None:
+            err = [[max(0.0, value - lo)], [max(0.0, hi - value)]]
+        drawn[name] = ax.bar(x, value, 0.7, color=colors.get(name, "0.5"), yerr=err, capsize=3, ecolor="0.2")[0]
+    return drawn
+
+
+def _finish(fig, record, title, path, caption=None, caption_size=7.5):
+    """Title (smoke runs labelled across the figure), an optional caption under the panels, layout, PNG."""
+    if record.get("smoke"):
+        title = f"{SMOKE_LABEL}\n{title}"
+        fig.text(0.5, 0.5, SMOKE_LABEL, fontsize=40, color="red", alpha=0.35, ha="center", va="center", rotation=25)
+    fig.suptitle(title, fontsize=10)
+    bottom = 0.0
+    if caption:
+        lines = caption.count("\n") + 1
+        bottom = (lines + 1.5) * caption_size * 1.35 / 72 / fig.get_figheight()
+        fig.text(0.012, bottom - 0.4 * caption_size / 72 / fig.get_figheight(), caption, ha="left", va="top",
+                 fontsize=caption_size)  # fmt: skip
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def _met(t):
+    return "n/a" if t.get("met") is None else ("met" if t["met"] else "missed")
+
+
+def _gib(v):
+    return f"{v:.2f} GiB" if v >= 0.1 else f"{_fmt3(v * 1024)} MiB"
+
+
+def _fmt3(v):
+    """Three significant digits, trailing zeros kept: 0.725, 5.61, 28.0, 138."""
+    if v == 0 or not math.isfinite(v):
+        return f"{v:g}"
+    return f"{v:.{max(0, 2 - math.floor(math.log10(abs(v))))}f}"
+
+
+# ------------------------------------------------------------------------------------------ memory result
+MEMORY_CASES = (
+    "fwd-bwd",
+    "torch-fused",
+    "torch-in-backward",
+    "flatopt",
+    "flatopt-in-backward",
+    "flatopt-in-backward-small",
+)
+MEMORY_LABELS = {
+    "fwd-bwd": "fwd + bwd\n(no optimizer)",
+    "torch-fused": "torch\nfused",
+    "torch-in-backward": "torch\nin-backward\nrecipe",
+    "flatopt": "flatopt\nstep mode",
+    "flatopt-in-backward": "flatopt\nin-backward",
+    "flatopt-in-backward-small": "flatopt\nin-backward",
+}
+MEMORY_COLORS = {
+    "fwd-bwd": "#b0b0b0",
+    "torch-fused": "tab:orange",
+    "torch-in-backward": "tab:red",
+    "flatopt": "tab:blue",
+    "flatopt-in-backward": "tab:green",
+    "flatopt-in-backward-small": "tab:olive",
+}
+MEMORY_TARGET_SHORT = (
+    ("time / flatopt step mode", "time / step mode"),
+    ("kernels beyond fwd+bwd / torch recipe's", "extra kernels / recipe"),
+    ("adam kernels / torch recipe's", "adam kernels / recipe"),
+)
+
+
+def _memory_cases(record):
+    seen = list(dict.fromkeys(r["case"] for r in record["results"]))
+    return [c for c in MEMORY_CASES if c in seen] + [c for c in seen if c not in MEMORY_CASES]
+
+
+def _memory_label(case, row):
+    label = MEMORY_LABELS.get(case, case.replace("-", "\n", 1))
+    bucket = (row or {}).get("bucket_size")
+    if bucket:
+        exp = math.log2(bucket)
+        label += f"\nbucket 2^{exp:.0f}" if exp.is_integer() else f"\nbucket {bucket:,}"
+    return label
+
+
+def memory_peak_targets(record, dtype):
+    """{case: target} of the peak-memory targets of ``dtype``, whose threshold (GiB) is params + states + input +
+    activations + one bucket as the JSON's targets computed it; cases without a threshold are left out."""
+    out = {}
+    for t in record.get("targets", []):
+        if t.get("dtype") == dtype and t.get("unit") == "GiB" and t.get("threshold") is not None:
+            out[t["target"].split()[0]] = t
+    return out
+
+
+def memory_params_states(record, dtype):
+    """Params + states in GiB: the record's expected bytes, or else the first measured case with states."""
+    exp = (record.get("expected_bytes") or {}).get(dtype)
+    if exp:
+        return (exp["params"] + exp["states"]) / GIB
+    for r in record["results"]:
+        if r["dtype"] == dtype and r["status"] == "ok" and r.get("states_bytes"):
+            return (r["params_bytes"] + r["states_bytes"]) / GIB
+    return None
+
+
+def memory_slots(record, dtype, key):
+    """Bars of one dtype: (case, value or None, low, high, gap label); ``key`` "peak" (GiB) or "time" (ms)."""
+    rows = {r["case"]: r for r in record["results"] if r["dtype"] == dtype}
+    slots = []
+    for case in _memory_cases(record):
+        r = rows.get(case)
+        ok = r is not None and r["status"] == "ok"
+        if key == "peak":
+            value = r["peak_bytes"] / GIB if ok and r.get("peak_bytes") is not None else None
+            slots.append((case, value, None, None, gap_label(r, "no peak:\nnot a CUDA run")))
+        else:
+            value = r.get("median_ms") if ok else None
+            lo, hi = (r.get("q20_ms"), r.get("q80_ms")) if ok else (None, None)
+            slots.append((case, value, lo, hi, gap_label(r)))
+    return slots
+
+
+def _launches_text(row):
+    if row is None or row.get("status") != "ok":
+        return None
+    if row.get("kernels") is None:
+        return "launches n/a"
+    text = f"{row['kernels'] + row.get('memops', 0)} launches"
+    if row.get("adam_kernels"):
+        text += f"\n{row['adam_kernels']} adam"
+    return text
+
+
+def memory_caption(record):
+    """flatopt's time and launch targets, one line per (dtype, in-backward case)."""
+    lines = []
+    for t in record.get("targets", []):
+        if t.get("unit") != "x":
+            continue
+        key = (t["dtype"], t["target"].split()[0])
+        name = next((short for long, short in MEMORY_TARGET_SHORT if long in t["target"]), t["target"])
+        value = "-" if t.get("value") is None else f"{_fmt3(t['value'])}x"
+        part = f"{name} {value} (\u2264 {t['threshold']:g}: {_met(t)})"
+        if lines and lines[-1][0] == key:
+            lines[-1][1].append(part)
+        else:
+            lines.append((key, [part]))
+    if not lines:
+        return None
+    body = [f"{dt}, {case}: " + "; ".join(parts) for (dt, case), parts in lines]
+    head = (
+        "flatopt targets (lower is better; launches = kernels + memsets/copies counted by torch.profiler, "
+        "extra kernels = launches beyond the fwd + bwd case):"
+    )
+    return "\n".join([head, *body])
+
+
+def plot_memory_png(record, path):
+    """Per dtype (columns): peak memory per case with params + states and flatopt's peak target, then step time
+    with kernel launches per step."""
+    dtypes = list(dict.fromkeys(r["dtype"] for r in record["results"]))
+    if not dtypes:
+        raise ValueError("the memory result has no cases: nothing to draw")
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(8 * len(dtypes), 11.5), squeeze=False)
+    for col, dt in enumerate(dtypes):
+        rows = {r["case"]: r for r in record["results"] if r["dtype"] == dt}
+        cases = _memory_cases(record)
+        labels = [_memory_label(c, rows.get(c)) for c in cases]
+        ax = axes[0, col]
+        slots = memory_slots(record, dt, "peak")
+        base = memory_params_states(record, dt)
+        targets = memory_peak_targets(record, dt)
+        values = [v for _, v, *_ in slots if v is not None] + [t["threshold"] for t in targets.values()]
+        values += [base] if base else []
+        top = 1.3 * max(values) if values else 1.0
+        drawn = _draw_bars(ax, slots, MEMORY_COLORS, top)
+        for case, bar in drawn.items():
+            text = f"{bar.get_height():.2f}"
+            y = bar.get_height()
+            t = targets.get(case)
+            if t is not None:
+                if t.get("met") is not None:
+                    text += f"\ntarget {t['threshold']:.2f}\n{_met(t)}, {t['margin']:+.3f}"
+                y = max(y, t["threshold"])
+            ax.text(bar.get_x() + bar.get_width() / 2, y + 0.012 * top, text, ha="center", va="bottom", fontsize=7)
+        if base:
+            ax.axhline(base, color="black", lw=0.9, ls="--", label=f"params + states = {_gib(base)}")
+        label = "target: params + states + input\n+ activations + 1 bucket"
+        for i, case in enumerate(cases):
+            if case in targets:
+                ax.hlines(targets[case]["threshold"], i - 0.45, i + 0.45, color="crimson", lw=2.0, label=label)
+                label = None  # one legend entry
+        ax.set_xticks(range(len(cases)), labels, fontsize=8)
+        ax.set_xlim(-0.6, len(cases) - 0.4)
+        ax.set_ylim(0, top)
+        ax.set_ylabel("peak memory over the timed steps (GiB)")
+        ax.set_title(f"{dt}: peak memory per case (GiB = 2^30 bytes)", loc="left", fontsize=10)
+        ax.legend(fontsize=7, loc="upper left", frameon=False)
+
+        ax = axes[1, col]
+        slots = memory_slots(record, dt, "time")
+        values = [hi if hi is not None else v for _, v, _, hi, _ in slots if v is not None]
+        top = 1.32 * max(values) if values else 1.0
+        drawn = _draw_bars(ax, slots, MEMORY_COLORS, top)
+        for case, bar in drawn.items():
+            r = rows[case]
+            ms = bar.get_height()
+            text = f"{ms:.1f} ms" if ms >= 10 else f"{_fmt3(ms)} ms"
+            launches = _launches_text(r)
+            if launches:
+                text += "\n" + launches
+            y = max(bar.get_height(), r.get("q80_ms") or 0)
+            ax.text(bar.get_x() + bar.get_width() / 2, y + 0.012 * top, text, ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(cases)), labels, fontsize=8)
+        ax.set_xlim(-0.6, len(cases) - 0.4)
+        ax.set_ylim(0, top)
+        ax.set_ylabel("step time, median (ms; bars: p20-p80)")
+        ax.set_title(f"{dt}: step time and kernel launches per step", loc="left", fontsize=10)
+    s = record.get("sizes", {})
+    model = (
+        f"{record.get('params', 0):,} parameters ({s.get('blocks')} blocks {s.get('dim')}->{s.get('hidden')}->"
+        f"{s.get('dim')}, batch {s.get('batch')}x{s.get('tokens')})"
+        if s
+        else ""
+    )
+    _finish(fig, record, f"In-backward AdamW, {model}\n{headline(record)}", path, memory_caption(record))
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------- capture result
+CAPTURE_IMPLS = (
+    "torch-fused",
+    "torch-fused-graph",
+    "torch-compile-ro",
+    "flatopt",
+    "flatopt-capture",
+    "flatopt-capture-compiled",
+)
+CAPTURE_LABELS = {
+    "torch-fused": "torch fused\n(eager)",
+    "torch-fused-graph": "torch fused\nCUDA graph\n(by hand)",
+    "torch-compile-ro": "torch.compile\nreduce-\noverhead",
+    "flatopt": "flatopt\n(eager)",
+    "flatopt-capture": "flatopt\ncapture",
+    "flatopt-capture-compiled": "flatopt\ncapture +\ntorch.compile",
+}
+CAPTURE_COLORS = {
+    "torch-fused": "tab:orange",
+    "torch-fused-graph": "tab:green",
+    "torch-compile-ro": "tab:purple",
+    "flatopt": "tab:gray",
+    "flatopt-capture": "tab:olive",
+    "flatopt-capture-compiled": "tab:cyan",
+}
+
+
+def capture_references(record):
+    """{model: {impl: ms}}: torch reference numbers stored in the JSON (none unless added there)."""
+    refs = record.get("torch_reference_ms") or {}
+    return {m: {i: float(v) for i, v in d.items() if isinstance(v, (int, float))} for m, d in refs.items()}
+
+
+def capture_slots(record, model):
+    """Bars of one model: (impl, median ms or None, p20, p80, gap label), in the benchmark's order."""
+    rows = {r["impl"]: r for r in record["results"] if r["model"] == model}
+    names = list(dict.fromkeys([*CAPTURE_IMPLS, *record.get("impls", {}), *rows]))
+    names += [i for i in capture_references(record).get(model, {}) if i not in names]
+    keep = [n for n in names if n in rows or n in capture_references(record).get(model, {})]
+    slots = []
+    for impl in keep:
+        r = rows.get(impl)
+        ok = r is not None and r["status"] == "ok" and r.get("median_ms") is not None
+        slots.append((impl, r["median_ms"] if ok else None, r.get("q20_ms") if ok else None,
+                      r.get("q80_ms") if ok else None, gap_label(r)))  # fmt: skip
+    return slots
+
+
+def capture_caption(record):
+    """flatopt's targets, one line each: value against threshold, met or missed, margin."""
+    lines = []
+    for t in record.get("targets", []):
+        head = f"{t.get('model')}, {t['target']}:"
+        if t.get("met") is None:
+            note = t.get("note") or "not measured"
+            lines.append(f"{head} n/a ({note if len(note) <= 150 else note[:149] + '...'})")
+        else:
+            pct = 100 * t["margin"] / t["threshold"] if t["threshold"] else float("nan")
+            lines.append(
+                f"{head} {t['value']:.3f} ms against {t['threshold']:.3f} ms, {_met(t)} "
+                f"({t['margin']:+.3f} ms, {pct:+.1f} %)"
+            )
+    return "\n".join(["flatopt targets (ms per step, lower is better):", *lines]) if lines else None
+
+
+def plot_capture_png(record, path):
+    """One panel per model: median ms per training step for each implementation (bars: p20-p80), flatopt's targets
+    below, torch reference numbers as markers when the JSON has them."""
+    models = list(dict.fromkeys([*record.get("models", {}), *(r["model"] for r in record["results"])]))
+    models = [m for m in models if any(r["model"] == m for r in record["results"])]
+    if not models:
+        raise ValueError("the capture result has no cases: nothing to draw")
+    plt = _pyplot()
+    refs = capture_references(record)
+    fig, axes = plt.subplots(1, len(models), figsize=(7.2 * len(models), 6.4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        slots = capture_slots(record, model)
+        mrefs = refs.get(model, {})
+        values = [hi if hi is not None else v for _, v, _, hi, _ in slots if v is not None] + list(mrefs.values())
+        top = 1.25 * max(values) if values else 1.0
+        drawn = _draw_bars(ax, slots, CAPTURE_COLORS, top)
+        for impl, bar in drawn.items():
+            q80 = next(hi for n, _, _, hi, _ in slots if n == impl)
+            y = max(bar.get_height(), q80 or 0)
+            ax.text(bar.get_x() + bar.get_width() / 2, y + 0.012 * top, _fmt3(bar.get_height()), ha="center",
+                    va="bottom", fontsize=8)  # fmt: skip
+        names = [n for n, *_ in slots]
+        first = True
+        for i, impl in enumerate(names):
+            if impl in mrefs:
+                src = record.get("torch_reference_source")
+                label = f"torch reference{f' ({src})' if src else ''}" if first else None
+                ax.plot([i + 0.38], [mrefs[impl]], marker="<", color="black", ms=7, ls="none", label=label)
+                ax.text(i + 0.47, mrefs[impl], _fmt3(mrefs[impl]), va="center", ha="left", fontsize=7)
+                first = False
+        ax.set_xticks(range(len(names)), [CAPTURE_LABELS.get(n, n) for n in names], fontsize=8)
+        ax.set_xlim(-0.6, len(names) - 0.4)
+        ax.set_ylim(0, top)
+        ax.set_ylabel("ms per training step, median (bars: p20-p80)")
+        cfg = record.get("models", {}).get(model)
+        desc = ""
+        if cfg:
+            n = cfg["params"]
+            desc = (
+                f": {cfg['layers']} layers, d={cfg['dim']}, vocab {cfg['vocab']}, batch {cfg['batch']}x{cfg['tokens']}"
+                f", {_fmt3(n / 1e6) + 'M' if n >= 1e5 else format(n, ',')} parameters"
+            )
+        ax.set_title(f"{model}{desc}", loc="left", fontsize=10)
+        if mrefs:
+            ax.legend(fontsize=7, loc="upper right", frameon=False)
+    title = (
+        f"One training step (zero_grad + forward + backward + AdamW step, bf16 autocast), "
+        f"{record.get('steps', '?')} steps per implementation\n{headline(record)}"
+    )
+    _finish(fig, record, title, path, capture_caption(record))
+    plt.close(fig)
+
+
+def memory_or_capture_markdown(record, kind):
+    """The benchmark script's own markdown for a memory or capture result (imports torch and flatopt)."""
+    module = importlib.import_module(f"benchmarks.bench_{kind}")
+    return module.markdown(record)
+
+
+def draw(record, path, kind=None):
+    """Draw ``record`` (of any kind) to the PNG ``path``."""
+    kind = kind or kind_of(record)
+    {"step": plot_png, "memory": plot_memory_png, "capture": plot_capture_png}[kind](record, path)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", type=Path, help="a JSON written by bench_step.py")
+    p.add_argument("json", type=Path, help="a JSON written by bench_step.py, bench_memory.py or bench_capture.py")
     p.add_argument("--png", type=Path, default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-png", action="store_true", help="do not draw the PNG")
     p.add_argument("--markdown", nargs="?", const="-", default=None, help="write the markdown table (default: stdout)")
     p.add_argument("--allow-smoke", action="store_true", help="draw a smoke run (labelled as such)")
     args = p.parse_args(argv)
-    record = load(args.json)
+    try:
+        record = load(args.json)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    kind = kind_of(record)
     if record.get("smoke") and not args.allow_smoke:
         print(
             f"{args.json} is a smoke run (a code-path check, not a measurement); refusing to draw it as a result. "
@@ -190,7 +631,7 @@ def main(argv=None):
         )
         return 2
     if args.markdown is not None:
-        text = markdown(record)
+        text = markdown(record) if kind == "step" else memory_or_capture_markdown(record, kind)
         if args.markdown == "-":
             print(text, end="")
         else:
@@ -200,9 +641,12 @@ def main(argv=None):
     if not args.no_png:
         png = args.png or args.json.with_suffix(".png")
         try:
-            plot_png(record, png)
+            draw(record, png, kind)
         except ImportError as e:
             print(f"PNG skipped: matplotlib is not importable ({e}); the JSON and markdown are complete")
+        except ValueError as e:
+            print(f"{args.json}: {e}", file=sys.stderr)
+            return 2
         else:
             print(f"wrote {png}")
     return 0

@@ -21,6 +21,8 @@
 # Writes at most 7 files to $OUT (default: benchmarks/results), every name stamped with the run's UTC time:
 #   run-STAMP.log (everything printed, nvidia-smi included), junit-STAMP.xml, step-STAMP.json,
 #   memory-STAMP.json, capture-STAMP.json, step-STAMP.png, summary-STAMP.md (the three markdown tables)
+# The memory and capture PNGs are drawn where the JSONs are fetched to (`python3 benchmarks/plot.py FILE.json`):
+# the GPU machine returns at most 8 files.
 # Exit status: non-zero when a test failed, a benchmark failed (a flatopt case failed), or the plot failed.
 set -uo pipefail
 

@@ -2,7 +2,9 @@
 quantiles, parameter-set generators, targets) give the right numbers; the step benchmark's main path runs
 on the CPU in smoke mode, records failures per implementation, and feeds plot.py (PNG and markdown);
 a smoke result cannot be drawn as a measurement. The memory and capture benchmarks: their arithmetic and
-targets, and their smoke runs on the CPU (CUDA-graph and compile cases recorded as skipped)."""
+targets, and their smoke runs on the CPU (CUDA-graph and compile cases recorded as skipped), which plot.py draws
+only with --allow-smoke, cases that did not run drawn as labelled gaps. The stored results under
+benchmarks/results/ are drawable. The environment record takes its commit from FLATOPT_GIT_COMMIT when set."""
 
 import importlib
 import importlib.util
@@ -349,9 +351,26 @@ def test_memory_targets(memory):
     assert len(small) == 4 and all(t["met"] is None for t in small)
 
 
-def test_memory_smoke_run_on_cpu(memory, tmp_path, capsys):
-    path, md = tmp_path / "memory.json", tmp_path / "memory.md"
+@pytest.fixture(scope="module")
+def memory_smoke(memory, tmp_path_factory):
+    """A memory smoke run on the CPU: (JSON path, markdown path), run once for the tests that read it."""
+    out = tmp_path_factory.mktemp("memory-smoke")
+    path, md = out / "memory.json", out / "memory.md"
     assert memory.main(["--device", "cpu", "--smoke", "--json", str(path), "--markdown", str(md)]) == 0
+    return path, md
+
+
+@pytest.fixture(scope="module")
+def capture_smoke(capture, tmp_path_factory):
+    """A capture smoke run on the CPU: (JSON path, markdown path), run once for the tests that read it."""
+    out = tmp_path_factory.mktemp("capture-smoke")
+    path, md = out / "capture.json", out / "capture.md"
+    assert capture.main(["--device", "cpu", "--smoke", "--json", str(path), "--markdown", str(md)]) == 0
+    return path, md
+
+
+def test_memory_smoke_run_on_cpu(memory, memory_smoke, capsys):
+    path, md = memory_smoke
     record = json.loads(path.read_text())
     assert record["kind"] == "smoke" and record["smoke"] is True and "SMOKE RUN" in record["note"]
     assert record["benchmark"] == "memory" and record["params"] == memory.SMOKE.numel
@@ -418,9 +437,8 @@ def test_capture_targets(capture):
     assert t["met"] is None and "flatopt-capture-compiled timeout: boom" in t["note"]
 
 
-def test_capture_smoke_run_on_cpu(capture, tmp_path, capsys):
-    path, md = tmp_path / "capture.json", tmp_path / "capture.md"
-    assert capture.main(["--device", "cpu", "--smoke", "--json", str(path), "--markdown", str(md)]) == 0
+def test_capture_smoke_run_on_cpu(capture, capture_smoke, capsys):
+    path, md = capture_smoke
     record = json.loads(path.read_text())
     assert record["kind"] == "smoke" and record["benchmark"] == "capture" and "SMOKE RUN" in record["note"]
     rows = {(r["model"], r["impl"]): r for r in record["results"]}
@@ -464,3 +482,110 @@ def test_capture_flatopt_failure_sets_exit_status(capture, tmp_path, monkeypatch
     rows = {r["impl"]: r for r in json.loads(path.read_text())["results"]}
     assert rows["flatopt"]["status"] == "failed" and "kernel exploded" in rows["flatopt"]["reason"]
     assert rows["torch-fused"]["status"] == "ok"
+
+
+# ------------------------------------------------------------------------ plot.py on memory and capture results
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RESULT_JSONS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+
+
+def assert_png(png, capsys):
+    """A PNG was written, or matplotlib is missing and plot.py said the PNG was skipped."""
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == PNG_MAGIC
+    else:
+        assert "PNG skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["memory", "capture"])
+def test_plot_draws_smoke_results_only_when_allowed(plot, request, kind, tmp_path, capsys):
+    path, _ = request.getfixturevalue(f"{kind}_smoke")
+    assert plot.kind_of(json.loads(path.read_text())) == kind
+    png, md = tmp_path / f"{kind}.png", tmp_path / f"{kind}.md"
+    capsys.readouterr()
+    assert plot.main([str(path), "--png", str(png)]) == 2  # a smoke run is not drawn as a result
+    assert "smoke run" in capsys.readouterr().err and not png.exists()
+    assert plot.main([str(path), "--allow-smoke", "--png", str(png), "--markdown", str(md)]) == 0
+    assert md.read_text().startswith("> **SMOKE RUN")  # the benchmark script's own table
+    assert_png(png, capsys)
+
+
+def test_plot_gaps_are_labelled_not_zero(plot, memory_smoke, capture_smoke):
+    record = json.loads(capture_smoke[0].read_text())
+    slots = {name: (value, gap) for name, value, _, _, gap in plot.capture_slots(record, "small")}
+    assert slots["torch-fused"][0] > 0 and slots["flatopt"][0] > 0
+    for impl in ("torch-fused-graph", "flatopt-capture", "torch-compile-ro", "flatopt-capture-compiled"):
+        value, gap = slots[impl]
+        assert value is None and gap.startswith("skipped:\nCUDA graphs"), (impl, gap)
+    record = json.loads(memory_smoke[0].read_text())
+    peaks = plot.memory_slots(record, "fp32", "peak")
+    assert [s[0] for s in peaks] == list(plot.MEMORY_CASES)
+    assert all(value is None and "not a CUDA run" in gap for _, value, _, _, gap in peaks)  # CPU: no peak
+    assert all(value > 0 for _, value, _, _, _ in plot.memory_slots(record, "fp32", "time"))
+    record["results"][0].update(status="oom", reason="OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB")
+    case, value, _, _, gap = plot.memory_slots(record, record["results"][0]["dtype"], "time")[0]
+    assert case == "fwd-bwd" and value is None and gap.startswith("out of memory:\nOutOfMemoryError")
+    assert plot.gap_label(None) == "not run"
+
+
+def test_plot_capture_torch_references(plot, capture_smoke, tmp_path, capsys):
+    record = json.loads(capture_smoke[0].read_text())
+    assert plot.capture_references(record) == {}  # none unless the JSON carries them
+    record["torch_reference_ms"] = {"small": {"torch-fused-graph": 0.75, "torch-compile-ro": 1.85}}
+    record["torch_reference_source"] = "published numbers"
+    assert plot.capture_references(record) == {"small": {"torch-fused-graph": 0.75, "torch-compile-ro": 1.85}}
+    png = tmp_path / "refs.png"
+    try:
+        plot.draw(record, png)
+    except ImportError:
+        pytest.skip("matplotlib is not importable")
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_refuses_what_it_cannot_read(plot, tmp_path, capsys):
+    base = dict(schema=1, env={}, results=[])
+    assert plot.kind_of(dict(base)) == "step" and plot.kind_of(dict(base, benchmark="memory")) == "memory"
+    with pytest.raises(ValueError, match="unknown benchmark 'latency'"):
+        plot.kind_of(dict(base, benchmark="latency"))
+    with pytest.raises(ValueError, match="schema 2"):
+        plot.kind_of(dict(base, benchmark="capture", schema=2))
+    with pytest.raises(ValueError, match="not a benchmark result"):
+        plot.kind_of(dict(schema=1))
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(dict(base, benchmark="latency")))
+    capsys.readouterr()
+    assert plot.main([str(path)]) == 2 and "unknown benchmark" in capsys.readouterr().err
+    for kind in ("memory", "capture"):
+        path.write_text(json.dumps(dict(base, benchmark=kind)))
+        assert plot.main([str(path), "--png", str(tmp_path / "empty.png")]) == 2
+        assert "nothing to draw" in capsys.readouterr().err and not (tmp_path / "empty.png").exists()
+
+
+@pytest.mark.parametrize("path", RESULT_JSONS, ids=lambda p: p.name)
+def test_stored_results_are_drawable(plot, path, tmp_path, capsys):
+    record = plot.load(path)
+    assert not record.get("smoke") and record["env"].get("device_name")
+    png, md = tmp_path / f"{path.stem}.png", tmp_path / f"{path.stem}.md"
+    assert plot.main([str(path), "--png", str(png), "--markdown", str(md)]) == 0  # no --allow-smoke needed
+    assert record["env"]["device_name"] in md.read_text()
+    assert_png(png, capsys)
+
+
+def test_environment_git_commit_override(harness, bench, monkeypatch, tmp_path):
+    repo = dict(git_commit="f" * 40, git_dirty=True)
+    monkeypatch.setattr(harness, "_git", lambda: dict(repo))
+    monkeypatch.delenv("FLATOPT_GIT_COMMIT", raising=False)
+    env = harness.environment("cpu")
+    assert (env["git_commit"], env["git_dirty"], env["git_commit_source"]) == ("f" * 40, True, "repository")
+    monkeypatch.setenv("FLATOPT_GIT_COMMIT", "")  # empty: as if unset
+    assert harness.environment("cpu")["git_commit_source"] == "repository"
+    monkeypatch.setenv("FLATOPT_GIT_COMMIT", " 0123456789abcdef0123456789abcdef01234567\n")
+    env = harness.environment("cpu")
+    assert env["git_commit"] == "0123456789abcdef0123456789abcdef01234567"
+    assert env["git_commit_source"] == "FLATOPT_GIT_COMMIT" and "git_dirty" not in env
+    assert (env["repository_git_commit"], env["repository_git_dirty"]) == ("f" * 40, True)
+    path = tmp_path / "r.json"  # and a benchmark records it
+    argv = ["--device", "cpu", "--smoke", "--sets", "gpt2", "--dtypes", "fp32", "--budget-s", "0", "--json", str(path)]
+    assert bench.main(argv) == 0
+    recorded = json.loads(path.read_text())["env"]
+    assert recorded["git_commit"] == env["git_commit"] and recorded["git_commit_source"] == "FLATOPT_GIT_COMMIT"
