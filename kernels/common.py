@@ -116,12 +116,14 @@ def finish_step(
     """The last program to finish advances the step of every active parameter of the launch and
     re-zeroes the counter.
 
-    Each program's reads of the step counters complete before its increment of ``counter`` (the
-    values it stores depend on them), and the last program writes the counters only after seeing
-    every increment, so no program reads an advanced count. Nothing a program stores is read by
-    another, so the increment needs no release fence: a relaxed atomic, which keeps thousands of
-    programs from each waiting on a fence.
+    The increment of ``counter`` is made by one thread of the program, so a barrier first waits
+    for every warp of the program to reach this point: each warp's reads of the step counters
+    have completed by then (the values it stored depend on them). The last program writes the
+    counters only after seeing every program's increment, so no program reads an advanced count.
+    Nothing a program stores is read by another, so the increment needs no release fence: a
+    relaxed atomic, which keeps thousands of programs from each waiting on a fence.
     """
+    tl.debug_barrier()
     done = tl.atomic_add(counter_ptr, 1, sem="relaxed")
     if done == tl.num_programs(0) - 1:
         for start in range(param_lo, param_hi, STEP_BLOCK):
