@@ -32,6 +32,7 @@ import torch
 from flatopt.layout import ALIGN, StepMeta
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: 128 MiB of float32 staging gradient
+FULL_CHECK_EVERY = 256  # step() (or, in-backward, a backward pass) checks every parameter's bindings this often
 
 
 def _graph_task_id():
@@ -125,6 +126,8 @@ class InBackward:
         self.backwards_since_step = 0
         self.step_called = False
         self.dirty = True  # recompute each bucket's UNIFORM flag at the next backward
+        self.pending = False  # gradients accumulated under no_step() that no pass has taken yet
+        self.backwards = 0  # backward passes begun (every FULL_CHECK_EVERY-th checks every parameter)
         self.launches = 0  # kernel launches so far (tests and benchmarks read it)
         self.held = 0  # staging-gradient elements allocated now
         self.peak_held = 0  # the most staging-gradient elements allocated at once
@@ -146,6 +149,7 @@ class InBackward:
     # ------------------------------------------------------------------ hooks
     def hook(self, p):
         if self.paused:
+            self.pending = True  # accumulated in p.grad, for the next stepping pass or opt.step()
             return
         with self.lock, torch.no_grad():
             try:
@@ -165,6 +169,14 @@ class InBackward:
             self.held -= bucket.grad.numel()
         bucket.close()
 
+    def abandon(self):
+        """Called outside backward (zero_grad, step): a pass that began but never ended (its backward
+        raised, out of memory say) is dropped, so the next backward starts afresh. Buckets it had
+        stepped stay stepped; the others are not."""
+        if self.task is not None:
+            with self.lock:
+                self.reset()
+
     def _arrive(self, p):
         opt = self.opt
         task = _graph_task_id()
@@ -174,18 +186,24 @@ class InBackward:
             raise RuntimeError(
                 f"{type(opt).__name__}(in_backward=True): the gradient of {opt._name(p)} arrived in a nested "
                 "backward pass. Reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True) "
-                "runs one; use use_reentrant=False, or in_backward=False"
+                "runs one; use use_reentrant=False, or in_backward=False. (If instead the previous backward pass "
+                "raised and was retried without opt.zero_grad() in between, run this backward pass again)"
             )
-        bucket, offset = self.bucket_of[p]
-        if p in bucket.arrived:
+        if p in self.bucket_of[p][0].arrived:
             raise RuntimeError(
                 f"{type(opt).__name__}(in_backward=True): the gradient hook of {opt._name(p)} fired twice in one "
                 "backward pass (reentrant activation checkpointing does that); use "
                 "torch.utils.checkpoint(..., use_reentrant=False), or in_backward=False"
             )
+        self._take(p)
+
+    def _take(self, p):
+        """Move ``p.grad`` into its bucket (or keep it, for a one-parameter bucket), free it, and step
+        the bucket once all its gradients are in."""
+        bucket, offset = self.bucket_of[p]
         g = p.grad
         if g.layout != torch.strided:
-            raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients ({opt._name(p)})")
+            raise RuntimeError(f"{type(self.opt).__name__} does not support sparse gradients ({self.opt._name(p)})")
         n = bucket.end - bucket.start
         if len(bucket.params) == 1 and g.numel() == n and g.stride() == p.stride():
             # p is dense, so a gradient with p's strides is too, in the buffer's element order
@@ -197,18 +215,21 @@ class InBackward:
         if len(bucket.arrived) == len(bucket.params):
             self._step(bucket)
 
-    def _begin(self, task):
-        """First gradient of a backward pass: checks, hyper-parameters, the end-of-pass callback."""
+    def _begin(self, task, backward=True):
+        """First gradient of a backward pass (or ``opt.step()`` applying accumulated gradients):
+        checks, hyper-parameters, and, in a backward pass, the end-of-pass callback."""
         opt = self.opt
-        self.backwards_since_step += 1
-        if self.step_called and self.backwards_since_step > 1:
-            self.backwards_since_step = 1
-            raise RuntimeError(
-                f"{type(opt).__name__}(in_backward=True): a second backward pass started without opt.step() "
-                "in between. Each backward pass updates the parameters, so gradients are not accumulated over "
-                "micro-batches: run all but the last micro-batch's backward inside `with opt.no_step():`"
-            )
-        opt.check_bindings(full=self.dirty)
+        if backward:
+            self.backwards_since_step += 1
+            if self.step_called and self.backwards_since_step > 1:
+                self.backwards_since_step = 1
+                raise RuntimeError(
+                    f"{type(opt).__name__}(in_backward=True): a second backward pass started without opt.step() "
+                    "in between. Each backward pass updates the parameters, so gradients are not accumulated over "
+                    "micro-batches: run all but the last micro-batch's backward inside `with opt.no_step():`"
+                )
+        opt.check_bindings(full=self.dirty or self.backwards % FULL_CHECK_EVERY == 0)
+        self.backwards += 1
         opt._refresh_hparams(opt._devices)
         if self.dirty:
             for b in self.buckets:
@@ -216,24 +237,45 @@ class InBackward:
                 b.meta.uniform = not opt.skip_unused and b.single_groups and bool((steps == steps[0]).all())
             self.dirty = False
         self.task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self.pending = False  # gradients accumulated under no_step() are taken by this pass
+        if backward:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
-    def _finish(self):
-        """End of the backward pass: step the buckets still open (and, unless skip_unused, the ones
-        that received no gradient at all, with a zero gradient, as step mode does)."""
+    def step_pending(self):
+        """``opt.step()`` after every micro-batch ran under ``no_step()``: step the accumulated
+        ``p.grad`` as torch.optim would, then free them."""
         with self.lock, torch.no_grad():
             try:
-                opt = self.opt
-                if not opt._unused_reported:
-                    missing = [p for b in self.buckets if not b.done for p in b.params if p not in b.arrived]
-                    if missing:
-                        opt._warn_unused(missing)
-                    opt._unused_reported = True
-                for b in self.buckets:
-                    if not b.done and (b.arrived or not opt.skip_unused):
-                        self._step(b, partial=True)
+                self._begin(task=None, backward=False)
+                self._end_pass()
             finally:
                 self.reset()
+
+    def _finish(self):
+        """End of the backward pass (queued on the autograd engine by its first gradient)."""
+        with self.lock, torch.no_grad():
+            try:
+                self._end_pass()
+            finally:
+                self.reset()
+
+    def _end_pass(self):
+        """Step the buckets still open: first take the gradients left in ``p.grad`` by micro-batches
+        run under no_step() that this pass did not reach; then treat missing gradients as zero (or,
+        with skip_unused, step only the parameters that received one), as step mode does."""
+        opt = self.opt
+        for b in self.buckets:
+            if not b.done:
+                for p in [p for p in b.params if p not in b.arrived and p.grad is not None]:
+                    self._take(p)
+        if not opt._unused_reported:
+            missing = [p for b in self.buckets if not b.done for p in b.params if p not in b.arrived]
+            if missing:
+                opt._warn_unused(missing)
+            opt._unused_reported = True
+        for b in self.buckets:
+            if not b.done and (b.arrived or not opt.skip_unused):
+                self._step(b, partial=True)
 
     def _step(self, bucket, partial=False):
         opt, buf = self.opt, bucket.buf

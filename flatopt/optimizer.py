@@ -12,12 +12,11 @@ from torch import nn
 
 from flatopt.checkpoint import CheckpointMixin
 from flatopt.functional import BACKENDS
-from flatopt.in_backward import DEFAULT_BUCKET_SIZE, InBackward, is_large
+from flatopt.in_backward import DEFAULT_BUCKET_SIZE, FULL_CHECK_EVERY, InBackward, is_large
 from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
 from flatopt.step_graph import StepGraph
 
 _TORCH_ONLY_KWARGS = ("foreach", "fused", "capturable", "differentiable")
-FULL_CHECK_EVERY = 256  # step() checks every parameter's binding at the first step and then every 256th
 
 
 def _outside_stacklevel():
@@ -348,7 +347,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def check_bindings(self, full=True):
         """Raise if a parameter's data or gradient no longer lives in the flat buffers, or (with
         ``full=True``) if a parameter that was frozen when the optimizer laid out its buffers
-        requires grad now (it has no place in them and would never be stepped).
+        requires grad now (it has no place in them and would never be stepped), or one that was
+        trainable is frozen now (it would still be stepped, unless ``skip_unused=True``).
 
         ``step()`` checks every parameter at the first step and at every ``FULL_CHECK_EVERY``-th
         (256th) step after it, and otherwise only the first and last parameter of each buffer
@@ -386,6 +386,20 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                         f"buffer ({why} replaces it). Use backward() without create_graph, dense gradients, and "
                         f"in-place changes to .grad, or construct the optimizer with flat=False"
                     )
+        ends = [b.params[i] for b in self._buffers for i in sorted({0, len(b.params) - 1})]
+        frozen = [
+            p for p in (ends if not full else (p for b in self._buffers for p in b.params)) if not p.requires_grad
+        ]
+        if frozen and not self.skip_unused:
+            names = ", ".join(self._name(p) for p in frozen[:8]) + (", ..." if len(frozen) > 8 else "")
+            raise RuntimeError(
+                f"{cls}: {len(frozen)} parameter(s) were trainable when the optimizer was created and have "
+                f"requires_grad=False now: {names}. Their .grad views stay in the flat gradient buffer, so flatopt "
+                "would keep stepping them with a zero gradient (weight decay and momentum would still change "
+                "them), where torch.optim skips a parameter whose .grad is None. Create the optimizer after "
+                "freezing (save opt.state_dict() and load it into the new optimizer to keep the state), or pass "
+                "skip_unused=True, which steps only parameters that received a gradient"
+            )
         unfrozen = [p for p in self._frozen if p.requires_grad] if full else []
         if unfrozen:
             names = ", ".join(self._name(p) for p in unfrozen[:8]) + (", ..." if len(unfrozen) > 8 else "")
@@ -486,11 +500,15 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 "parameters of this step have been updated with scaled gradients: restart from a checkpoint)"
             )
         loss = None
+        ib = self._in_backward
+        ib.abandon()
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._in_backward.step_called = True
-        self._in_backward.backwards_since_step = 0
+        if ib.pending:  # every micro-batch ran under no_step(): step their accumulated gradients now
+            ib.step_pending()
+        ib.step_called = True
+        ib.backwards_since_step = 0
         return loss
 
     def no_step(self):
@@ -645,7 +663,11 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         With ``flat=True`` the ``.grad`` views are kept whatever ``set_to_none`` says (the buffers
         never move); with ``flat=False`` this is torch.optim's ``zero_grad``.
         """
-        if not self.flat or self.in_backward:
+        if self.in_backward:
+            self._in_backward.abandon()
+            self._in_backward.pending = False  # the accumulated gradients are dropped, as torch.optim does
+            return super().zero_grad(set_to_none=set_to_none)
+        if not self.flat:
             return super().zero_grad(set_to_none=set_to_none)
         for buf in self._buffers:
             buf.grad.zero_()

@@ -338,3 +338,69 @@ def test_step_and_zero_grad_are_harmless_and_data_stays_in_the_buffer():
     for p in buf.params:
         s, e = buf.index[p]
         assert buf.data.data_ptr() <= p.data_ptr() < buf.data.data_ptr() + e * buf.data.element_size()
+
+
+def test_every_micro_batch_under_no_step_then_step_applies_the_sum():
+    """torch.optim's accumulate-then-step: with every backward under no_step(), opt.step() steps the
+    accumulated gradients."""
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = OPTIMIZERS["sgd"](model.parameters())
+        ours = OPTIMIZERS["sgd"](twin.parameters(), in_backward=True, bucket_size=256)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(1, 4):
+            batches = [make_batch(gen) for _ in range(3)]
+            for b in batches:
+                loss_fn(model, b).backward()
+            ref.step()
+            ref.zero_grad()
+            with ours.no_step():
+                for b in batches:
+                    loss_fn(twin, b).backward()
+            ours.step()
+            assert all(p.grad is None for p in twin.parameters()), "step() consumed the accumulated gradients"
+            ours.zero_grad()
+            assert_models_equal(twin, model, ours, ref, step)
+
+
+def test_zero_grad_after_no_step_drops_the_accumulated_gradients():
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    opt = flatopt.AdamW(model, lr=0.1, in_backward=True)
+    with opt.no_step():
+        model(torch.randn(2, 5)).sum().backward()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+
+
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("out of memory (simulated)")
+
+
+def test_a_backward_that_raised_is_dropped_by_zero_grad_and_training_goes_on():
+    """An exception in the middle of backward (out of memory, say) leaves a pass that never ended;
+    the usual retry (zero_grad, backward again) must work and match step mode from there on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    opt = flatopt.AdamW(model, lr=1e-2, in_backward=True, bucket_size=8)
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="simulated"):
+        model[2](Boom.apply(model[1](model[0](x)))).sum().backward()
+    opt.zero_grad()
+    assert opt._in_backward.task is None
+    model(x).sum().backward()  # the retry: no "nested backward" error
+    opt.step()
+    steps = {float(opt.state[p]["step"]) for p in model.parameters()}
+    assert steps <= {1.0, 2.0}  # the failed pass's finished buckets stay stepped
