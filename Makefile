@@ -1,7 +1,8 @@
 # `make demo` and `make test` work from a fresh clone: they create .venv (unless a virtual
-# environment is already active), install torch 2.13.0 when no torch is importable (the CPU
-# build this machine keeps on disk; an unpinned torch would pull a multi-GB CUDA build), then
-# the package itself in editable mode.
+# environment is already active), install torch 2.13.0 when no torch is importable (pinned: the
+# project's CI machines hold that CPU build locally, where an unpinned torch would pull a
+# multi-GB CUDA build; elsewhere pip resolves the pin from its index, so install the torch build
+# you want first), then the package itself in editable mode.
 
 ifdef VIRTUAL_ENV
 PY := $(VIRTUAL_ENV)/bin/python
