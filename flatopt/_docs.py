@@ -26,10 +26,39 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             parameters stepped by one kernel launch; gradient memory held by the optimizer is
             about one bucket (default: 2**25)"""
 
+# torch.optim's implementation options, taken at the values that change nothing for flatopt (see
+# flatopt.optimizer.reject_kwargs); any other value raises ValueError saying why.
+FOREACH = """foreach (None, optional): only None: flatopt always steps each flat buffer with one
+            fused kernel, neither torch.optim's foreach nor its for-loop implementation (whose
+            rounding differs), so ``True`` and ``False`` are refused (default: None)"""
+
+CAPTURABLE = """capturable (bool, optional): taken at either value and ignored: flatopt keeps step
+            counts and hyper-parameters on the device whatever it says, and ``capture()``
+            records the training step in a CUDA graph (default: False)"""
+
+DIFFERENTIABLE = """differentiable (bool, optional): only False: the step updates the parameters in place
+            outside autograd (default: False)"""
+
+FUSED = """fused (bool, optional): None or True: flatopt always steps each flat buffer with one fused
+            kernel, so ``False`` is refused (default: None)"""
+
 NOTES = """
     Gradients: with ``flat=True`` every ``p.grad`` is a view into one gradient buffer and
     ``zero_grad()`` zeroes it in one operation, whatever ``set_to_none`` says. Do not set
     ``.grad`` to None behind the optimizer's back (``model.zero_grad()``); ``step()`` detects it
     and raises. ``step()`` accepts GradScaler's ``grad_scale`` and ``found_inf`` inside the
     kernel, with no host synchronisation.
+
+    The implementation options of torch.optim (or lion-pytorch) named above are taken for
+    drop-in use at the values that change nothing and refused, with the reason, at any other.
+    They are not stored in the parameter groups: ``state_dict()`` carries none of them, and
+    torch.optim fills in its own defaults when it loads one; those a torch.optim state dict
+    records (``foreach``, ``fused``, ...) are kept in the groups, saved again, and change nothing
+    (but AdamW refuses ``amsgrad=True``).
+
+    Checkpoints: the optimizer object cannot be pickled or copied (``copy.deepcopy``,
+    ``torch.save(opt)``): with ``flat=True`` its tensors are views into buffers shared with the
+    model. Save ``opt.state_dict()`` and load it into an optimizer created for the model it is
+    restored to.
+    ``state_dict()`` and ``load_state_dict()`` run the hooks registered on them as torch.optim's do.
 """

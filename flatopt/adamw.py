@@ -20,8 +20,13 @@ class AdamW(FlatOptimizer):
         betas=(0.9, 0.999),
         eps=1e-8,
         weight_decay=1e-2,
+        amsgrad=False,
         *,
         maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
         flat=True,
         backend=None,
         skip_unused=False,
@@ -29,7 +34,15 @@ class AdamW(FlatOptimizer):
         bucket_size=None,
         **kwargs,
     ):
-        reject_kwargs("AdamW", kwargs)
+        reject_kwargs(
+            "AdamW",
+            kwargs,
+            amsgrad=amsgrad,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+        )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(
             params,
@@ -95,6 +108,12 @@ AdamW.__doc__ = rf"""Implements AdamW (Loshchilov & Hutter, "Decoupled Weight De
             gradient and its square (default: (0.9, 0.999))
         eps (float, optional): term added to the denominator (default: 1e-8)
         weight_decay (float, optional): decoupled weight decay coefficient (default: 1e-2)
+        amsgrad (bool, optional): only False: AMSGrad is not implemented; use
+            ``torch.optim.AdamW(amsgrad=True)`` for it (default: False)
         maximize (bool, optional): maximize the objective instead of minimizing (default: False)
+        {_docs.FOREACH}
+        {_docs.CAPTURABLE}
+        {_docs.DIFFERENTIABLE}
+        {_docs.FUSED}
         {_docs.FLAT}
 {_docs.NOTES}"""

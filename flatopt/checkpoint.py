@@ -26,7 +26,14 @@ class CheckpointMixin:
         return [n for n in self._state_names if self._uses_state(n, group)]
 
     def state_dict(self):
-        """Returns the state of the optimizer as a dict, in torch.optim's format."""
+        """Returns the state of the optimizer as a dict, in torch.optim's format.
+
+        Runs the hooks registered with ``register_state_dict_pre_hook`` before and those
+        registered with ``register_state_dict_post_hook`` after, as torch.optim does (a post hook
+        may return a state dict that replaces the one made).
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         index, groups = {}, []
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -48,7 +55,12 @@ class CheckpointMixin:
                     entry = {"step": torch.tensor(steps[p], dtype=torch.float32), **entry}
                 if entry:
                     state[index[p]] = entry
-        return {"state": state, "param_groups": groups}
+        state_dict = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            hook_result = post_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        return state_dict
 
     def _parse_state(self, k, p, saved, group, saved_group):
         """Check one parameter's saved state against the parameter; returns (step, {name: tensor})."""
@@ -91,8 +103,21 @@ class CheckpointMixin:
         """Loads a state dict saved by this optimizer or by the matching torch.optim optimizer.
 
         Everything is checked before anything changes: a state dict that does not fit raises
-        and leaves the optimizer as it was.
+        and leaves the optimizer as it was. As in torch.optim, the hooks registered with
+        ``register_load_state_dict_pre_hook`` run first, on a shallow copy of ``state_dict`` (one
+        may return a state dict to load instead), and those registered with
+        ``register_load_state_dict_post_hook`` run once it is loaded.
         """
+        state_dict = state_dict.copy()  # shallow, as torch.optim: the pre hooks may change it in place
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        self._load_checked(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_checked(self, state_dict):
         groups = self.param_groups
         saved_groups = deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):

@@ -16,6 +16,8 @@ class Lion(FlatOptimizer):
         lr=1e-4,
         betas=(0.9, 0.99),
         weight_decay=0.0,
+        use_triton=False,
+        decoupled_weight_decay=False,
         *,
         flat=True,
         backend=None,
@@ -24,7 +26,7 @@ class Lion(FlatOptimizer):
         bucket_size=None,
         **kwargs,
     ):
-        reject_kwargs("Lion", kwargs)
+        reject_kwargs("Lion", kwargs, use_triton=use_triton, decoupled_weight_decay=decoupled_weight_decay)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay)
         super().__init__(
             params,
@@ -78,5 +80,11 @@ Lion.__doc__ = rf"""Implements Lion (Chen et al. 2023, "Symbolic Discovery of Op
         betas (tuple[float, float], optional): interpolation factor of the update and decay of
             the running average (default: (0.9, 0.99))
         weight_decay (float, optional): decoupled weight decay coefficient (default: 0.0)
+        use_triton (bool, optional): lion-pytorch's choice of implementation; only False (its
+            default) is taken, since flatopt steps with its own kernels, Triton or torch as
+            ``backend`` says (default: False)
+        decoupled_weight_decay (bool, optional): only False: lion-pytorch's ``True`` divides
+            the weight decay by the constructor's ``lr``; pass ``weight_decay / lr`` instead,
+            which decays the same (default: False)
         {_docs.FLAT}
 {_docs.NOTES}"""

@@ -16,7 +16,47 @@ from flatopt.in_backward import DEFAULT_BUCKET_SIZE, FULL_CHECK_EVERY, InBackwar
 from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
 from flatopt.step_graph import StepGraph
 
-_TORCH_ONLY_KWARGS = ("foreach", "fused", "capturable", "differentiable")
+# torch.optim's implementation options (and lion-pytorch's): name -> (whether a value changes nothing for flatopt,
+# why another value is refused and what to do, the hint for a constructor that does not take the option). A
+# constructor whose signature has the option takes it at the values that change nothing and raises ValueError at the
+# others; one that does not raises TypeError, as torch.optim does for options it does not know.
+_TORCH_ONLY_KWARGS = {
+    "foreach": (
+        lambda v: v is None,
+        "it always steps each flat buffer with one fused kernel, not with torch.optim's foreach or for-loop "
+        "implementation (whose rounding differs); drop 'foreach'",
+        "{cls} always steps each flat buffer with one fused kernel, so drop 'foreach'",
+    ),
+    "fused": (
+        lambda v: v is None or bool(v),
+        "it always steps each flat buffer with one fused kernel; drop 'fused' (or pass fused=True)",
+        "{cls} always steps each flat buffer with one fused kernel, so drop 'fused'",
+    ),
+    "capturable": (
+        lambda v: True,  # step counts and hyper-parameters live on the device anyway; capture() records the step
+        "",
+        "capture() records {cls}'s step in a CUDA graph without it, so drop 'capturable'",
+    ),
+    "differentiable": (
+        lambda v: not v,
+        "its step updates the parameters in place outside autograd and is not differentiable; use "
+        "torch.optim.{name}(differentiable=True)",
+        "{cls}'s step is not differentiable, so drop 'differentiable'",
+    ),
+    "amsgrad": (lambda v: not v, "it does not implement amsgrad; use torch.optim.AdamW(amsgrad=True)", None),
+    "use_triton": (
+        lambda v: not v,
+        "it steps with its own fused kernels, Triton or torch as backend= says (Triton is the default on CUDA); "
+        "drop 'use_triton'",
+        None,
+    ),
+    "decoupled_weight_decay": (
+        lambda v: not v,
+        "it does not implement lion-pytorch's decoupled weight decay (weight_decay divided by the constructor's "
+        "lr); pass weight_decay=weight_decay / lr instead, which decays the same",
+        None,
+    ),
+}
 
 
 def _outside_stacklevel():
@@ -30,17 +70,24 @@ def _outside_stacklevel():
     return level
 
 
-def reject_kwargs(cls_name, kwargs):
-    """Unknown keyword arguments raise TypeError, with a hint for torch.optim's own options."""
-    if not kwargs:
-        return
-    name = next(iter(kwargs))
-    hint = ""
-    if name in _TORCH_ONLY_KWARGS:
-        hint = f"; flatopt.{cls_name} always steps each flat buffer with one fused kernel, so drop '{name}'"
-    elif name == "amsgrad":
-        hint = f"; flatopt.{cls_name} does not implement amsgrad: use torch.optim.AdamW(amsgrad=True)"
-    raise TypeError(f"{cls_name}.__init__() got an unexpected keyword argument '{name}'{hint}")
+def reject_kwargs(cls_name, kwargs, **options):
+    """Check a constructor's keyword arguments before anything is built.
+
+    ``kwargs`` (what the signature does not name) raise TypeError, as for any function, with a
+    hint for torch.optim's options that this optimizer does not take. ``options`` are the
+    torch.optim (or lion-pytorch) options that its signature takes: ignored at a value that
+    changes nothing for flatopt, ValueError saying why and what to do at any other.
+    """
+    cls = f"flatopt.{cls_name}"
+    if kwargs:
+        name = next(iter(kwargs))
+        hint = _TORCH_ONLY_KWARGS[name][2] if name in _TORCH_ONLY_KWARGS else None
+        hint = "" if hint is None else "; " + hint.format(cls=cls)
+        raise TypeError(f"{cls_name}.__init__() got an unexpected keyword argument '{name}'{hint}")
+    for name, value in options.items():
+        accepted, why, _ = _TORCH_ONLY_KWARGS[name]
+        if not accepted(value):
+            raise ValueError(f"{cls} does not take {name}={value!r}: " + why.format(name=cls_name))
 
 
 class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
@@ -105,6 +152,30 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if self.flat:
             self._build()
         self._built = True
+
+    # ------------------------------------------------------------------ copies
+    def _cannot_copy(self):
+        """The error for any attempt to copy or serialise the optimizer object, raised before anything is built."""
+        cls = type(self)
+        name = f"flatopt.{cls.__name__}" if cls.__module__.startswith("flatopt.") else cls.__name__
+        if getattr(self, "flat", True):
+            in_backward = getattr(self, "in_backward", False)  # which has no gradient buffer
+            held = "parameters and states" if in_backward else "parameters, gradients and states"
+            why = f"its {held} are views into flat buffers shared with the model, which a copy would not share"
+        else:
+            why = "it holds tables on the devices, step counters, hooks and CUDA graphs that a copy cannot carry"
+        return TypeError(
+            f"{name} cannot be pickled or copied (copy.deepcopy, copy.copy, pickle, torch.save): {why}. Save "
+            "opt.state_dict() (torch.optim's format) and load it into an optimizer created for the copied model"
+        )
+
+    def __getstate__(self):
+        # torch.optim.Optimizer keeps defaults, state and param_groups only, which would make a broken optimizer
+        # (pickle, torch.save and copy.copy come here; copy.deepcopy comes to __deepcopy__)
+        raise self._cannot_copy()
+
+    def __deepcopy__(self, memo):
+        raise self._cannot_copy()
 
     # ------------------------------------------------------------------ construction
     def _check_module(self, module):

@@ -20,6 +20,9 @@ class SGD(FlatOptimizer):
         nesterov=False,
         *,
         maximize=False,
+        foreach=None,
+        differentiable=False,
+        fused=None,
         flat=True,
         backend=None,
         skip_unused=False,
@@ -27,7 +30,7 @@ class SGD(FlatOptimizer):
         bucket_size=None,
         **kwargs,
     ):
-        reject_kwargs("SGD", kwargs)
+        reject_kwargs("SGD", kwargs, foreach=foreach, differentiable=differentiable, fused=fused)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -92,5 +95,8 @@ SGD.__doc__ = rf"""Implements stochastic gradient descent, optionally with momen
         weight_decay (float, optional): L2 penalty (default: 0)
         nesterov (bool, optional): enables Nesterov momentum (default: False)
         maximize (bool, optional): maximize the objective instead of minimizing (default: False)
+        {_docs.FOREACH}
+        {_docs.DIFFERENTIABLE}
+        {_docs.FUSED}
         {_docs.FLAT}
 {_docs.NOTES}"""
