@@ -7,15 +7,7 @@ the storage dtype; the states have the parameter's dtype.
 import triton
 import triton.language as tl
 
-from .common import (
-    check_flat,
-    drop_if_skipped,
-    finish_step,
-    launch_meta,
-    load_param_meta,
-    load_scale_and_skip,
-    one_minus_pow,
-)
+from .common import begin_step, finish_step, launch, load_grad, one_minus_pow
 
 # Columns of the float32 hyper-parameter table, one row per param group.
 LR = tl.constexpr(0)
@@ -57,26 +49,10 @@ def adamw_kernel(
     BLOCK_SIZE: tl.constexpr,
     STEP_BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offsets < n_elements
-    group, steps, active = load_param_meta(
-        offsets,
-        mask,
-        param_of_granule_ptr,
-        param_group_ptr,
-        step_ptr,
-        active_ptr,
-        param_lo,
-        GRANULE,
-        UNIFORM,
-        HAS_ACTIVE,
-    )
-    inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
-    if HAS_FOUND_INF:
-        active = drop_if_skipped(active, offsets, skipped)
-
-    row = hp_ptr + group * NUM_HP  # always in bounds: masked lanes read group 0
+    offsets, row, steps, active, inv_scale, skipped = begin_step(
+        n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
+        found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
+    )  # fmt: skip
     lr = tl.load(row + LR)
     omb1 = tl.load(row + ONE_MINUS_BETA1)
     beta2 = tl.load(row + BETA2)
@@ -88,12 +64,9 @@ def adamw_kernel(
     grad_sign = tl.load(row + GRAD_SIGN)
 
     p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
-    g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)
+    g = load_grad(g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE)
     m = tl.load(m_ptr + offsets, mask=active).to(tl.float32)
     v = tl.load(v_ptr + offsets, mask=active).to(tl.float32)
-    if HAS_GRAD_SCALE:
-        g = g * inv_scale
-        tl.store(g_ptr + offsets, g.to(g_ptr.dtype.element_ty), mask=active)
     g = g * grad_sign
 
     t = steps + 1.0
@@ -113,14 +86,13 @@ def adamw_kernel(
 
 def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
     """One AdamW step over a flat buffer; ``meta`` is the buffer's :class:`flatopt.layout.StepMeta`."""
-    check_flat(meta, param, grad, exp_avg, exp_avg_sq)
-    grid, opts = launch_meta(param.numel(), block_size, param.element_size())
-    adamw_kernel[grid](
-        param, grad, exp_avg, exp_avg_sq, hparams,
-        meta.param_of_granule, meta.param_group, meta.steps, meta.active,
-        grad_scale, found_inf, meta.counter,
-        param.numel(), meta.first, meta.stop,
-        NUM_HP=NUM_HPARAMS, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
-        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        **opts,
-    )  # fmt: skip
+    launch(
+        adamw_kernel,
+        (param, grad, exp_avg, exp_avg_sq),
+        hparams=hparams,
+        meta=meta,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        block_size=block_size,
+        num_hparams=NUM_HPARAMS,
+    )

@@ -90,6 +90,54 @@ def drop_if_skipped(active, offsets, skipped):
 
 
 @triton.jit
+def begin_step(
+    n_elements,  # length of the flat buffers
+    hp_ptr,  # float32 [groups, NUM_HP]
+    param_of_granule_ptr,
+    param_group_ptr,
+    step_ptr,
+    active_ptr,
+    grad_scale_ptr,
+    found_inf_ptr,
+    param_lo,
+    NUM_HP: tl.constexpr,
+    GRANULE: tl.constexpr,
+    UNIFORM: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """What every kernel starts with. Returns this program's element offsets, the pointer to each
+    element's row of the hyper-parameter table, its completed steps, where the step applies
+    (``active``: in bounds, parameter active, no inf found), the inverse grad scale and whether
+    found_inf skips the step."""
+    pid = tl.program_id(0).to(tl.int64)
+    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    group, steps, active = load_param_meta(
+        offsets, mask, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, param_lo, GRANULE, UNIFORM,
+        HAS_ACTIVE,
+    )  # fmt: skip
+    inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
+    if HAS_FOUND_INF:
+        active = drop_if_skipped(active, offsets, skipped)
+    row = hp_ptr + group * NUM_HP  # always in bounds: masked lanes read group 0
+    return offsets, row, steps, active, inv_scale, skipped
+
+
+@triton.jit
+def load_grad(g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE: tl.constexpr):
+    """The gradient in float32, divided by the grad scale and stored back unscaled (as torch's fused
+    kernels leave it) when HAS_GRAD_SCALE."""
+    g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)
+    if HAS_GRAD_SCALE:
+        g = g * inv_scale
+        tl.store(g_ptr + offsets, g.to(g_ptr.dtype.element_ty), mask=active)
+    return g
+
+
+@triton.jit
 def one_minus_pow(log_beta, steps):
     """1 - beta**steps from log(beta) (computed in float64 on the host), accurate for beta near 1.
 
@@ -160,3 +208,20 @@ def check_flat(meta, *tensors):
             )
     if not meta.uniform and first.numel() % GRANULE:
         raise ValueError(f"flat buffer length {first.numel()} is not a multiple of GRANULE={GRANULE}")
+
+
+def launch(kernel, buffers, *, hparams, meta, grad_scale, found_inf, block_size, num_hparams, **constexprs):
+    """Check and launch one optimizer kernel over the flat ``buffers`` (parameter first; None for a
+    state buffer the kernel does not read), with the arguments every kernel takes after them."""
+    param = buffers[0]
+    check_flat(meta, *(b for b in buffers if b is not None))
+    grid, opts = launch_meta(param.numel(), block_size, param.element_size())
+    kernel[grid](
+        *buffers, hparams,
+        meta.param_of_granule, meta.param_group, meta.steps, meta.active,
+        grad_scale, found_inf, meta.counter,
+        param.numel(), meta.first, meta.stop,
+        NUM_HP=num_hparams, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
+        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+        **constexprs, **opts,
+    )  # fmt: skip

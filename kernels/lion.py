@@ -10,7 +10,7 @@ Optimization Algorithms"), with decoupled weight decay as lion-pytorch applies i
 import triton
 import triton.language as tl
 
-from .common import check_flat, drop_if_skipped, finish_step, launch_meta, load_param_meta, load_scale_and_skip
+from .common import begin_step, finish_step, launch, load_grad
 
 LR = tl.constexpr(0)
 BETA1 = tl.constexpr(1)
@@ -46,26 +46,10 @@ def lion_kernel(
     BLOCK_SIZE: tl.constexpr,
     STEP_BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offsets < n_elements
-    group, steps, active = load_param_meta(
-        offsets,
-        mask,
-        param_of_granule_ptr,
-        param_group_ptr,
-        step_ptr,
-        active_ptr,
-        param_lo,
-        GRANULE,
-        UNIFORM,
-        HAS_ACTIVE,
-    )
-    inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
-    if HAS_FOUND_INF:
-        active = drop_if_skipped(active, offsets, skipped)
-
-    row = hp_ptr + group * NUM_HP  # always in bounds: masked lanes read group 0
+    offsets, row, steps, active, inv_scale, skipped = begin_step(
+        n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
+        found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
+    )  # fmt: skip
     lr = tl.load(row + LR)
     beta1 = tl.load(row + BETA1)
     omb1 = tl.load(row + ONE_MINUS_BETA1)
@@ -74,11 +58,8 @@ def lion_kernel(
     weight_decay = tl.load(row + WEIGHT_DECAY)
 
     p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
-    g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)
+    g = load_grad(g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE)
     m = tl.load(m_ptr + offsets, mask=active).to(tl.float32)
-    if HAS_GRAD_SCALE:
-        g = g * inv_scale
-        tl.store(g_ptr + offsets, g.to(g_ptr.dtype.element_ty), mask=active)
 
     p = p * (1.0 - lr * weight_decay)
     c = m * beta1 + omb1 * g
@@ -93,14 +74,13 @@ def lion_kernel(
 
 def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
     """One Lion step over a flat buffer."""
-    check_flat(meta, param, grad, exp_avg)
-    grid, opts = launch_meta(param.numel(), block_size, param.element_size())
-    lion_kernel[grid](
-        param, grad, exp_avg, hparams,
-        meta.param_of_granule, meta.param_group, meta.steps, meta.active,
-        grad_scale, found_inf, meta.counter,
-        param.numel(), meta.first, meta.stop,
-        NUM_HP=NUM_HPARAMS, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
-        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        **opts,
-    )  # fmt: skip
+    launch(
+        lion_kernel,
+        (param, grad, exp_avg),
+        hparams=hparams,
+        meta=meta,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        block_size=block_size,
+        num_hparams=NUM_HPARAMS,
+    )
