@@ -94,3 +94,25 @@ TOL = {
 
 def assert_same(ours, theirs, step, what, dtype=torch.float32):
     torch.testing.assert_close(ours, theirs, **TOL[dtype], msg=lambda m: f"step {step}, {what}: {m}")
+
+
+class LionReference(torch.optim.Optimizer):
+    """Lion as written in Chen et al. 2023 (Algorithm 2), decoupled weight decay as lion-pytorch."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                m = state["exp_avg"]
+                p.mul_(1 - lr * wd)
+                p.add_((m * beta1 + p.grad * (1 - beta1)).sign(), alpha=-lr)
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)

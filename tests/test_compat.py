@@ -8,31 +8,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import Net, assert_same, device_for, loss_fn, make_batch, param_groups
+from conftest import LionReference, Net, assert_same, device_for, loss_fn, make_batch, param_groups
 
 import flatopt
-
-
-class LionReference(torch.optim.Optimizer):
-    """Lion as written in Chen et al. 2023 (Algorithm 2), decoupled weight decay as lion-pytorch."""
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                m = state["exp_avg"]
-                p.mul_(1 - lr * wd)
-                p.add_((m * beta1 + p.grad * (1 - beta1)).sign(), alpha=-lr)
-                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
 def materialize_grads(model):
