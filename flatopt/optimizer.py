@@ -415,6 +415,10 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             for table in self._hp.values():
                 table[gi, 0].copy_(lr.reshape(()), non_blocking=True)
 
+    def _names_of(self, params, most=8):
+        """The names of ``params`` for a message, the first ``most`` of them."""
+        return ", ".join(self._name(p) for p in params[:most]) + (", ..." if len(params) > most else "")
+
     def check_bindings(self, full=True):
         """Raise if a parameter's data or gradient no longer lives in the flat buffers, or (with
         ``full=True``) if a parameter that was frozen when the optimizer laid out its buffers
@@ -428,10 +432,12 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         parameter now.
         """
         cls = type(self).__name__
+        checked = []  # the parameters looked at: every one (full) or the first and last of each buffer
         for buf in self._buffers:
             idx = range(len(buf.params)) if full else sorted({0, len(buf.params) - 1})
             for i in idx:
                 p = buf.params[i]
+                checked.append(p)
                 data_ptr, grad_ptr = buf.expected[i]
                 if p.data_ptr() != data_ptr or p.dtype != buf.dtype or p.device != buf.device:
                     raise RuntimeError(
@@ -457,12 +463,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                         f"buffer ({why} replaces it). Use backward() without create_graph, dense gradients, and "
                         f"in-place changes to .grad, or construct the optimizer with flat=False"
                     )
-        ends = [b.params[i] for b in self._buffers for i in sorted({0, len(b.params) - 1})]
-        frozen = [
-            p for p in (ends if not full else (p for b in self._buffers for p in b.params)) if not p.requires_grad
-        ]
+        frozen = [p for p in checked if not p.requires_grad]
         if frozen and not self.skip_unused:
-            names = ", ".join(self._name(p) for p in frozen[:8]) + (", ..." if len(frozen) > 8 else "")
+            names = self._names_of(frozen)
             raise RuntimeError(
                 f"{cls}: {len(frozen)} parameter(s) were trainable when the optimizer was created and have "
                 f"requires_grad=False now: {names}. Their .grad views stay in the flat gradient buffer, so flatopt "
@@ -473,7 +476,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             )
         unfrozen = [p for p in self._frozen if p.requires_grad] if full else []
         if unfrozen:
-            names = ", ".join(self._name(p) for p in unfrozen[:8]) + (", ..." if len(unfrozen) > 8 else "")
+            names = self._names_of(unfrozen)
             raise RuntimeError(
                 f"{cls}: {len(unfrozen)} parameter(s) had requires_grad=False when the optimizer was created and "
                 f"require grad now: {names}. The optimizer left them out of its flat buffers, so it would never "
@@ -501,7 +504,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def _warn_unused(self, unused):
         """Name the parameters that received no gradient before the first step (called once), at the
         caller's line (``opt.step()``, or ``loss.backward()`` in in-backward mode)."""
-        names = ", ".join(self._name(p) for p in unused[:8]) + (", ..." if len(unused) > 8 else "")
+        names = self._names_of(unused)
         action = (
             "skips them as torch.optim does (skip_unused=True)"
             if self.skip_unused
