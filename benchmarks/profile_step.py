@@ -1,0 +1,184 @@
+"""Question: where does the time of one flatopt step go, on the host and on the device?
+
+Host: the burst-timed cost of ``step()`` (internal step graph, a changing lr as an LR scheduler makes,
+direct Triton launches) and of its parts (binding check, hyper-parameter refresh, graph key, graph
+replay, one bare kernel launch), plus a cProfile listing of ``step()``. Device: flatopt's step against
+a copy of the same bytes (the achievable time for a buffer of that size, launch and tail included) and
+against the floor from a large copy, for kernel block sizes and warp counts around the defaults.
+
+GPU run from the repository root (about one minute on an H100):
+
+    PYTHONPATH=. python3 benchmarks/profile_step.py [--out benchmarks/results]
+
+Writes ``profile-STAMP.json`` (and prints everything). It explains results; bench_step.py measures them.
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+import warnings
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import torch
+from flatopt.kernels import common
+
+import flatopt
+from benchmarks import harness
+from flatopt import kernels
+from flatopt.step_graph import StepGraph
+
+OPTS = {"adamw": flatopt.AdamW, "sgd": flatopt.SGD, "lion": flatopt.Lion}
+HP = {
+    "adamw": dict(lr=1e-3, weight_decay=1e-2),
+    "sgd": dict(lr=1e-2, momentum=0.9),
+    "lion": dict(lr=1e-4, weight_decay=0.1),
+}
+
+
+def build(set_name, dtype, optimizer, device, **kw):
+    params = harness.make_params(harness.shape_set(set_name).shapes, dtype, device)
+    opt = OPTS[optimizer](params, **HP[optimizer], **kw)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*received no gradient.*")
+        opt.step()
+        opt.step()
+        opt.step()
+    return params, opt
+
+
+def host_us(fn, device, settings):
+    med, q20, q80, n = harness.host_time(fn, device, settings)
+    return dict(median_us=med, q20_us=q20, q80_us=q80, calls=n)
+
+
+def host_section(device, settings):
+    out = {}
+    for set_name in ("gpt2", "many-small"):
+        out[set_name] = host_rows(set_name, device, settings)
+        harness.free_memory(device)
+    return out
+
+
+def host_rows(set_name, device, settings):
+    params, opt = build(set_name, torch.float32, "adamw", device)
+    buf = opt._buffers[0]
+    rows = {}
+    rows["step (internal graph)"] = host_us(opt.step, device, settings)
+
+    lrs = iter(range(10**9))
+
+    def step_new_lr():
+        opt.param_groups[0]["lr"] = 1e-3 * (1 + (next(lrs) % 1000) * 1e-4)
+        opt.step()
+
+    rows["step, lr changed every call"] = host_us(step_new_lr, device, settings)
+    rows["check_bindings (amortised)"] = host_us(opt._check_bindings_at_step, device, settings)
+    rows["refresh_hparams (unchanged)"] = host_us(lambda: opt._refresh_hparams(opt._devices), device, settings)
+    rows["step graph key"] = host_us(lambda: opt._step_graph.key_of(opt), device, settings)
+    if opt._step_graph.graph is not None:
+        rows["graph.replay()"] = host_us(opt._step_graph.graph.replay, device, settings)
+    kernel = kernels.adamw_step
+    hp = opt._hp[buf.device]
+
+    def bare():
+        kernel(buf.data, buf.grad, buf.states["exp_avg"], buf.states["exp_avg_sq"], hparams=hp, meta=buf.meta)
+
+    rows["one Triton launch (adamw_step)"] = host_us(bare, device, settings)
+    opt.use_step_graph = False
+    rows["step, direct launch"] = host_us(opt.step, device, settings)
+    listing = profile(opt.step)
+    opt.use_step_graph = True
+    listing = profile(opt.step) + "\n-- step, direct launch --\n" + listing
+    for k, v in rows.items():
+        print(f"host {set_name:10s} {k:36s} {v['median_us']:8.1f} us (p20 {v['q20_us']:.1f}, p80 {v['q80_us']:.1f})")
+    print(listing)
+    return dict(params=len(params), host=rows, cprofile_step=listing)
+
+
+def profile(fn, calls=200):
+    """cProfile's listing of ``calls`` calls of ``fn``, by own time."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+    return text.getvalue()
+
+
+def device_section(device, settings, copy_gbps):
+    out = []
+    for set_name, dtype_name in (("many-small", "bf16"), ("many-small", "fp32"), ("gpt2", "bf16")):
+        for optimizer in ("adamw", "sgd"):
+            out += device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps)
+            harness.free_memory(device)
+    return out
+
+
+def device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps):
+    out = []
+    dtype = harness.DTYPES[dtype_name]
+    _, opt = build(set_name, dtype, optimizer, device)
+    defaults = common.BLOCK_BYTES, common.NUM_WARPS
+    numel = opt._buffers[0].numel
+    bpe = harness.bytes_per_element(optimizer, dtype)
+    nbytes = numel * bpe
+    floor = harness.floor_ms(numel, bpe, copy_gbps)
+    src = torch.randn(nbytes // 8, device=device)  # a copy reading and writing nbytes in all
+    dst = torch.empty_like(src)
+    same = harness.device_time(lambda: dst.copy_(src), device, settings).median_ms
+    src = dst = None
+    base = dict(set=set_name, dtype=dtype_name, optimizer=optimizer, numel=numel, floor_ms=floor)
+    print(
+        f"device {set_name} {dtype_name} {optimizer}: floor {floor:.4f} ms, same-bytes copy {same:.4f} ms "
+        f"({100 * floor / same:.1f} % of floor)"
+    )
+    out.append(dict(base, variant="same-bytes copy", ms=same, pct_of_floor=100 * floor / same))
+    configs = [(True, b, w) for b in (8192, 16384, 32768) for w in (4, 8)] + [(False, 16384, 8)]
+    try:
+        for graph, block_bytes, warps in configs:
+            opt.use_step_graph = graph
+            common.BLOCK_BYTES, common.NUM_WARPS = block_bytes, warps
+            opt._step_graph = StepGraph()  # its key does not cover the block size: record again
+            for _ in range(3):  # compile, record, replay
+                opt.step()
+            t = harness.device_time(opt.step, device, settings).median_ms
+            v = f"{'graph' if graph else 'launch'} block {block_bytes} B warps {warps}"
+            print(
+                f"    {v:36s} {t:.4f} ms  {100 * floor / t:5.1f} % of floor, {100 * same / t:5.1f} % of same-bytes copy"
+            )
+            out.append(dict(base, variant=v, ms=t, pct_of_floor=100 * floor / t, pct_of_copy=100 * same / t))
+    finally:
+        common.BLOCK_BYTES, common.NUM_WARPS = defaults
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    settings = harness.TimerSettings()
+    copy = harness.copy_bandwidth(device, 1024 * 2**20, settings)
+    print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
+    record = dict(environment=harness.environment(device), copy=copy)
+    t0 = time.time()
+    record["host"] = host_section(device, settings)
+    record["device"] = device_section(device, settings, copy["gbps"])
+    record["seconds"] = time.time() - t0
+    path = Path(args.out) / f"profile-{harness.timestamp()}.json"
+    harness.write_json(path, record)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
