@@ -151,6 +151,20 @@ def one_minus_pow(log_beta, steps):
 
 
 @triton.jit
+def advance_steps(step_ptr, active_ptr, start, stop, stride, inc, HAS_ACTIVE: tl.constexpr, STEP_BLOCK: tl.constexpr):
+    """steps[i] += inc (times active[i] when HAS_ACTIVE) for i in [start, stop), STEP_BLOCK at a time, every
+    ``stride``-th block."""
+    for first in range(start, stop, stride):
+        idx = first + tl.arange(0, STEP_BLOCK)
+        m = idx < stop
+        d = inc
+        if HAS_ACTIVE:
+            d = d * (tl.load(active_ptr + idx, mask=m, other=0) != 0).to(tl.float32)
+        s = tl.load(step_ptr + idx, mask=m, other=0.0)
+        tl.store(step_ptr + idx, s + d, mask=m)
+
+
+@triton.jit
 def finish_step(
     counter_ptr,  # int32 [1], zero on entry to the launch
     step_ptr,  # float32 [n_params]
@@ -158,30 +172,38 @@ def finish_step(
     param_lo,  # this launch steps parameters [param_lo, param_hi)
     param_hi,
     skipped,  # 1.0 when found_inf skipped this step
+    UNIFORM: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
     STEP_BLOCK: tl.constexpr,
 ):
-    """The last program to finish advances the step of every active parameter of the launch and
-    re-zeroes the counter.
+    """Advance the step count of every active parameter of the launch, once every program has read
+    the counts it needs, and re-zero the counter.
 
-    The increment of ``counter`` is made by one thread of the program, so a barrier first waits
-    for every warp of the program to reach this point: each warp's reads of the step counters
-    have completed by then (the values it stored depend on them). The last program writes the
-    counters only after seeing every program's increment, so no program reads an advanced count.
-    Nothing a program stores is read by another, so the increment needs no release fence: a
-    relaxed atomic, which keeps thousands of programs from each waiting on a fence.
+    The last program to finish does it. The increment of ``counter`` is made by one thread of the
+    program, so a barrier first waits for every warp of the program to reach this point: each
+    warp's reads of the step counters have completed by then (the values it stored depend on them).
+    The last program writes the counters only after seeing every program's increment, so no program
+    reads an advanced count. Nothing a program stores is read by another, so the increment needs no
+    release fence: a relaxed atomic, which keeps thousands of programs from each waiting on a fence.
+
+    A UNIFORM launch reads only ``steps[param_lo]``, so the programs advance the other counts
+    themselves, a block of ``STEP_BLOCK`` each, and the last program only ``steps[param_lo]``: the
+    launch does not end with one program walking thousands of counts.
     """
+    inc = 1.0 - skipped
+    if UNIFORM:
+        stride = tl.num_programs(0) * STEP_BLOCK
+        advance_steps(
+            step_ptr, active_ptr, param_lo + 1 + tl.program_id(0) * STEP_BLOCK, param_hi, stride, inc, HAS_ACTIVE,
+            STEP_BLOCK,
+        )  # fmt: skip
     tl.debug_barrier()
     done = tl.atomic_add(counter_ptr, 1, sem="relaxed")
     if done == tl.num_programs(0) - 1:
-        for start in range(param_lo, param_hi, STEP_BLOCK):
-            idx = start + tl.arange(0, STEP_BLOCK)
-            m = idx < param_hi
-            inc = 1.0 - skipped
-            if HAS_ACTIVE:
-                inc = inc * (tl.load(active_ptr + idx, mask=m, other=0) != 0).to(tl.float32)
-            s = tl.load(step_ptr + idx, mask=m, other=0.0)
-            tl.store(step_ptr + idx, s + inc, mask=m)
+        if UNIFORM:
+            advance_steps(step_ptr, active_ptr, param_lo, param_lo + 1, STEP_BLOCK, inc, HAS_ACTIVE, STEP_BLOCK)
+        else:
+            advance_steps(step_ptr, active_ptr, param_lo, param_hi, STEP_BLOCK, inc, HAS_ACTIVE, STEP_BLOCK)
         tl.atomic_xchg(counter_ptr, 0)
 
 

@@ -69,7 +69,7 @@ def lion_kernel(
 
     tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
     tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=active)
-    finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, HAS_ACTIVE, STEP_BLOCK)
+    finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)
 
 
 def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):

@@ -68,7 +68,7 @@ def sgd_kernel(
     p = p + (-lr) * d
 
     tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
-    finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, HAS_ACTIVE, STEP_BLOCK)
+    finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)
 
 
 def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):

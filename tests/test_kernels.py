@@ -300,3 +300,42 @@ def test_more_parameters_than_step_block(opt):
     close(buf.meta.steps, steps0 + buf.meta.active.float(), "launch 1, steps", atol=0, rtol=0)
     close(ref_meta.steps, buf.meta.steps, "launch 1, reference steps", atol=0, rtol=0)
     assert buf.meta.counter.tolist() == [0]
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["stepped", "found-inf"])
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_uniform_launch_over_a_slice_advances_exactly_its_steps(opt, skip):
+    """A UNIFORM launch over parameters [first, stop) of a buffer (an in-backward bucket) with more than
+    STEP_BLOCK of them: the programs advance every count but the first, a block each, the last program the
+    first one; counts outside the slice stay, and a found_inf skip advances none."""
+    kernel_fn, ref_fn = launchers(opt)
+    n, first, stop = STEP_BLOCK + 300, 5, STEP_BLOCK + 290
+    block_size = 2048  # [first, stop) spans about 35 programs: several advance a block of counts
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.randn(1 + i % 3, generator=gen).to(DEVICE) for i in range(n)]
+    buf = FlatBuffer(params, [0] * n, OPTS[opt]["states"])
+    for views in [buf.data_views, buf.grad_views, *buf.state_views.values()]:
+        for v in views:
+            v.copy_(torch.rand(v.shape, generator=gen))
+    spec = OPTS[opt]
+    hparams = torch.tensor([spec["cls"]._hparam_row(spec["groups"][0])], dtype=torch.float32, device=DEVICE)
+    buf.meta.steps.fill_(3.0)
+    lo, hi = buf.starts[first], buf.starts[stop]
+    granules = buf.meta.param_of_granule[lo // 64 : hi // 64]
+    meta = StepMeta(granules, buf.meta.param_group, buf.meta.steps, buf.meta.counter, first=first, stop=stop)
+    meta.uniform = True
+    ref_meta = StepMeta(granules, buf.meta.param_group, buf.meta.steps.clone(), buf.meta.counter.clone(), first=first)
+    ref_meta.stop = stop
+    found_inf = torch.tensor([1.0 if skip else 0.0], device=DEVICE)
+    flat = [t[lo:hi] for t in (buf.data, buf.grad, *buf.states.values())]
+    ref = [t.clone() for t in flat]
+    for launch in (1, 2):
+        kernel_fn(*flat, hparams=hparams, meta=meta, found_inf=found_inf, block_size=block_size)
+        ref_fn(*ref, hparams=hparams, meta=ref_meta, found_inf=found_inf)
+        for name, mine, theirs in zip(["param", "grad", *buf.states], flat, ref, strict=True):
+            close(mine, theirs, f"launch {launch}, {name}", **TOL[torch.float32])
+        expected = torch.full((n,), 3.0)
+        expected[first:stop] += 0 if skip else launch
+        close(buf.meta.steps.cpu(), expected, f"launch {launch}, steps", atol=0, rtol=0)
+        close(ref_meta.steps.cpu(), expected, f"launch {launch}, reference steps", atol=0, rtol=0)
+        assert buf.meta.counter.tolist() == [0]
