@@ -92,6 +92,7 @@ class FlatBuffer:
             start = align_up(start + p.numel())
         self.numel = max(start, ALIGN)
         self.group_ids = list(groups)
+        self.group_set = frozenset(self.group_ids)
 
         self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self.grad = torch.zeros_like(self.data) if grad else None

@@ -14,6 +14,7 @@ from flatopt.checkpoint import CheckpointMixin
 from flatopt.functional import BACKENDS
 from flatopt.in_backward import DEFAULT_BUCKET_SIZE, FULL_CHECK_EVERY, InBackward, is_large
 from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
+from flatopt.staging import PinnedStaging
 from flatopt.step_graph import StepGraph
 
 # torch.optim's implementation options (and lion-pytorch's): name -> (whether a value changes nothing for flatopt,
@@ -138,6 +139,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._buffers = []
         self._hp = {}
         self._hp_rows = None
+        self._staging = {}  # device -> PinnedStaging of its hyper-parameter table
         self._hp_lrs = None  # the tensor lrs (or None) the table was last validated with, by identity
         self._group_states = []  # per param group: the state names it has used so far
         self._frozen = []  # parameters with requires_grad=False at the last layout
@@ -341,27 +343,30 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         never happens to them). A group that used the state before keeps it, as torch.optim keeps
         a momentum buffer through a stretch of momentum=0."""
         starting = set()
+        used_by_group = []
         for gi, group in enumerate(self.param_groups):
             used = {n for n in self._state_names if self._uses_state(n, group)}
+            used_by_group.append(used)
             if gi == len(self._group_states):  # a new group: nothing of it was stepped yet
                 self._group_states.append(used)
             elif used - self._group_states[gi]:
                 starting.add(gi)
                 self._group_states[gi] |= used
-        for buf in self._buffers:
-            groups = [self.param_groups[g] for g in set(buf.group_ids)]
-            changed = False
-            for name in self._state_names:
-                if name not in buf.states and any(self._uses_state(name, g) for g in groups):
-                    buf.add_state(name)
-                    changed = True
-            first = [i for i, g in enumerate(buf.group_ids) if g in starting]
+        for buf in self._buffers:  # O(groups) per buffer unless something changes: called at every lr change
+            missing = [
+                n
+                for n in self._state_names
+                if n not in buf.states and any(n in used_by_group[g] for g in buf.group_set)
+            ]
+            for name in missing:
+                buf.add_state(name)
+            first = [i for i, g in enumerate(buf.group_ids) if g in starting] if starting & buf.group_set else []
             if first:
                 buf.meta.steps[first] = 0.0
-            if changed:
+            if missing:
                 for i, p in enumerate(buf.params):
                     self.state[p] = self._state_of(buf, i)
-            if changed or first:
+            if missing or first:
                 self._refresh_uniform(buf)
 
     def _state_of(self, buf, i):
@@ -401,15 +406,15 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             for group in self.param_groups:
                 self._check_hparams(group)
             self._ensure_states()
-            host = torch.tensor(rows, dtype=torch.float32)
+            shape = (len(rows), len(rows[0]))
             for device in devices:
                 table = self._hp.get(device)
-                if table is None or table.shape != host.shape:
-                    table = self._hp[device] = torch.empty(host.shape, dtype=torch.float32, device=device)
+                if table is None or table.shape != shape:
+                    table = self._hp[device] = torch.empty(shape, dtype=torch.float32, device=device)
                 if device.type == "cuda":
-                    table.copy_(host.pin_memory(), non_blocking=True)
+                    self._staging.setdefault(device, PinnedStaging()).upload(table, rows)
                 else:
-                    table.copy_(host)
+                    table.copy_(torch.tensor(rows, dtype=torch.float32))
             self._hp_rows, self._hp_lrs = rows, lrs
         for gi, lr in tensor_lrs:
             for table in self._hp.values():

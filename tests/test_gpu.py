@@ -369,6 +369,38 @@ def test_lion_matches_paper_reference():
     )
 
 
+def test_lr_changed_every_step_while_the_host_runs_ahead():
+    """An LR schedule reaches every step when the host runs many steps ahead of the device: a staged
+    hyper-parameter table is not written again before the copy that reads it has run."""
+    from flatopt.staging import MAX_SLOTS
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(1000,), (37,), (64, 64)]
+    ours_p = [nn.Parameter(torch.randn(s, device="cuda", generator=gen)) for s in shapes]
+    ref_p = [nn.Parameter(p.detach().clone()) for p in ours_p]
+    grads = [[torch.randn(s, device="cuda", generator=gen) for s in shapes] for _ in range(3 * MAX_SLOTS)]
+    ours = flatopt.AdamW(ours_p, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.1, fused=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of device time: every step below is queued behind it
+    for step, gs in enumerate(grads):
+        lr = 1e-2 * 0.8**step
+        for opt, ps in ((ours, ours_p), (ref, ref_p)):
+            opt.param_groups[0]["lr"] = lr
+            for p, g in zip(ps, gs, strict=True):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+            opt.step()
+    assert len(ours._staging[torch.device("cuda", torch.cuda.current_device())].slots) == MAX_SLOTS, (
+        "the host did not run ahead of the device: the test did not reach the case it is for"
+    )
+    torch.cuda.synchronize()
+    for i, (p, q) in enumerate(zip(ours_p, ref_p, strict=True)):
+        torch.testing.assert_close(p, q, **TOL[torch.float32], msg=lambda m, i=i: f"parameter {i}: {m}")
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_step_replayed_from_cuda_graph_matches_eager(name):
     shapes = [(1000, 37), (4097,), (64, 64), (3,)]
