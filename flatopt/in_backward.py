@@ -30,6 +30,7 @@ from contextlib import contextmanager
 import torch
 
 from flatopt.layout import ALIGN, StepMeta
+from flatopt.step_graph import StepGraph
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: 128 MiB of float32 staging gradient
 FULL_CHECK_EVERY = 256  # step() (or, in-backward, a backward pass) checks every parameter's bindings this often
@@ -62,6 +63,7 @@ class Bucket:
         self.done = False  # stepped in the backward pass in progress
         self.grad = None  # staging gradient while the bucket is open
         self.direct = None  # the parameter's own gradient, flattened, for a one-parameter bucket
+        self.graph = StepGraph()  # the bucket's launch, replayed (keyed on the gradient's address too)
 
     def staging(self, stats=None):
         if self.grad is None:
@@ -286,11 +288,20 @@ class InBackward:
             active[[self.index_of[p] for p in bucket.arrived]] = 1
             meta = StepMeta(**{**vars(meta), "active": active.to(buf.device), "uniform": False})
         s, e = bucket.start, bucket.end
-        states = (buf.states.get(n) for n in opt._state_names)
-        opt._functional(
-            buf.data[s:e], grad, *(None if t is None else t[s:e] for t in states),
-            hparams=opt._hp[buf.device], meta=meta, backend=opt.backend,
-        )  # fmt: skip
+        states = [buf.states.get(n) for n in opt._state_names]
+        hparams = opt._hp[buf.device]
+
+        def launch():
+            opt._functional(
+                buf.data[s:e], grad, *(None if t is None else t[s:e] for t in states),
+                hparams=hparams, meta=meta, backend=opt.backend,
+            )  # fmt: skip
+
+        if meta.active is None and StepGraph.usable(opt, None, None):
+            key = (grad.data_ptr(), meta.uniform, hparams.data_ptr(), meta.steps.data_ptr())
+            bucket.graph.run_keyed(key + tuple(None if t is None else t.data_ptr() for t in states), launch)
+        else:
+            launch()
         self.launches += 1
         bucket.done = True
         self._release(bucket)

@@ -562,9 +562,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                     found_inf=None if found_inf is None else found_inf.to(buf.device),
                 )  # fmt: skip
 
-        graph = self._step_graph
-        if self.use_step_graph and not graph.failed and graph.usable(self, grad_scale, found_inf):
-            graph.run(self, launch)
+        if StepGraph.usable(self, grad_scale, found_inf):
+            self._step_graph.run(self, launch)
         else:
             launch()
         return loss

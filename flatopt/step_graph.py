@@ -1,29 +1,42 @@
-"""The optimizer step's kernel launches, recorded once as a CUDA graph and replayed.
+"""Kernel launches recorded once as CUDA graphs and replayed.
 
 Launching a Triton kernel costs tens of microseconds of host time (argument binding,
 specialisation, cache lookup), more than the step itself on small models. The flat buffers
-never move, so after a launch configuration has run once (and compiled), ``step()`` records its
-launches into a CUDA graph and replays the graph from then on: a few microseconds of host time,
-whatever the number of parameters. The graph is keyed on everything the launches depend on
-(buffer, state, table and meta addresses, and the UNIFORM specialisation); a change records a
-new one. Hyper-parameters stay in the device table that ``step()`` refreshes before the replay,
-and the step counters advance on the device, so a replay is the same kernel with the same
-arguments.
+never move, so after a launch configuration has run once (and compiled), its launches are
+recorded into a CUDA graph and replayed from then on: a few microseconds of host time, whatever
+the number of parameters. A graph is keyed on everything its launches depend on (buffer, state,
+table and meta addresses, and the UNIFORM specialisation); another key records another graph.
+Hyper-parameters stay in the device table that is refreshed before the replay, and the step
+counters advance on the device, so a replay is the same kernel with the same arguments.
+
+``step()`` uses one :class:`StepGraph` for all its launches. In-backward mode uses one per
+bucket, keyed also on the gradient's address: the gradient a bucket is stepped from is allocated
+anew by every backward pass, and the caching allocator usually hands out the same block again.
 
 Steps that pass per-call tensors (GradScaler's ``grad_scale`` / ``found_inf``, ``skip_unused``'s
 mask), steps inside a stream capture (``optimizer.capture``, or the caller's own graph), buffers
 on several devices and the torch backend launch directly.
 """
 
+from collections import OrderedDict
+
 import torch
+
+MAX_GRAPHS = 4  # graphs kept per StepGraph, the least recently replayed dropped first
+MAX_SEEN = 8  # keys remembered as launched once (a key is recorded the second time it is seen)
 
 
 class StepGraph:
     def __init__(self):
-        self.key = None
-        self.graph = None
-        self.seen = set()  # keys launched once directly (so their kernels are compiled)
+        self.graphs = OrderedDict()  # key -> CUDAGraph, least recently replayed first
+        self.seen = OrderedDict()  # keys launched once directly (so their kernels are compiled)
+        self.key = None  # the key of the last run
         self.failed = False  # recording failed once: launch directly from then on
+
+    @property
+    def graph(self):
+        """The graph of the last run's key, or None if that run launched directly."""
+        return self.graphs.get(self.key)
 
     @staticmethod
     def key_of(opt):
@@ -42,7 +55,8 @@ class StepGraph:
     @staticmethod
     def usable(opt, grad_scale, found_inf):
         return (
-            opt.backend == "triton"
+            opt.use_step_graph
+            and opt.backend == "triton"
             and grad_scale is None
             and found_inf is None
             and not opt.skip_unused
@@ -52,21 +66,28 @@ class StepGraph:
         )
 
     def run(self, opt, launch):
-        """Run ``launch()`` (which launches every buffer's kernel on the current stream) through the graph."""
-        key = self.key_of(opt)
-        if key == self.key and self.graph is not None:
-            self.graph.replay()
+        """Run ``launch()`` (which launches every buffer's kernel on the current stream) through a graph."""
+        self.run_keyed(self.key_of(opt), launch)
+
+    def run_keyed(self, key, launch):
+        """Replay the graph recorded for ``key``; without one, launch directly the first time ``key`` is
+        seen (which compiles the kernels) and record a graph the second time."""
+        self.key = key
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            graph.replay()
             return
-        self.key, self.graph = key, None
-        if key not in self.seen:  # first launch of this configuration: compile it
-            self.seen.add(key)
+        if self.failed or key not in self.seen:
+            _remember(self.seen, key, True, MAX_SEEN)
             launch()
             return
-        self.graph = self._record(launch)
-        if self.graph is None:
+        graph = self._record(launch)
+        if graph is None:
             launch()
-        else:
-            self.graph.replay()
+            return
+        _remember(self.graphs, key, graph, MAX_GRAPHS)
+        graph.replay()
 
     def _record(self, launch):
         """Record ``launch()`` on a side stream; returns None (and stops trying) if recording fails."""
@@ -87,3 +108,10 @@ class StepGraph:
         finally:
             current.wait_stream(side)
         return graph
+
+
+def _remember(cache, key, value, most):
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > most:
+        cache.popitem(last=False)

@@ -111,7 +111,7 @@ class FakeGraph:
 def test_run_launches_first_then_records_then_replays(monkeypatch):
     """The state machine, without a GPU: the first step of a configuration launches directly (it
     compiles), the second records and replays, later ones replay; a new configuration starts over,
-    and a configuration seen before is recorded again at once."""
+    and a configuration whose graph is still kept replays it."""
     graph = StepGraph()
     keys = iter(["a", "a", "a", "b", "b", "a"])
     monkeypatch.setattr(StepGraph, "key_of", staticmethod(lambda opt: next(keys)))
@@ -126,7 +126,47 @@ def test_run_launches_first_then_records_then_replays(monkeypatch):
     for _ in range(6):
         graph.run(None, lambda: launches.append(1))
     assert len(launches) == 2  # the first step of "a" and of "b"
-    assert [g.replays for g in recorded] == [2, 1, 1]  # "a" twice, "b" once, "a" again once
+    assert [g.replays for g in recorded] == [3, 1]  # "a" twice, then again after "b"; "b" once
+    assert graph.key == "a" and graph.graph is recorded[0]
+
+
+def test_graphs_kept_are_bounded_and_least_recently_replayed_go_first(monkeypatch):
+    """In-backward mode keys a bucket's graph on its gradient's address, which may change: the graphs
+    (and the keys seen once) kept are bounded, the least recently used dropped first."""
+    from flatopt.step_graph import MAX_GRAPHS, MAX_SEEN
+
+    graph = StepGraph()
+    monkeypatch.setattr(graph, "_record", lambda launch: FakeGraph())
+    launches = []
+    for key in range(MAX_GRAPHS + 2):
+        for _ in range(2):  # launched, then recorded
+            graph.run_keyed(key, lambda: launches.append(1))
+    assert list(graph.graphs) == list(range(2, MAX_GRAPHS + 2))
+    assert len(launches) == MAX_GRAPHS + 2
+    graph.run_keyed(0, lambda: launches.append(1))  # dropped, but seen before: recorded again at once
+    assert len(launches) == MAX_GRAPHS + 2
+    assert list(graph.graphs) == [*range(3, MAX_GRAPHS + 2), 0]
+    for key in range(100, 100 + 2 * MAX_SEEN):
+        graph.run_keyed(key, lambda: None)
+    assert len(graph.seen) == MAX_SEEN
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("bucket_size", [64, None], ids=["many-buckets", "one-bucket"])
+def test_in_backward_buckets_replay_graphs_bit_identical_to_direct_launches(bucket_size):
+    pairs = two_optimizers(
+        lambda m: flatopt.AdamW(m, lr=1e-2, weight_decay=0.1, in_backward=True, bucket_size=bucket_size)
+    )
+    x = torch.randn(16, 33, device="cuda")
+    for step in range(1, 9):
+        for _, opt in pairs:
+            opt.param_groups[0]["lr"] = 1e-2 / step
+        step_both(pairs, x)
+        assert_identical(pairs, step)
+    buckets = pairs[0][1]._in_backward.buckets
+    replayed = sum(b.graph.graph is not None for b in buckets)
+    assert replayed == len(buckets), f"{replayed} of {len(buckets)} buckets replayed a graph at the last step"
+    assert all(b.graph.graph is None for b in pairs[1][1]._in_backward.buckets)
 
 
 def test_run_falls_back_to_launching_when_recording_fails(monkeypatch):
