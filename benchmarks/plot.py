@@ -4,7 +4,9 @@ Reads only the JSON that a benchmark script wrote, so figures and tables always 
 kind of result is read from the JSON's "benchmark" field (bench_step.py writes none; the others write "memory"
 and "capture"), and its "schema" (1):
 
-    step      bench_step.py: percent of the copy-bandwidth floor per parameter set and implementation
+    step      bench_step.py: percent of the copy-bandwidth floor per parameter set and implementation, with a
+              copy of the same bytes as each case's reference (a thick black line across the group, with its value;
+              results from before it was measured are drawn without it)
     memory    bench_memory.py: per dtype, peak memory per case against params + states and flatopt's target
               (params + states + input + activations + one bucket), then step time with kernel launches per step
     capture   bench_capture.py: per model, median ms per training step and implementation (20th-80th percentile),
@@ -48,6 +50,7 @@ IMPL_ORDER = (
     "flatopt",
     "flatopt-graph",
 )
+SAME_BYTES = "copy-same-bytes"  # bench_step.py's reference row: dst.copy_(src) of the bytes the floor counts
 SMOKE_LABEL = "SMOKE RUN: NOT A MEASUREMENT"
 
 
@@ -76,7 +79,7 @@ def load(path):
 
 def _order(rows, record=None):
     """Optimizer, then parameter set in run order, dtype (fp32 first), implementation."""
-    impl_rank = {n: i for i, n in enumerate(IMPL_ORDER)}
+    impl_rank = {n: i for i, n in enumerate(IMPL_ORDER)} | {SAME_BYTES: 100}  # the reference after the rest
     opt_rank = {n: i for i, n in enumerate(OPTIMIZER_TITLES)}
     set_rank = {n: i for i, n in enumerate((record or {}).get("sets", {}))}
     dtype_rank = {"fp32": 0, "bf16": 1, "fp16": 2}
@@ -118,16 +121,24 @@ def markdown(record):
             "(`dst.copy_(src)`, read + write, measured in the same run).",
             "",
         ]
-    lines += [
-        "| optimizer | set | dtype | implementation | median ms (p20-p80) | GB/s | % of floor | host us |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    if any(r["impl"] == SAME_BYTES for r in record["results"]):
+        lines += [
+            f"`{SAME_BYTES}`: a `dst.copy_(src)` moving exactly the bytes the floor counts for the case, a launch's "
+            "fixed cost included; the column % of same-bytes copy is its time / the implementation's time.",
+            "",
+        ]
+    same = any(r.get("pct_of_same_bytes_copy") is not None for r in record["results"])  # not in older results
+    head = ["optimizer", "set", "dtype", "implementation", "median ms (p20-p80)", "GB/s", "% of floor"]
+    head += ["% of same-bytes copy", "host us"] if same else ["host us"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in _order(record["results"], record):
         if r["status"] != "ok":
             continue
         spread = f"{_num(r.get('median_ms'), '.3f')} ({_num(r.get('q20_ms'), '.3f')}-{_num(r.get('q80_ms'), '.3f')})"
         title = OPTIMIZER_TITLES.get(r["optimizer"], r["optimizer"])
-        numbers = f"{_num(r.get('gbps'), '.0f')} | {_num(r.get('pct_floor'), '.1f')} | {_num(r.get('host_us'), '.1f')}"
+        cells = [_num(r.get("gbps"), ".0f"), _num(r.get("pct_floor"), ".1f")]
+        cells += [_num(r.get("pct_of_same_bytes_copy"), ".1f")] if same else []
+        numbers = " | ".join(cells + [_num(r.get("host_us"), ".1f")])
         lines.append(f"| {title} | {r['set']} | {r['dtype']} | {r['impl']} | {spread} | {numbers} |")
     if record.get("targets"):
         lines += [
@@ -145,6 +156,10 @@ def markdown(record):
             lines.append(
                 f"| {t['target']} | {t['optimizer']} | {t['set']} | {t['dtype']} | {value} | {met} | {margin} |"
             )
+        whys = [t for t in record["targets"] if t.get("why")]
+        if whys:
+            lines += ["", "Why missed:", ""]
+            lines += [f"- {t['optimizer']} {t['set']} {t['dtype']}, {t['target']}: {t['why']}" for t in whys]
     missing = {}
     for r in _order(record["results"], record):
         if r["status"] != "ok":
@@ -161,8 +176,21 @@ def markdown(record):
     return "\n".join(lines) + "\n"
 
 
+def same_bytes_pct(record):
+    """{(optimizer, set, dtype): percent of the floor} of the copy of the same bytes; {} in older results."""
+    out = {}
+    for r in record["results"]:
+        key = (r["optimizer"], r["set"], r["dtype"])
+        if r["impl"] == SAME_BYTES and r["status"] == "ok" and r.get("pct_floor") is not None:
+            out[key] = r["pct_floor"]
+        elif r.get("same_bytes_copy_pct_of_floor") is not None:
+            out.setdefault(key, r["same_bytes_copy_pct_of_floor"])
+    return out
+
+
 def plot_png(record, path):
-    """Bars of percent of the floor: one panel per optimizer, groups = (set, dtype), one bar per implementation."""
+    """Bars of percent of the floor: one panel per optimizer, groups = (set, dtype), one bar per implementation;
+    the copy of the same bytes as a thick black line across its group, where the result has it."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -173,6 +201,7 @@ def plot_png(record, path):
     fig, axes = plt.subplots(len(optimizers), 1, figsize=(12, 3.6 * max(1, len(optimizers))), squeeze=False)
     cmap = plt.get_cmap("tab10")
     colors = {n: cmap(i % 10) for i, n in enumerate(IMPL_ORDER)}
+    same = same_bytes_pct(record)
     for ax, opt in zip(axes[:, 0], optimizers, strict=True):
         groups = list(
             dict.fromkeys((r["set"], r["dtype"]) for r in _order(record["results"], record) if r["optimizer"] == opt)
@@ -188,6 +217,14 @@ def plot_png(record, path):
                     ys.append(hit[0]["pct_floor"])
             bars = ax.bar(xs, ys, width, label=impl, color=colors.get(impl))
             ax.bar_label(bars, fmt="%.0f", fontsize=6, padding=1)
+        label = "copy of the same bytes"
+        for g, (s, d) in enumerate(groups):
+            pct = same.get((opt, s, d))
+            if pct is not None:  # close to the 100 % and target lines: thicker, with its value
+                ax.hlines(pct, g - 0.42, g + 0.42, color="black", lw=2.4, label=label)
+                y = min(pct, 96.0) - 2.0  # under the 100 % and target lines
+                ax.text(g - 0.42, y, f"copy {pct:.1f}", color="black", fontsize=6, ha="left", va="top")
+                label = None  # one legend entry
         target = record.get("targets_definition", {}).get("pct_floor")
         ax.axhline(100, color="black", lw=0.8)
         if target:
