@@ -3,15 +3,16 @@
 An LR scheduler changes ``lr`` before every step, so every ``step()`` copies the table of
 hyper-parameters (a few hundred bytes) to the device. An asynchronous copy reads its host
 memory when the device reaches it, later than the call returns, so that memory must not be
-written again before then. ``PinnedStaging`` keeps a few pinned host tables, each with an event
-recorded after the copy that reads it, and writes a table again only once its event has
-completed; when every table is still in flight (the host ran far ahead of the device), it
-adds one, up to ``MAX_SLOTS``, and beyond that falls back to a fresh pinned copy.
+written again before then. ``PinnedStaging`` keeps a ring of pinned host tables, each with an
+event recorded after the copy that reads it, and takes them in turn: the next one is written
+again only once its event has completed. When it has not (the host runs more steps ahead of the
+device than the ring is long), a table is added to the ring, up to ``MAX_SLOTS``; beyond that a
+fresh pinned copy is made, as ``tensor.pin_memory()`` does.
 """
 
 import torch
 
-MAX_SLOTS = 8
+MAX_SLOTS = 64  # tables of a few hundred bytes: the host may run this many changed steps ahead
 
 
 class _Slot:
@@ -26,19 +27,23 @@ class PinnedStaging:
 
     def __init__(self):
         self.slots = []
+        self.next = 0  # the slot to try first
 
     def upload(self, table, rows):
         """``table[...] = rows`` (a list of equal-length lists of floats), ordered on the current stream."""
         if torch.cuda.is_current_stream_capturing():  # no reuse of host memory a graph would read at each replay
             table.copy_(torch.tensor(rows, dtype=torch.float32).pin_memory(), non_blocking=True)
             return
-        slot = next((s for s in self.slots if s.tensor.shape == table.shape and s.event.query()), None)
-        if slot is None:
+        if self.slots and self.slots[0].tensor.shape != table.shape:  # groups were added: a new ring
+            self.slots, self.next = [], 0
+        slot = self.slots[self.next] if self.slots else None
+        if slot is None or not slot.event.query():
             if len(self.slots) >= MAX_SLOTS:
                 table.copy_(torch.tensor(rows, dtype=torch.float32).pin_memory(), non_blocking=True)
                 return
-            slot = _Slot(table.shape)
-            self.slots.append(slot)
+            slot = _Slot(table.shape)  # grows the ring at the slot in turn: the busy one goes round again
+            self.slots.insert(self.next, slot)
         slot.array[...] = rows
         table.copy_(slot.tensor, non_blocking=True)
-        slot.event.record(torch.cuda.current_stream(table.device))
+        slot.event.record(torch.cuda.current_stream(table.device))  # the stream copy_ ran on
+        self.next = (self.next + 1) % len(self.slots)
