@@ -558,3 +558,82 @@ def test_torch_state_dict_with_amsgrad_is_still_refused():
     opt = flatopt.AdamW(make_model())
     with pytest.raises(ValueError, match=r"^flatopt\.AdamW does not implement amsgrad; use torch\.optim\.AdamW"):
         opt.load_state_dict(theirs.state_dict())
+
+
+# ------------------------------------------------------------------------------------------ step hooks
+def hook_trace(opt, calls, torch_optim):
+    """Register a per-optimizer and a global pre- and post-hook that record (who, args, kwargs)."""
+    handles = [
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o is opt, len(a), dict(k)))),
+        opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o is opt, len(a), dict(k)))),
+        torch_optim.register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global-pre", o is opt))),
+        torch_optim.register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global-post", o is opt))),
+    ]
+    return handles
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_step_hooks_run_as_in_torch(name, mode):
+    """Global and per-optimizer step pre/post hooks run in torch.optim's order, with its arguments."""
+    from torch.optim import optimizer as torch_optim
+
+    ours_cls, torch_cls, kw = OPTIMIZERS[name]
+    traces = []
+    for make in (lambda m: ours_cls(m.parameters(), **kw, **MODES[mode]), lambda m: torch_cls(m.parameters(), **kw)):
+        model = make_model()
+        opt = make(model)
+        calls = []
+        handles = hook_trace(opt, calls, torch_optim)
+        try:
+            x, y = batch(0)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        finally:
+            for h in handles:
+                h.remove()
+        traces.append(calls)
+    assert (
+        traces[0]
+        == traces[1]
+        == [
+            ("global-pre", True),
+            ("pre", True, 1, {}),
+            ("post", True, 1, {}),
+            ("global-post", True),
+        ]
+    )
+
+
+def test_a_step_pre_hook_can_replace_the_arguments():
+    model = make_model()
+    opt = flatopt.AdamW(model, lr=1e-2)
+    x, y = batch(0)
+    closures = []
+
+    def closure():
+        closures.append(1)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    opt.register_step_pre_hook(lambda o, args, kwargs: (args, {"closure": closure}))
+    loss = opt.step()
+    assert closures == [1] and isinstance(loss, torch.Tensor)
+    opt.register_step_pre_hook(lambda o, args, kwargs: "not a pair")
+    with pytest.raises(RuntimeError, match="must return None or a tuple of \\(new_args, new_kwargs\\)"):
+        opt.step()
+
+
+def test_profiler_sees_the_step_under_torch_optims_label():
+    model = make_model()
+    opt = flatopt.AdamW(model, lr=1e-2)
+    x, y = batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()  # the first step outside the profiler
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    names = [e.name for e in prof.events()]
+    assert names.count("Optimizer.step#AdamW.step") == 1, sorted(set(names))
