@@ -128,7 +128,7 @@ def device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps):
     out = []
     dtype = harness.DTYPES[dtype_name]
     _, opt = build(set_name, dtype, optimizer, device)
-    defaults = common.BLOCK_BYTES, common.NUM_WARPS
+    defaults = common.BLOCK_SIZE, common.NUM_WARPS
     numel = opt._buffers[0].numel
     bpe = harness.bytes_per_element(optimizer, dtype)
     nbytes = numel * bpe
@@ -143,22 +143,24 @@ def device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps):
         f"({100 * floor / same:.1f} % of floor)"
     )
     out.append(dict(base, variant="same-bytes copy", ms=same, pct_of_floor=100 * floor / same))
-    configs = [(True, b, w) for b in (8192, 16384) for w in (4, 8)] + [(False, 16384, 8)]  # 32 KiB blocks spill
+    configs = [(True, b, w) for b in (2048, 4096, 8192) for w in (4, 8)] + [
+        (False, common.BLOCK_SIZE, common.NUM_WARPS)
+    ]
     try:
-        for graph, block_bytes, warps in configs:
+        for graph, block, warps in configs:
             opt.use_step_graph = graph
-            common.BLOCK_BYTES, common.NUM_WARPS = block_bytes, warps
+            common.BLOCK_SIZE, common.NUM_WARPS = block, warps
             opt._step_graph = StepGraph()  # its key does not cover the block size: record again
             for _ in range(3):  # compile, record, replay
                 opt.step()
             t = harness.device_time(opt.step, device, settings).median_ms
-            v = f"{'graph' if graph else 'launch'} block {block_bytes} B warps {warps}"
+            v = f"{'graph' if graph else 'launch'} block {block} elements, {warps} warps"
             print(
                 f"    {v:36s} {t:.4f} ms  {100 * floor / t:5.1f} % of floor, {100 * same / t:5.1f} % of same-bytes copy"
             )
             out.append(dict(base, variant=v, ms=t, pct_of_floor=100 * floor / t, pct_of_copy=100 * same / t))
     finally:
-        common.BLOCK_BYTES, common.NUM_WARPS = defaults
+        common.BLOCK_SIZE, common.NUM_WARPS = defaults
     return out
 
 
