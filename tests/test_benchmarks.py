@@ -496,6 +496,21 @@ def test_capture_targets(capture):
     assert t["met"] is True and t["threshold"] == 0.75
     t = by[("flatopt-capture-compiled <= torch-compile-ro", "gpt2")]
     assert t["met"] is None and "flatopt-capture-compiled timeout: boom" in t["note"]
+    # rows without back-to-back times (an older result): the back-to-back targets are not evaluated, and say why
+    t = by[("flatopt-capture <= torch-fused-graph (back-to-back)", "small")]
+    assert t["met"] is None and "no b2b_median_ms" in t["note"]
+    for r in rows:
+        r["b2b_median_ms"] = r["median_ms"] and r["median_ms"] * 0.9
+    rows[3]["b2b_median_ms"] = 0.80  # small flatopt-capture: slower than torch-fused-graph's 0.675 back-to-back
+    by = {(t["target"], t["model"]): t for t in capture.evaluate_targets(rows, ["small", "gpt2"])}
+    assert len(by) == 8
+    assert by[("flatopt-capture <= torch-fused-graph", "small")]["met"] is True  # the synchronised ones unchanged
+    t = by[("flatopt-capture <= torch-fused-graph (back-to-back)", "small")]
+    assert t["met"] is False and t["value"] == 0.80 and t["threshold"] == pytest.approx(0.675)
+    t = by[("flatopt-capture fastest of all (small) (back-to-back)", "small")]
+    assert t["met"] is False and t["threshold"] == pytest.approx(0.675)
+    t = by[("flatopt-capture <= torch-fused-graph (back-to-back)", "gpt2")]
+    assert t["margin"] == pytest.approx(-0.36)
 
 
 def test_capture_smoke_run_on_cpu(capture, capture_smoke, capsys):
@@ -509,16 +524,30 @@ def test_capture_smoke_run_on_cpu(capture, capture_smoke, capsys):
             r = rows[(m, impl)]
             assert r["status"] == "ok" and r["median_ms"] > 0 and r["steps"] == record["steps"]
             assert r["final_loss"] < r["first_loss"]  # it trains
+            assert r["b2b_q20_ms"] <= r["b2b_median_ms"] <= r["b2b_q80_ms"] and r["b2b_q20_ms"] > 0
+            assert r["b2b_rounds"] == capture.B2B_ROUNDS == record["settings"]["b2b_rounds"]
+            assert r["b2b_steps_per_round"] == capture.b2b_steps_per_round(record["settings"]["iters"]) >= 5
         # same init, data and steps: flatopt trains as torch does
         assert rows[(m, "flatopt")]["final_loss_minus_torch_fused"] == pytest.approx(0.0, abs=1e-3)
         for impl in ("torch-fused-graph", "flatopt-capture", "torch-compile-ro", "flatopt-capture-compiled"):
             assert rows[(m, impl)]["status"] == "skipped" and "CUDA" in rows[(m, impl)]["reason"]
-    assert all(t["met"] is None for t in record["targets"]) and len(record["targets"]) == 4
+    assert all(t["met"] is None for t in record["targets"]) and len(record["targets"]) == 8
+    names = [t["target"] for t in record["targets"]]
+    assert names[4:] == [n + " (back-to-back)" for n in names[:4]]
     text = md.read_text()
     assert text.startswith("> **SMOKE RUN") and "| small | flatopt | " in text
+    assert "back-to-back ms (p20-p80)" in text and "(back-to-back) |" in text
     capsys.readouterr()
     assert capture.main(["--report", str(path)]) == 0
     assert "| gpt2 | torch-fused | " in capsys.readouterr().out
+    # a result written before the back-to-back timing (no b2b fields, 4 targets) still gives its table
+    for r in record["results"]:
+        for k in [k for k in r if k.startswith("b2b_")]:
+            del r[k]
+    record["targets"] = record["targets"][:4]
+    text = capture.markdown(record)
+    row = next(x for x in text.splitlines() if x.startswith("| small | flatopt | "))
+    assert row.split(" | ")[3] == "-" and "(back-to-back) |" not in text
 
 
 def test_capture_worker_and_command(capture, capsys):
@@ -530,6 +559,7 @@ def test_capture_worker_and_command(capture, capsys):
     assert len(lines) == 1
     result = json.loads(lines[0][len(capture.RESULT_PREFIX) :])
     assert result["status"] == "ok" and result["impl"] == "torch-fused" and result["iters"] == 2
+    assert result["b2b_median_ms"] > 0 and result["b2b_steps_per_round"] == 5  # compile cases are timed here too
 
 
 def test_capture_flatopt_failure_sets_exit_status(capture, tmp_path, monkeypatch):
