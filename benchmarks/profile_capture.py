@@ -195,7 +195,12 @@ def parse_args(argv=None):
     add("--top", type=int, default=15, help="kernels listed per implementation (default: 15)")
     add("--compile-backend", default="inductor", help="for the torch.compile implementations (default: inductor)")
     add("--seed", type=int, default=0)
-    add("--out", type=Path, default=harness.RESULTS_DIR, help="directory for the JSON (default: benchmarks/results)")
+    add(
+        "--out",
+        type=Path,
+        default=harness.RESULTS_DIR / "profiles",
+        help="directory for the JSON (default: benchmarks/results/profiles)",
+    )
     return p.parse_args(argv)
 
 

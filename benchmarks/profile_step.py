@@ -166,7 +166,7 @@ def device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="benchmarks/results/profiles")
     args = ap.parse_args()
     device = torch.device("cuda")
     settings = harness.TimerSettings()
