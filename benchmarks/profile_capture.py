@@ -13,7 +13,7 @@ replays on recent CUDA; a trace without kernels is recorded as such (``kernels_t
 
 GPU run from the repository root (well under a minute for the small model):
 
-    PYTHONPATH=. python3 benchmarks/profile_capture.py [--models small,gpt2] [--out benchmarks/results]
+    PYTHONPATH=. python3 benchmarks/profile_capture.py [--models small,gpt2] [--out benchmarks/results/profiles]
 
 Writes ``profile-capture-STAMP.json`` (and prints everything). It explains results; bench_capture.py measures them.
 """

@@ -8,7 +8,7 @@ against the floor from a large copy, for kernel block sizes and warp counts arou
 
 GPU run from the repository root (about one minute on an H100):
 
-    PYTHONPATH=. python3 benchmarks/profile_step.py [--out benchmarks/results]
+    PYTHONPATH=. python3 benchmarks/profile_step.py [--out benchmarks/results/profiles]
 
 Writes ``profile-STAMP.json`` (and prints everything). It explains results; bench_step.py measures them.
 """
