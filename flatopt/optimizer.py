@@ -108,6 +108,8 @@ def _hooked_step(step):
 
     @functools.wraps(step)
     def wrapper(*args, **kwargs):
+        if type(args[0]).step is not wrapper:  # an override of step(), which torch.optim wrapped: hooks ran
+            return step(*args, **kwargs)
         if not torch.autograd._profiler_enabled():
             return hooked(*args, **kwargs)
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(args[0]).__name__}.step"):
@@ -357,6 +359,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 self.state[p] = self._state_of(buf, i)
             self._refresh_uniform(buf)
         self._hp_rows = None
+        self._step_graph = StepGraph()  # graphs of the old layout read its freed tables: never replay them
         if self.in_backward:
             self._in_backward = InBackward(self, self.bucket_size)
         elif not self._unused_reported or self.skip_unused:
@@ -464,7 +467,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self._hp_rows, self._hp_lrs = rows, lrs
         for gi, lr in tensor_lrs:
             for table in self._hp.values():
-                table[gi, 0].copy_(lr.reshape(()), non_blocking=True)
+                table[gi, 0].copy_(lr.detach().reshape(()), non_blocking=True)  # no autograd history
 
     def _names_of(self, params, most=8):
         """The names of ``params`` for a message, the first ``most`` of them."""

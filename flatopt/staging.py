@@ -31,7 +31,7 @@ class PinnedStaging:
 
     def upload(self, table, rows):
         """``table[...] = rows`` (a list of equal-length lists of floats), ordered on the current stream."""
-        if torch.cuda.is_current_stream_capturing():  # no reuse of host memory a graph would read at each replay
+        if torch.cuda.is_current_stream_capturing():  # the caller's capture: leave the ring out of its graph
             table.copy_(torch.tensor(rows, dtype=torch.float32).pin_memory(), non_blocking=True)
             return
         if self.slots and self.slots[0].tensor.shape != table.shape:  # groups were added: a new ring

@@ -31,7 +31,9 @@ class StepGraph:
         self.graphs = OrderedDict()  # key -> CUDAGraph, least recently replayed first
         self.seen = OrderedDict()  # keys launched once directly (so their kernels are compiled)
         self.key = None  # the key of the last run
-        self.failed = False  # recording failed once: launch directly from then on
+        self.failed = False  # recording failed once, or graphs are not reused: launch directly from then on
+        self.recorded = 0  # graphs recorded
+        self.reused = 0  # replays of a graph recorded at an earlier run
 
     @property
     def graph(self):
@@ -76,16 +78,22 @@ class StepGraph:
         graph = self.graphs.get(key)
         if graph is not None:
             self.graphs.move_to_end(key)
+            self.reused += 1
             graph.replay()
             return
         if self.failed or key not in self.seen:
             _remember(self.seen, key, True, MAX_SEEN)
             launch()
             return
+        if self.recorded >= 2 * MAX_GRAPHS and self.reused < self.recorded:
+            self.failed = True  # keys keep changing (a gradient's address, say): recording costs more than it saves
+            launch()
+            return
         graph = self._record(launch)
         if graph is None:
             launch()
             return
+        self.recorded += 1
         _remember(self.graphs, key, graph, MAX_GRAPHS)
         graph.replay()
 

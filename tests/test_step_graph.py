@@ -177,3 +177,30 @@ def test_run_falls_back_to_launching_when_recording_fails(monkeypatch):
     for _ in range(3):
         graph.run(None, lambda: launches.append(1))
     assert len(launches) == 3
+
+
+def test_keys_that_never_repeat_stop_the_recording(monkeypatch):
+    """A bucket whose gradient lands at a new address every pass would record a graph per pass, each
+    replayed once: after 2 * MAX_GRAPHS recordings none of which was replayed again, launch directly."""
+    from flatopt.step_graph import MAX_GRAPHS
+
+    graph = StepGraph()
+    recorded = []
+    monkeypatch.setattr(graph, "_record", lambda launch: recorded.append(FakeGraph()) or recorded[-1])
+    launches = []
+    for key in range(4 * MAX_GRAPHS):
+        for _ in range(2):  # seen, then recorded (until recording stops)
+            graph.run_keyed(key, lambda: launches.append(1))
+    assert len(recorded) == 2 * MAX_GRAPHS and graph.failed
+    assert len(launches) == 2 * (4 * MAX_GRAPHS) - 2 * MAX_GRAPHS
+
+
+def test_reused_graphs_keep_recording_going(monkeypatch):
+    from flatopt.step_graph import MAX_GRAPHS
+
+    graph = StepGraph()
+    monkeypatch.setattr(graph, "_record", lambda launch: FakeGraph())
+    for key in range(4 * MAX_GRAPHS):
+        for _ in range(4):  # seen, recorded, then replayed twice
+            graph.run_keyed(key, lambda: None)
+    assert not graph.failed and graph.recorded == 4 * MAX_GRAPHS

@@ -637,3 +637,43 @@ def test_profiler_sees_the_step_under_torch_optims_label():
         opt.step()
     names = [e.name for e in prof.events()]
     assert names.count("Optimizer.step#AdamW.step") == 1, sorted(set(names))
+
+
+def test_step_hooks_run_once_for_a_subclass_that_overrides_step():
+    """torch.optim wraps the subclass's step() with its hooks; flatopt's own wrapper, reached through
+    super().step(), must not run them again. (torch.optim itself runs them twice in this case once an
+    instance of the base class has been created, since both steps are wrapped then.)"""
+    from torch.optim import optimizer as torch_optim
+
+    flatopt.AdamW(make_model(), lr=1e-2)  # the base class's step() is in use too
+
+    class Mine(flatopt.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    model = make_model()
+    opt = Mine(model, lr=1e-2)
+    calls = []
+    handles = hook_trace(opt, calls, torch_optim)
+    try:
+        x, y = batch(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == [("global-pre", True), ("pre", True, 1, {}), ("post", True, 1, {}), ("global-post", True)]
+
+
+def test_a_tensor_lr_that_requires_grad_leaves_no_autograd_history():
+    model = make_model()
+    lr = torch.tensor(1e-2, requires_grad=True)
+    opt = flatopt.AdamW(model, lr=lr)
+    for i in range(3):
+        x, y = batch(i)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for table in opt._hp.values():
+        assert table.grad_fn is None and not table.requires_grad
+    assert all(p.grad_fn is None for p in model.parameters())
