@@ -164,10 +164,15 @@ def device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps):
     return out
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/profiles")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "profile_step.py profiles Triton launches and CUDA graphs and needs a CUDA GPU; none here", file=sys.stderr
+        )
+        return 2
     device = torch.device("cuda")
     settings = harness.TimerSettings()
     copy = harness.copy_bandwidth(device, 1024 * 2**20, settings)
@@ -180,7 +185,8 @@ def main():
     path = Path(args.out) / f"profile-{harness.timestamp()}.json"
     harness.write_json(path, record)
     print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

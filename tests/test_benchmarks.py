@@ -680,3 +680,14 @@ def test_environment_git_commit_override(harness, bench, monkeypatch, tmp_path):
     assert bench.main(argv) == 0
     recorded = json.loads(path.read_text())["env"]
     assert recorded["git_commit"] == env["git_commit"] and recorded["git_commit_source"] == "FLATOPT_GIT_COMMIT"
+
+
+# ------------------------------------------------------------------------------------ profile scripts
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU; this one has one")
+@pytest.mark.parametrize("name", ["profile_step", "profile_capture"])
+def test_profile_scripts_say_they_need_a_gpu(name, capsys, tmp_path):
+    """The profile scripts measure CUDA launches and graphs only: without a GPU they exit with status 2
+    and say so, writing nothing."""
+    assert import_benchmark(name).main(["--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
