@@ -604,8 +604,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
 
         def launch():
-            for buf in self._buffers:
-                with torch.no_grad():  # for the torch backend's in-place updates (a replayed graph needs none)
+            with torch.no_grad():  # for the torch backend's in-place updates (a replayed graph needs none)
+                for buf in self._buffers:
                     self._functional(
                         buf.data, buf.grad, *(buf.states.get(n) for n in self._state_names),
                         hparams=self._hp[buf.device], meta=buf.meta, backend=self.backend,

@@ -15,6 +15,11 @@ import torch
 MAX_SLOTS = 64  # tables of a few hundred bytes: the host may run this many changed steps ahead
 
 
+def _fresh_copy(table, rows):
+    """The copy without the ring: a new pinned tensor, which PyTorch keeps until the copy has run."""
+    table.copy_(torch.tensor(rows, dtype=torch.float32).pin_memory(), non_blocking=True)
+
+
 class _Slot:
     def __init__(self, shape):
         self.tensor = torch.empty(shape, dtype=torch.float32, pin_memory=True)
@@ -32,14 +37,14 @@ class PinnedStaging:
     def upload(self, table, rows):
         """``table[...] = rows`` (a list of equal-length lists of floats), ordered on the current stream."""
         if torch.cuda.is_current_stream_capturing():  # the caller's capture: leave the ring out of its graph
-            table.copy_(torch.tensor(rows, dtype=torch.float32).pin_memory(), non_blocking=True)
+            _fresh_copy(table, rows)
             return
         if self.slots and self.slots[0].tensor.shape != table.shape:  # groups were added: a new ring
             self.slots, self.next = [], 0
         slot = self.slots[self.next] if self.slots else None
         if slot is None or not slot.event.query():
             if len(self.slots) >= MAX_SLOTS:
-                table.copy_(torch.tensor(rows, dtype=torch.float32).pin_memory(), non_blocking=True)
+                _fresh_copy(table, rows)
                 return
             slot = _Slot(table.shape)  # grows the ring at the slot in turn: the busy one goes round again
             self.slots.insert(self.next, slot)

@@ -29,7 +29,7 @@ GRANULE = 64  # elements per entry of param_of_granule; parameter starts are ali
 # AdamW at 93.5-95.5 % of the floor where 4096 ran at 97.7-99.3 %; bf16 SGD was within 0.5 % either way.
 BLOCK_SIZE = 4096
 NUM_WARPS = 8
-STEP_BLOCK = 1024  # parameters per iteration when the last program advances the step counters
+STEP_BLOCK = 1024  # step counters advanced per block (by every program in a UNIFORM launch, else by the last)
 
 
 @triton.jit
