@@ -572,27 +572,33 @@ def hook_trace(opt, calls, torch_optim):
     return handles
 
 
+def step_with_hook_trace(model, opt):
+    """One training step of ``model`` with the hooks of hook_trace registered; returns their calls."""
+    from torch.optim import optimizer as torch_optim
+
+    calls = []
+    handles = hook_trace(opt, calls, torch_optim)
+    try:
+        x, y = batch(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", ["AdamW", "SGD"])
 def test_step_hooks_run_as_in_torch(name, mode):
     """Global and per-optimizer step pre/post hooks run in torch.optim's order, with its arguments."""
-    from torch.optim import optimizer as torch_optim
 
     ours_cls, torch_cls, kw = OPTIMIZERS[name]
     traces = []
     for make in (lambda m: ours_cls(m.parameters(), **kw, **MODES[mode]), lambda m: torch_cls(m.parameters(), **kw)):
         model = make_model()
         opt = make(model)
-        calls = []
-        handles = hook_trace(opt, calls, torch_optim)
-        try:
-            x, y = batch(0)
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        finally:
-            for h in handles:
-                h.remove()
-        traces.append(calls)
+        traces.append(step_with_hook_trace(model, opt))
     assert (
         traces[0]
         == traces[1]
@@ -643,7 +649,6 @@ def test_step_hooks_run_once_for_a_subclass_that_overrides_step():
     """torch.optim wraps the subclass's step() with its hooks; flatopt's own wrapper, reached through
     super().step(), must not run them again. (torch.optim itself runs them twice in this case once an
     instance of the base class has been created, since both steps are wrapped then.)"""
-    from torch.optim import optimizer as torch_optim
 
     flatopt.AdamW(make_model(), lr=1e-2)  # the base class's step() is in use too
 
@@ -653,15 +658,7 @@ def test_step_hooks_run_once_for_a_subclass_that_overrides_step():
 
     model = make_model()
     opt = Mine(model, lr=1e-2)
-    calls = []
-    handles = hook_trace(opt, calls, torch_optim)
-    try:
-        x, y = batch(0)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    finally:
-        for h in handles:
-            h.remove()
+    calls = step_with_hook_trace(model, opt)
     assert calls == [("global-pre", True), ("pre", True, 1, {}), ("post", True, 1, {}), ("global-post", True)]
 
 
