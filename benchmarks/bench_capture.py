@@ -33,7 +33,14 @@ torch.compile cases run last, each in a subprocess with a timeout taken from wha
 without time is recorded as skipped, with the reason). flatopt's targets (reported with margins, not asserted):
 flatopt-capture <= torch-fused-graph on both models and the fastest of all on the small model; flatopt-capture-
 compiled faster than torch-compile-ro on GPT-2 small; each is evaluated on the synchronised time and again, as a
-target whose name ends in " (back-to-back)", on the back-to-back time. Exit status 1 when a flatopt case failed.
+target whose name ends in " (back-to-back)", on the back-to-back time.
+
+Paired (skipped with --no-paired): torch-fused-graph and flatopt-capture are built side by side on fresh models and,
+after the warm-up, timed alternately for --iters rounds (ABBA order, each step synchronised as in the main figure,
+with the host time from the call to its return), so that the drift between cases run one after the other does not
+decide a difference of a few percent. Reported: each one's median, and the median over rounds of flatopt-capture's
+time / torch-fused-graph's; the target "flatopt-capture <= torch-fused-graph (paired)" compares the two medians.
+Exit status 1 when a flatopt case failed.
 
 GPU run from the repository root (about 1 minute, plus up to 4 compilations within --budget-s, default 200 s):
 
@@ -73,6 +80,8 @@ N_BATCHES = 4  # the steps cycle through this many fixed batches
 MIN_COMPILE_S = 20.0  # a compile case is not started with less time than this left
 B2B_ROUNDS = 5  # back-to-back timing: rounds of b2b_steps_per_round(iters) steps each
 B2B_SUFFIX = " (back-to-back)"  # the targets evaluated on the back-to-back time
+PAIRED = ("torch-fused-graph", "flatopt-capture")  # built side by side and timed alternately (see time_paired)
+PAIRED_SUFFIX = " (paired)"  # the target evaluated on the paired time
 
 
 def b2b_steps_per_round(iters):
@@ -293,6 +302,82 @@ def time_back_to_back(step, device, rounds, per_round):
     return times
 
 
+def time_paired(steps, device, rounds):
+    """Time the ``steps`` (name -> callable) alternately, each call synchronised as in the main timing: round i calls
+    every step once, in the given order when i is even and in reverse when odd, so that drift (clocks, temperature,
+    other tenants) falls on all of them alike. Returns name -> (device ms per call, host us per call): CUDA events
+    around the call (perf_counter on the CPU), and the host time from the call to its return."""
+    names = list(steps)
+    out = {n: ([], []) for n in names}
+    cuda = device.type == "cuda"
+    for i in range(rounds):
+        for name in names if i % 2 == 0 else names[::-1]:
+            ms, us = out[name]
+            if cuda:
+                torch.cuda.synchronize(device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                t = time.perf_counter()
+                steps[name]()
+                host = time.perf_counter() - t
+                end.record()
+                end.synchronize()
+                ms.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                steps[name]()
+                host = time.perf_counter() - t
+                ms.append(host * 1e3)
+            us.append(host * 1e6)
+    return out
+
+
+def run_paired(model_name, cfg, device, args, names=PAIRED):
+    """The implementations ``names`` (theirs, mine) built side by side (each on a fresh model from the same seed),
+    ``args.warmup`` steps each, then ``args.iters`` rounds of time_paired; never raises (a failure is recorded)."""
+    row = dict(model=model_name, impls=list(names), status=None)
+    if device.type != "cuda" and any(IMPL_BY_NAME[n].needs_cuda for n in names):
+        row.update(status="skipped", reason="CUDA graphs need a CUDA device")
+        return row
+    t0 = time.perf_counter()
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    built, releases = {}, []
+    try:
+        for name in names:
+            batches = make_batches(cfg, device, args.seed)
+            model = make_model(cfg, device, args.seed)
+            step, keep, release = build(name, model, batches, device, args.compile_backend)
+            if release is not None:
+                releases.append(release)
+            counter = itertools.count()
+            built[name] = (lambda s=step, b=batches, c=counter: s(*b[next(c) % N_BATCHES])), (keep, model)
+        model = None
+        for one, _ in built.values():
+            for _ in range(args.warmup):
+                one()
+        timed = time_paired({n: one for n, (one, _) in built.items()}, device, args.iters)
+        for name, (ms, us) in timed.items():
+            med, q20, q80 = harness.quantiles(ms)
+            hmed, h20, h80 = harness.quantiles(us)
+            row[name] = dict(median_ms=med, q20_ms=q20, q80_ms=q80, host_median_us=hmed, host_q20_us=h20,
+                             host_q80_us=h80)  # fmt: skip
+        mine, theirs = timed[names[1]][0], timed[names[0]][0]
+        med, q20, q80 = harness.quantiles([a / b for a, b in zip(mine, theirs)])
+        row.update(ratio_median=med, ratio_q20=q20, ratio_q80=q80, rounds=args.iters, status="ok")
+    except Exception as e:  # recorded; the run goes on
+        row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
+    finally:
+        for release in releases:
+            release()
+        del built, releases
+        try:
+            harness.free_memory(device, baseline)
+        except Exception as e:
+            row["cleanup_error"] = f"{type(e).__name__}: {e}"[:500]
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
 def train(step, batches, device, args, row):
     """``args.warmup`` steps (the first loss read after the first), then ``args.iters`` timed steps, then the
     back-to-back rounds; the batches cycle. Fills the row with losses (the final one before the back-to-back rounds),
@@ -399,11 +484,19 @@ def _target(what, model, value, threshold, why_missing):
                 margin=margin, note=None)  # fmt: skip
 
 
-def evaluate_targets(rows, models):
-    """flatopt's targets on the synchronised time (median_ms), then the same on the back-to-back time."""
-    return _evaluate_targets(rows, models, "median_ms", "") + _evaluate_targets(
+def evaluate_targets(rows, models, paired=()):
+    """flatopt's targets on the synchronised time (median_ms), then the same on the back-to-back time, then
+    flatopt-capture <= torch-fused-graph on the paired time of each model in ``paired``."""
+    out = _evaluate_targets(rows, models, "median_ms", "") + _evaluate_targets(
         rows, models, "b2b_median_ms", B2B_SUFFIX
     )
+    for p in paired:
+        ok = p["status"] == "ok"
+        theirs, mine = p["impls"]
+        out.append(_target(f"{mine} <= {theirs}{PAIRED_SUFFIX}", p["model"], p[mine]["median_ms"] if ok else None,
+                           p[theirs]["median_ms"] if ok else None,
+                           None if ok else f"{p['status']}: {p.get('reason', '')}"))  # fmt: skip
+    return out
 
 
 def _evaluate_targets(rows, models, key, suffix):
@@ -482,6 +575,29 @@ def markdown(record):
         "Back-to-back: rounds of steps with no synchronisation inside a round (the host ahead of the device); "
         "the main figure is the synchronised median.",
     ]
+    paired = record.get("paired") or []  # results written before the paired timing have none
+    if paired:
+        lines += [
+            "",
+            f"Paired: {' and '.join(paired[0]['impls'])} built side by side and timed alternately, each step "
+            "synchronised (ms; host: from the call to its return).",
+            "",
+            "| model | implementation | median ms (p20-p80) | host us (p20-p80) | ratio per round (p20-p80) |",
+            "|---|---|---|---|---|",
+        ]
+        for p in paired:
+            if p["status"] != "ok":
+                reason = (p.get("reason") or "").splitlines()[0][:150] if p.get("reason") else ""
+                lines.append(f"| {p['model']} | {', '.join(p['impls'])} | - | - | {p['status']}: {reason} |")
+                continue
+            ratio = f"{p['ratio_median']:.4f} ({p['ratio_q20']:.4f}-{p['ratio_q80']:.4f})"
+            for name in p["impls"]:
+                r = p[name]
+                lines.append(
+                    f"| {p['model']} | {name} | {r['median_ms']:.3f} ({r['q20_ms']:.3f}-{r['q80_ms']:.3f}) "
+                    f"| {r['host_median_us']:.1f} ({r['host_q20_us']:.1f}-{r['host_q80_us']:.1f}) "
+                    f"| {ratio if name == p['impls'][1] else ''} |"
+                )
     lines += ["", "| flatopt target | model | value | threshold | met | margin |", "|---|---|---|---|---|---|"]
     for t in record["targets"]:
         if t["met"] is None:
@@ -507,6 +623,17 @@ def print_row(r):
     print(f"  {r['model']:5} {r['impl']:25} {detail}", flush=True)
 
 
+def print_paired(p):
+    if p["status"] == "ok":
+        detail = (
+            "  ".join(f"{n} {p[n]['median_ms']:.3f} ms (host {p[n]['host_median_us']:.1f} us)" for n in p["impls"])
+            + f"  ratio {p['ratio_median']:.4f}"
+        )
+    else:
+        detail = f"{p['status'].upper()}: {p.get('reason', '')}"
+    print(f"  {p['model']:5} paired: {detail}", flush=True)
+
+
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -518,6 +645,7 @@ def parse_args(argv=None):
     add("--warmup", type=int, default=None, help="steps before timing, counted in the training (default 10; smoke 2)")
     add("--iters", type=int, default=None, help="timed steps (default 40; smoke 3)")
     add("--no-compile", action="store_true", help="skip the torch.compile cases")
+    add("--no-paired", action="store_true", help="skip the paired timing of " + " and ".join(PAIRED))
     add("--compile-timeout-s", type=float, default=120.0, help="per torch.compile case (default: 120)")
     add("--compile-backend", default="inductor", help="torch.compile backend (default: inductor)")
     add("--budget-s", type=float, default=200.0, help="wall-clock budget; later cases are skipped (default: 200)")
@@ -580,13 +708,14 @@ def run(args, argv):
         command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         settings=dict(warmup=args.warmup, iters=args.iters, budget_s=args.budget_s, seed=args.seed,
                       compile_backend=args.compile_backend, compile_timeout_s=args.compile_timeout_s,
-                      no_compile=args.no_compile, batches=N_BATCHES, b2b_rounds=B2B_ROUNDS,
+                      no_compile=args.no_compile, no_paired=args.no_paired, batches=N_BATCHES, b2b_rounds=B2B_ROUNDS,
                       b2b_steps_per_round=b2b_steps_per_round(args.iters)),
         steps=args.warmup + args.iters,
         hparams=HPARAMS,
         models={m: dict(asdict(configs[m]), params=gpt_numel(configs[m])) for m in args.models},
         impls={i.name: i.note for i in IMPLS},
         results=[],
+        paired=[],
         targets=[],
     )  # fmt: skip
     if args.smoke:
@@ -594,22 +723,37 @@ def run(args, argv):
     print(f"device: {record['env']['device_name']}; torch {torch.__version__}; JSON: {path}")
     rows = record["results"]
     chosen = [i for i in IMPLS if i.name in args.impls]
-    for impl in [i for i in chosen if not i.compiled] + [i for i in chosen if i.compiled]:
+
+    def run_all(impls):
+        for impl in impls:
+            for m in args.models:
+                if impl.compiled:
+                    row = run_compiled(args, m, impl, deadline)
+                elif time.monotonic() > deadline:
+                    row = dict(model=m, impl=impl.name, ours=impl.ours, status="skipped",
+                               reason=f"time budget (--budget-s {args.budget_s:g}) spent")  # fmt: skip
+                else:
+                    row = run_impl(m, impl, configs[m], device, args)
+                rows.append(row)
+                print_row(row)
+                harness.write_json(path, record)
+
+    run_all([i for i in chosen if not i.compiled])
+    if not args.no_paired and all(name in args.impls for name in PAIRED):
         for m in args.models:
-            if impl.compiled:
-                row = run_compiled(args, m, impl, deadline)
-            elif time.monotonic() > deadline:
-                row = dict(model=m, impl=impl.name, ours=impl.ours, status="skipped",
-                           reason=f"time budget (--budget-s {args.budget_s:g}) spent")  # fmt: skip
+            if time.monotonic() > deadline:
+                p = dict(model=m, impls=list(PAIRED), status="skipped",
+                         reason=f"time budget (--budget-s {args.budget_s:g}) spent")  # fmt: skip
             else:
-                row = run_impl(m, impl, configs[m], device, args)
-            rows.append(row)
-            print_row(row)
+                p = run_paired(m, configs[m], device, args)
+            record["paired"].append(p)
+            print_paired(p)
             harness.write_json(path, record)
+    run_all([i for i in chosen if i.compiled])
     rows.sort(key=lambda r: (list(MODELS).index(r["model"]), list(IMPL_BY_NAME).index(r["impl"])))
     record["reference_final_loss"] = loss_agreement(rows)
-    record["targets"] = evaluate_targets(rows, args.models)
-    failed = [r for r in rows if r["ours"] and r["status"] == "failed"]
+    record["targets"] = evaluate_targets(rows, args.models, record["paired"])
+    failed = [r for r in rows + record["paired"] if r.get("ours", True) and r["status"] == "failed"]
     record["flatopt_failed"] = bool(failed)
     record["total_s"] = round(time.monotonic() - start, 1)
     harness.write_json(path, record)

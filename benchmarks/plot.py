@@ -8,7 +8,7 @@ and "capture"), and its "schema" (1):
               copy of the same bytes as each case's reference (a thick black line across the group, with its value;
               results from before it was measured are drawn without it)
     memory    bench_memory.py: per dtype, peak memory per case against params + states and flatopt's target
-              (params + states + input + activations + one bucket), then step time with kernel launches per step
+              (params + states + input + activations + largest bucket), then step time with kernel launches per step
     capture   bench_capture.py: per model, median ms per training step and implementation (20th-80th percentile),
               with flatopt's targets
 
@@ -372,7 +372,8 @@ def _memory_label(case, row):
 
 def memory_peak_targets(record, dtype):
     """{case: target} of the peak-memory targets of ``dtype``, whose threshold (GiB) is params + states + input +
-    activations + one bucket as the JSON's targets computed it; cases without a threshold are left out."""
+    activations + the largest bucket (one bucket, in results written before that rule) as the JSON's targets
+    computed it; cases without a threshold are left out."""
     out = {}
     for t in record.get("targets", []):
         if t.get("dtype") == dtype and t.get("unit") == "GiB" and t.get("threshold") is not None:
@@ -474,7 +475,7 @@ def plot_memory_png(record, path):
             ax.text(bar.get_x() + bar.get_width() / 2, y + 0.012 * top, text, ha="center", va="bottom", fontsize=7)
         if base:
             ax.axhline(base, color="black", lw=0.9, ls="--", label=f"params + states = {_gib(base)}")
-        label = "target: params + states + input\n+ activations + 1 bucket"
+        label = "target: params + states + input\n+ activations + largest bucket"
         for i, case in enumerate(cases):
             if case in targets:
                 ax.hlines(targets[case]["threshold"], i - 0.45, i + 0.45, color="crimson", lw=2.0, label=label)

@@ -401,8 +401,12 @@ def test_memory_targets(memory):
     activations, targets = memory.derive(rows, ["fp32"])
     assert activations["fp32"] == dict(measured_bytes=2 * gib, recipe_upper_bound_bytes=2 * gib)
     by = {t["target"]: t for t in targets}
-    peak = by["flatopt-in-backward peak <= params + states + input + activations + 1 bucket"]
+    peak = by["flatopt-in-backward peak <= params + states + input + activations + largest bucket"]
     assert peak["value"] == 14 and peak["threshold"] == pytest.approx(14.125) and peak["met"] is True
+    # a parameter larger than bucket_size is a bucket of its own: the threshold allows the largest bucket
+    rows[-1]["largest_bucket_elements"] = 2**26
+    (peak,) = [t for t in memory.derive(rows, ["fp32"])[1] if t["target"] == peak["target"]]
+    assert peak["threshold"] == pytest.approx(14.25)
     assert by["flatopt-in-backward time / flatopt step mode <= 1.02"]["value"] == pytest.approx(0.9)
     extra = by["flatopt-in-backward kernels beyond fwd+bwd / torch recipe's <= 0.25"]
     assert extra["value"] == pytest.approx(60 / 240) and extra["met"] is True
@@ -446,6 +450,11 @@ def test_memory_smoke_run_on_cpu(memory, memory_smoke, capsys):
         # 2**12-element buckets: each weight (at least 2**12 // 8 elements) is a bucket of its own, and the
         # biases, laid out after the large parameters, share one bucket
         assert rows[("flatopt-in-backward-small", dt)]["flatopt_launches_per_step"] == 2 * memory.SMOKE.blocks + 1
+        assert rows[("flatopt-in-backward-small", dt)]["buckets"] == 2 * memory.SMOKE.blocks + 1
+        assert (
+            rows[("flatopt-in-backward-small", dt)]["largest_bucket_elements"] == memory.SMOKE.dim * memory.SMOKE.hidden
+        )
+        assert rows[("flatopt-in-backward", dt)]["buckets"] == 1
         losses = {rows[(c, dt)]["final_loss"] for c in ("flatopt", "flatopt-in-backward", "flatopt-in-backward-small")}
         assert max(losses) - min(losses) <= 1e-3 * max(losses)  # in-backward trains as step mode does
     assert md.read_text().startswith("> **SMOKE RUN") and "| fp32 | flatopt-in-backward |" in md.read_text()
@@ -531,9 +540,14 @@ def test_capture_smoke_run_on_cpu(capture, capture_smoke, capsys):
         assert rows[(m, "flatopt")]["final_loss_minus_torch_fused"] == pytest.approx(0.0, abs=1e-3)
         for impl in ("torch-fused-graph", "flatopt-capture", "torch-compile-ro", "flatopt-capture-compiled"):
             assert rows[(m, impl)]["status"] == "skipped" and "CUDA" in rows[(m, impl)]["reason"]
-    assert all(t["met"] is None for t in record["targets"]) and len(record["targets"]) == 8
+    assert all(t["met"] is None for t in record["targets"]) and len(record["targets"]) == 10
     names = [t["target"] for t in record["targets"]]
-    assert names[4:] == [n + " (back-to-back)" for n in names[:4]]
+    assert names[4:8] == [n + " (back-to-back)" for n in names[:4]]
+    assert names[8:] == ["flatopt-capture <= torch-fused-graph (paired)"] * 2
+    assert [p["model"] for p in record["paired"]] == ["small", "gpt2"]
+    for p in record["paired"]:
+        assert p["status"] == "skipped" and "CUDA" in p["reason"] and p["impls"] == list(capture.PAIRED)
+    assert record["targets"][8]["note"].startswith("skipped: CUDA graphs need")
     text = md.read_text()
     assert text.startswith("> **SMOKE RUN") and "| small | flatopt | " in text
     assert "back-to-back ms (p20-p80)" in text and "(back-to-back) |" in text
@@ -545,9 +559,51 @@ def test_capture_smoke_run_on_cpu(capture, capture_smoke, capsys):
         for k in [k for k in r if k.startswith("b2b_")]:
             del r[k]
     record["targets"] = record["targets"][:4]
+    del record["paired"]
     text = capture.markdown(record)
     row = next(x for x in text.splitlines() if x.startswith("| small | flatopt | "))
     assert row.split(" | ")[3] == "-" and "(back-to-back) |" not in text
+
+
+def test_capture_time_paired_alternates(capture):
+    calls = []
+    steps = {name: (lambda n=name: calls.append(n)) for name in ("a", "b")}
+    out = capture.time_paired(steps, torch.device("cpu"), 4)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # ABBA: neither always runs first
+    for ms, us in out.values():
+        assert len(ms) == len(us) == 4 and all(t >= 0 for t in ms + us)
+
+
+def test_capture_paired_on_cpu(capture, monkeypatch):
+    """The paired timing's code path with two CPU implementations (the captured ones need CUDA): its row, its
+    target and its table."""
+    args = capture.parse_args(["--device", "cpu", "--smoke", "--iters", "3", "--warmup", "1"])
+    cfg, names = capture.SMOKE_MODELS["small"], ("torch-fused", "flatopt")
+    p = capture.run_paired("small", cfg, torch.device("cpu"), args, names=names)
+    assert p["status"] == "ok", p
+    assert p["rounds"] == 3 and p["impls"] == list(names)
+    for n in names:
+        r = p[n]
+        assert 0 < r["q20_ms"] <= r["median_ms"] <= r["q80_ms"] and 0 < r["host_median_us"]
+    assert 0 < p["ratio_q20"] <= p["ratio_median"] <= p["ratio_q80"]
+    (t,) = capture.evaluate_targets([], [], [p])
+    assert t["target"] == "flatopt <= torch-fused (paired)" and t["value"] == p["flatopt"]["median_ms"]
+    assert t["threshold"] == p["torch-fused"]["median_ms"] and t["met"] == (t["value"] <= t["threshold"])
+    failed = dict(model="gpt2", impls=list(names), status="failed", reason="RuntimeError: boom")
+    (t,) = capture.evaluate_targets([], [], [failed])
+    assert t["met"] is None and t["note"] == "failed: RuntimeError: boom"
+    record = dict(smoke=False, env={}, steps=4, results=[], targets=[], paired=[p, failed])
+    text = capture.markdown(record)
+    assert f"| small | flatopt | {p['flatopt']['median_ms']:.3f} (" in text
+    assert (
+        f"| {p['ratio_median']:.4f} (" in text
+        and "| gpt2 | torch-fused, flatopt | - | - | failed: RuntimeError" in text
+    )
+    # a build that raises is recorded, not raised
+    build = capture.build
+    monkeypatch.setattr(capture, "build", lambda name, *a: build(name, *a) if name == "torch-fused" else 1 / 0)
+    broken = capture.run_paired("small", cfg, torch.device("cpu"), args, names=names)
+    assert broken["status"] == "failed" and broken["reason"].startswith("ZeroDivisionError")
 
 
 def test_capture_worker_and_command(capture, capsys):
