@@ -289,6 +289,12 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{type(self).__name__} supports float32, bfloat16 and float16 parameters, got {p.dtype}; "
                 "convert the model with model.to(torch.float32) before creating the optimizer"
             )
+        if p.requires_grad and self.flat and p.is_meta:
+            raise ValueError(
+                f"{type(self).__name__}(flat=True) copies the parameters into its buffers, and a parameter on the "
+                "meta device has no data; materialise the model first (model.to_empty(device=...), then initialise "
+                "the parameters) and create the optimizer after"
+            )
         if p.requires_grad and self.flat and not is_dense(p):
             raise ValueError(
                 f"{type(self).__name__}(flat=True) needs dense parameters (no gaps or overlaps), got shape "
