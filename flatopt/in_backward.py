@@ -297,7 +297,7 @@ class InBackward:
                 hparams=hparams, meta=meta, backend=opt.backend,
             )  # fmt: skip
 
-        if meta.active is None and StepGraph.usable(opt, None, None):
+        if meta.active is None and StepGraph.usable(opt):
             key = (grad.data_ptr(), meta.uniform, hparams.data_ptr(), meta.steps.data_ptr())
             bucket.graph.run_keyed(key + tuple(None if t is None else t.data_ptr() for t in states), launch)
         else:

@@ -619,8 +619,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                         found_inf=None if found_inf is None else found_inf.to(buf.device),
                     )  # fmt: skip
 
-        if StepGraph.usable(self, grad_scale, found_inf):
-            self._step_graph.run(self, launch)
+        if StepGraph.usable(self):
+            self._step_graph.run(self, launch, grad_scale, found_inf)
         else:
             launch()
         return loss

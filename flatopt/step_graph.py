@@ -13,9 +13,15 @@ counters advance on the device, so a replay is the same kernel with the same arg
 bucket, keyed also on the gradient's address: the gradient a bucket is stepped from is allocated
 anew by every backward pass, and the caching allocator usually hands out the same block again.
 
-Steps that pass per-call tensors (GradScaler's ``grad_scale`` / ``found_inf``, ``skip_unused``'s
-mask), steps inside a stream capture (``optimizer.capture``, or the caller's own graph), buffers
-on several devices and the torch backend launch directly.
+GradScaler's ``grad_scale`` and ``found_inf`` are new tensors at every ``scaler.step(opt)``; a
+replay reads them where the graph was recorded, so their addresses (and dtypes) are part of the
+key. In a training loop the caching allocator hands the same blocks out step after step and the
+graphs are reused; where it does not, recording stops (see ``run_keyed``) and the steps launch
+directly.
+
+Steps with ``skip_unused``'s mask (a new host-to-device copy per step), steps inside a stream
+capture (``optimizer.capture``, or the caller's own graph), buffers on several devices and the
+torch backend launch directly.
 """
 
 from collections import OrderedDict
@@ -41,9 +47,12 @@ class StepGraph:
         return self.graphs.get(self.key)
 
     @staticmethod
-    def key_of(opt):
+    def key_of(opt, grad_scale=None, found_inf=None):
         hp = opt._hp[opt._buffers[0].device]
-        return (hp.data_ptr(),) + tuple(
+        amp = tuple(
+            None if t is None else (t.data_ptr(), t.dtype, t.device, t.numel()) for t in (grad_scale, found_inf)
+        )
+        return (hp.data_ptr(), amp) + tuple(
             (
                 buf.data.data_ptr(),
                 buf.grad.data_ptr(),
@@ -55,21 +64,20 @@ class StepGraph:
         )
 
     @staticmethod
-    def usable(opt, grad_scale, found_inf):
+    def usable(opt):
         return (
             opt.use_step_graph
             and opt.backend == "triton"
-            and grad_scale is None
-            and found_inf is None
             and not opt.skip_unused
             and len(opt._devices) == 1
             and opt._devices[0].type == "cuda"
             and not torch.cuda.is_current_stream_capturing()
         )
 
-    def run(self, opt, launch):
-        """Run ``launch()`` (which launches every buffer's kernel on the current stream) through a graph."""
-        self.run_keyed(self.key_of(opt), launch)
+    def run(self, opt, launch, grad_scale=None, found_inf=None):
+        """Run ``launch()`` (which launches every buffer's kernel on the current stream, reading
+        ``grad_scale`` and ``found_inf`` when given) through a graph."""
+        self.run_keyed(self.key_of(opt, grad_scale, found_inf), launch)
 
     def run_keyed(self, key, launch):
         """Replay the graph recorded for ``key``; without one, launch directly the first time ``key`` is

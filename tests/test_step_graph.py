@@ -1,6 +1,6 @@
 """step() replays its kernel launches from a CUDA graph once a configuration has run: the result
 must be bit-identical to launching directly, through lr changes, a state buffer added later
-and GradScaler steps (which launch directly)."""
+and GradScaler steps (whose grad_scale / found_inf addresses are part of the key)."""
 
 import copy
 
@@ -17,8 +17,27 @@ def test_step_graph_is_not_used_off_cuda():
     opt = flatopt.AdamW(model)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    assert not StepGraph.usable(opt, None, None)
+    assert not StepGraph.usable(opt)
     assert opt._step_graph.graph is None
+
+
+def test_key_holds_the_grad_scaler_tensors():
+    """A replay reads grad_scale and found_inf where the graph was recorded: a step with other
+    tensors (or without them) must not replay that graph."""
+    model = nn.Linear(4, 3)
+    opt = flatopt.AdamW(model)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    scale, inf, other = torch.ones(1), torch.zeros(1), torch.zeros(1)
+    keys = {
+        "none": StepGraph.key_of(opt),
+        "both": StepGraph.key_of(opt, scale, inf),
+        "other found_inf": StepGraph.key_of(opt, scale, other),
+        "no grad_scale": StepGraph.key_of(opt, None, inf),
+        "int32 view of found_inf": StepGraph.key_of(opt, scale, inf.view(torch.int32)),  # same address
+    }
+    assert len(set(keys.values())) == len(keys), keys
+    assert StepGraph.key_of(opt, scale, inf) == keys["both"]  # the same tensors: the same key
 
 
 def two_optimizers(make, seed=0):
@@ -90,14 +109,39 @@ def test_state_added_later_records_a_new_graph():
 
 
 @pytest.mark.requires_cuda
-def test_grad_scaler_steps_launch_directly_and_agree():
-    pairs = two_optimizers(lambda m: flatopt.AdamW(m, lr=1e-2))
-    scaler = {id(o): torch.amp.GradScaler("cuda", init_scale=2.0**10) for _, o in pairs}
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: flatopt.AdamW(m, lr=1e-2, weight_decay=0.1),
+        lambda m: flatopt.SGD(m, lr=1e-2, momentum=0.9),
+        lambda m: flatopt.Lion(m, lr=1e-3, weight_decay=0.1),
+    ],
+    ids=["adamw", "sgd", "lion"],
+)
+def test_grad_scaler_steps_replay_and_agree(make):
+    """GradScaler steps replay a graph and equal direct launches bit for bit, through an injected
+    inf (a skipped step, then a smaller scale), growth of the scale, and steps after unscale_."""
+    pairs = two_optimizers(make)
+    scaler = {id(o): torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=4) for _, o in pairs}
     x = torch.randn(16, 33, device="cuda")
-    for step in range(1, 6):
-        step_both(pairs, x, scaler)
+    for step in range(1, 21):
+        for model, opt in pairs:
+            for g in opt.param_groups:
+                g["lr"] *= 0.95  # a scheduler changing lr every step
+            opt.zero_grad()
+            sc = scaler[id(opt)]
+            sc.scale(model(x).square().mean()).backward()
+            if step == 7:
+                model[0].weight.grad[0, 0] = float("inf")
+            if step >= 15:
+                sc.unscale_(opt)  # as before clipping: the step gets found_inf and no grad_scale
+            sc.step(opt)
+            sc.update()
         assert_identical(pairs, step)
-    assert pairs[0][1]._step_graph.graph is None
+        assert scaler[id(pairs[0][1])].get_scale() == scaler[id(pairs[1][1])].get_scale()
+    graph = pairs[0][1]._step_graph
+    assert graph.reused > 0 and not graph.failed, "GradScaler steps did not replay a graph"
+    assert pairs[1][1]._step_graph.graph is None
 
 
 class FakeGraph:
@@ -114,7 +158,7 @@ def test_run_launches_first_then_records_then_replays(monkeypatch):
     and a configuration whose graph is still kept replays it."""
     graph = StepGraph()
     keys = iter(["a", "a", "a", "b", "b", "a"])
-    monkeypatch.setattr(StepGraph, "key_of", staticmethod(lambda opt: next(keys)))
+    monkeypatch.setattr(StepGraph, "key_of", staticmethod(lambda opt, *amp: next(keys)))
     recorded = []
 
     def record(launch):
@@ -171,7 +215,7 @@ def test_in_backward_buckets_replay_graphs_bit_identical_to_direct_launches(buck
 
 def test_run_falls_back_to_launching_when_recording_fails(monkeypatch):
     graph = StepGraph()
-    monkeypatch.setattr(StepGraph, "key_of", staticmethod(lambda opt: "a"))
+    monkeypatch.setattr(StepGraph, "key_of", staticmethod(lambda opt, *amp: "a"))
     monkeypatch.setattr(graph, "_record", lambda launch: None)
     launches = []
     for _ in range(3):
