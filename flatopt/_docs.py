@@ -14,6 +14,8 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
         skip_unused (bool, optional): leave parameters that received no gradient since the last
             step untouched (no weight decay, no state update, step count unchanged), exactly as
             torch.optim does for ``p.grad is None``. Costs one small host-to-device copy per step.
+            Refused with several distributed ranks (DDP gives a rank gradients its own backward
+            pass never produced).
             By default such parameters are stepped with a zero gradient and a warning names them
             at the first step (default: False)
         in_backward (bool, optional): step each bucket of parameters during backward, from

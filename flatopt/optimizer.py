@@ -517,11 +517,17 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                         "views"
                     )
                 if g.data_ptr() != grad_ptr:
-                    why = "a sparse gradient" if g.is_sparse else "backward(create_graph=True) or `p.grad = ...`"
+                    why = (
+                        "a sparse gradient"
+                        if g.is_sparse
+                        else "DistributedDataParallel(gradient_as_bucket_view=True), backward(create_graph=True) or "
+                        "`p.grad = ...`"
+                    )
                     raise RuntimeError(
                         f"{cls}: the .grad of parameter {self._name(p)} is no longer a view into the flat gradient "
-                        f"buffer ({why} replaces it). Use backward() without create_graph, dense gradients, and "
-                        f"in-place changes to .grad, or construct the optimizer with flat=False"
+                        f"buffer ({why} replaces it). Use DistributedDataParallel with gradient_as_bucket_view=False "
+                        "(its default), backward() without create_graph, dense gradients, and in-place changes to "
+                        ".grad, or construct the optimizer with flat=False"
                     )
         frozen = [p for p in checked if not p.requires_grad]
         if frozen and not self.skip_unused:
@@ -542,6 +548,22 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"require grad now: {names}. The optimizer left them out of its flat buffers, so it would never "
                 "step them. Set requires_grad before creating the optimizer; to keep the optimizer state, save "
                 "opt.state_dict() first and load it into the new optimizer"
+            )
+
+    def _check_skip_unused_is_local(self):
+        """skip_unused=True learns which parameters received a gradient from this process's backward
+        pass; with several ranks, DistributedDataParallel(find_unused_parameters=True) also writes the
+        averaged gradient of a parameter that only other ranks used, which no hook here sees: this
+        rank would skip a parameter the others step, and the replicas would drift apart silently."""
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"{type(self).__name__}(skip_unused=True) decides which parameters to step from the gradients "
+                "this rank's backward pass produced, so under DistributedDataParallel(find_unused_parameters=True) "
+                "a parameter used only on other ranks would be skipped here and stepped there, and the replicas "
+                "would diverge. Use skip_unused=False (a parameter without a gradient is then stepped with a zero "
+                "gradient, the same on every rank), or flat=False, which skips a parameter whose .grad is None "
+                "as torch.optim does"
             )
 
     def _check_bindings_at_step(self):
@@ -596,6 +618,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             with torch.no_grad():
                 self._step_unflat()
             return loss
+        if self.skip_unused:
+            self._check_skip_unused_is_local()
         self._check_bindings_at_step()
         if not self._graph_mode:  # a captured step refreshes hyper-parameters before each replay
             self._refresh_hparams(self._devices)

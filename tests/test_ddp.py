@@ -1,0 +1,460 @@
+"""flatopt in step mode (flat=True, in_backward=False) under DistributedDataParallel: two CPU ranks
+on the gloo backend, started once for the whole module with torch.multiprocessing (spawn) and a
+FileStore in a temporary directory (no TCP port to pick).
+
+* Each rank feeds different data and DDP averages the gradients in place into flatopt's ``.grad``
+  views: flatopt.AdamW, SGD (momentum) and Lion match torch.optim.AdamW, SGD and the paper's Lion
+  (conftest.LionReference) run under DDP the same way, parameters and every state, at every step;
+  both ranks hold bit-identical parameters and states; every ``p.data`` and ``p.grad`` is still a
+  view into the flat buffers. The optimizer is created after wrapping (on ``ddp.module``'s
+  parameters, or on the DDP wrapper itself) and before wrapping (DDP's constructor broadcasts rank
+  0's parameters in place, into the flat buffers). Also with ``static_graph=True``, with gradient
+  accumulation under ``ddp.no_sync()`` and with a communication hook (fp16_compress_hook).
+* ``gradient_as_bucket_view=True`` makes DDP rebind every ``.grad`` to a view of its own buckets
+  (at construction when ``.grad`` exists, else at the first backward): ``step()`` must refuse it with
+  a RuntimeError naming the option, before changing anything.
+* ``find_unused_parameters=True`` with a parameter that only one rank uses: DDP hands the averaged
+  gradient to the rank that did not use it, which must step it as the other rank does. With
+  ``skip_unused=True`` no hook on that rank sees the gradient, so the rank would skip what the other
+  steps: ``step()`` refuses skip_unused=True with several ranks, saying why, before changing anything.
+
+Every rank runs every scenario in one pair of processes (a spawn costs seconds of imports); each
+scenario's results, or the traceback it raised, go to a file per rank, and the tests compare them
+here. An exception in a rank fails the scenario's tests with that rank's traceback (and stops the
+rank, so that the other never waits in a collective that will not come; the scenarios after it
+then fail saying so).
+"""
+
+import os
+import time
+import traceback
+import warnings
+from contextlib import nullcontext
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import LionReference
+from torch import nn
+
+import flatopt
+
+WORLD = 2
+STEPS = 12
+RUN_TIMEOUT_S = 240  # the whole run takes a few seconds; a hung collective is cut off by gloo's timeout first
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+# flatopt's torch backend against torch.optim's for-loop implementation (and the Lion reference), float32 on
+# the CPU, values of order 0.1 to 1. The largest differences observed over the 12 steps (parameters and states):
+# SGD 9e-8, AdamW 4.5e-8, Lion 1.4e-9, a few ulps of rounding; a rank that skips or adds a step is off by 1e-3
+# or more.
+TOL = dict(rtol=1e-6, atol=5e-7)
+SAME = dict(rtol=0.0, atol=0.0)  # the two ranks, which run the same arithmetic on the same values
+
+
+def _gloo_available():
+    return dist.is_available() and dist.is_gloo_available()
+
+
+pytestmark = pytest.mark.skipif(
+    not _gloo_available(),
+    reason="needs torch.distributed with the gloo backend, which this torch build lacks",
+)
+
+OPTIMIZERS = {
+    "AdamW": (flatopt.AdamW, torch.optim.AdamW, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.1)),
+    "SGD": (flatopt.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.1)),
+    "Lion": (flatopt.Lion, LionReference, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
+}
+
+# Where the optimizer is created, relative to DistributedDataParallel(model):
+ORDERS = {
+    "after_wrap": "flatopt.X(ddp.module.parameters()) after ddp = DDP(model) (the usual order)",
+    "after_wrap_on_ddp": "flatopt.X(ddp) after ddp = DDP(model): the wrapper passed as the module",
+    "before_wrap": "flatopt.X(model), then ddp = DDP(model): DDP broadcasts into the flat views",
+}
+
+
+def _ddp():
+    from torch.nn.parallel import DistributedDataParallel  # only where torch.distributed is available
+
+    return DistributedDataParallel
+
+
+# ------------------------------------------------------------------------------------------------ models and data
+
+
+def mlp(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+class Branchy(nn.Module):
+    """``b`` is used only when the forward pass is told to: on some ranks, at some steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 3)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x, use_b):
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def batch(rank, step, micro=0):
+    """Different data on each rank, at each step and micro-batch."""
+    gen = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
+    return torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
+
+
+def values(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def snapshot(model, opt):
+    """Parameters and the optimizer's state_dict state (torch.optim's format; ``step`` as a float)."""
+    state = {
+        i: {k: float(v) if k == "step" else v.detach().clone() for k, v in entry.items()}
+        for i, entry in opt.state_dict()["state"].items()
+    }
+    return {"params": values(model), "state": state}
+
+
+def flat_views(opt):
+    """For every parameter in flatopt's buffers: (name, p.data is its view, p.grad is its view)."""
+    rows = []
+    for buf in opt._buffers:
+        data_storage = buf.data.untyped_storage().data_ptr()
+        grad_storage = buf.grad.untyped_storage().data_ptr()
+        for p, (data_ptr, grad_ptr) in zip(buf.params, buf.expected):
+            data_ok = p.data_ptr() == data_ptr and p.untyped_storage().data_ptr() == data_storage
+            g = p.grad
+            grad_ok = g is not None and g.data_ptr() == grad_ptr and g.untyped_storage().data_ptr() == grad_storage
+            rows.append((opt._name(p), data_ok, grad_ok))
+    return rows
+
+
+def binding_error(opt):
+    """What ``opt.check_bindings()`` (every parameter) raises, or None."""
+    try:
+        opt.check_bindings(full=True)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def error_of(e):
+    return {"type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e)}
+
+
+# ------------------------------------------------------------------------------------------ scenarios (in the ranks)
+
+
+def run_match(rank, opt_name, order, variant):
+    """flatopt and its reference, each on its own DDP-wrapped copy of the model, over STEPS steps.
+
+    ``variant``: ``static_graph`` (passed to DDP), ``accumulate`` (micro-batches per step, all but the
+    last under ``ddp.no_sync()``), ``comm_hook`` (a name in torch's ``default_hooks``, registered on both
+    DDP instances)."""
+    DDP = _ddp()
+    ddp_kwargs = {k: v for k, v in variant.items() if k == "static_graph"}
+    accumulate = variant.get("accumulate", 1)
+    flat_cls, ref_cls, hp = OPTIMIZERS[opt_name]
+    # a different initialisation on each rank: DDP's constructor must broadcast rank 0's
+    model, ref = mlp(seed=rank), mlp(seed=rank)
+    init = values(model)
+    if order == "before_wrap":
+        opt = flat_cls(model, backend="torch", **hp)
+        ddp = DDP(model, **ddp_kwargs)
+    else:
+        ddp = DDP(model, **ddp_kwargs)
+        opt = flat_cls(ddp if order == "after_wrap_on_ddp" else ddp.module.parameters(), backend="torch", **hp)
+    ref_ddp = DDP(ref, **ddp_kwargs)
+    ref_opt = ref_cls(ref_ddp.module.parameters(), **hp)
+    if "comm_hook" in variant:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        for d in (ddp, ref_ddp):
+            d.register_comm_hook(None, getattr(default_hooks, variant["comm_hook"]))
+    out = {
+        "init": init,
+        "start": values(model),
+        "buffer_at_start": [v.detach().clone() for v in opt._buffers[0].data_views],
+        "views_at_start": flat_views(opt),
+        "history": [],
+    }
+    for step in range(STEPS):
+        for micro in range(accumulate):
+            x, y = batch(rank, step, micro)
+            for d in (ddp, ref_ddp):
+                with d.no_sync() if micro < accumulate - 1 else nullcontext():
+                    nn.functional.mse_loss(d(x), y).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+    out["views_at_end"] = flat_views(opt)
+    out["binding_error"] = binding_error(opt)
+    return out
+
+
+def run_bucket_view(rank, order):
+    """DDP(gradient_as_bucket_view=True): one forward and backward, then opt.step()."""
+    DDP = _ddp()
+    model = mlp(seed=0)
+    if order == "before_wrap":
+        opt = flatopt.AdamW(model, lr=1e-2, backend="torch")
+        ddp = DDP(model, gradient_as_bucket_view=True)
+    else:
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        opt = flatopt.AdamW(ddp.module.parameters(), lr=1e-2, backend="torch")
+    out = {"views_after_construction": flat_views(opt)}
+    x, y = batch(rank, 0)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    out["views_after_backward"] = flat_views(opt)
+    out["before"] = values(model)
+    out["states_before"] = {k: v.clone() for k, v in opt._buffers[0].states.items()}
+    try:
+        opt.step()
+        out["step_error"] = None
+    except Exception as e:
+        out["step_error"] = error_of(e)
+        out["step_traceback"] = traceback.format_exc()
+    out["after"] = values(model)
+    out["states_after"] = {k: v.clone() for k, v in opt._buffers[0].states.items()}
+    return out
+
+
+def run_unused(rank):
+    """find_unused_parameters=True; ``b`` is used by rank 1 alone at even steps, by no rank at odd
+    steps. torch.optim's counterpart: zero_grad(set_to_none=False), as the README says."""
+    DDP = _ddp()
+    hp = OPTIMIZERS["AdamW"][2]
+    model, ref = Branchy(), Branchy()
+    ref.load_state_dict(model.state_dict())
+    ddp = DDP(model, find_unused_parameters=True)
+    ref_ddp = DDP(ref, find_unused_parameters=True)
+    opt = flatopt.AdamW(ddp.module, backend="torch", **hp)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **hp)
+    for q in ref.parameters():  # torch.optim then steps every parameter at every step, as flatopt does
+        q.grad = torch.zeros_like(q)
+    out = {"history": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            use_b = rank == 1 and step % 2 == 0
+            x, y = batch(rank, step)
+            for d in (ddp, ref_ddp):
+                nn.functional.mse_loss(d(x, use_b), y).backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad(set_to_none=False)
+            out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+    out["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("AdamW")]
+    out["views_at_end"] = flat_views(opt)
+    out["binding_error"] = binding_error(opt)
+    return out
+
+
+def run_skip_unused(rank):
+    """skip_unused=True under DDP(find_unused_parameters=True): the first step raises."""
+    DDP = _ddp()
+    model = Branchy()
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = flatopt.AdamW(ddp.module, backend="torch", skip_unused=True, lr=1e-2)
+    x, y = batch(rank, 0)
+    nn.functional.mse_loss(ddp(x, rank == 1), y).backward()
+    out = {"before": values(model)}
+    try:
+        opt.step()
+        out["step_error"] = None
+    except Exception as e:
+        out["step_error"] = error_of(e)
+    out["after"] = values(model)
+    out["state"] = {k: v.clone() for k, v in opt._buffers[0].states.items()}
+    return out
+
+
+MATCH = [(o, order, {}) for o in OPTIMIZERS for order in ORDERS] + [
+    ("AdamW", "after_wrap", {"static_graph": True}),
+    ("AdamW", "before_wrap", {"static_graph": True}),
+    ("AdamW", "after_wrap", {"accumulate": 3}),  # two micro-batches under ddp.no_sync(), then one that syncs
+    ("AdamW", "after_wrap", {"comm_hook": "fp16_compress_hook"}),  # the reducer's comm-hook path
+]
+
+
+def match_id(opt_name, order, variant):
+    return "-".join([opt_name, order, *(f"{k}={v}" for k, v in variant.items())])
+
+
+SCENARIOS = {
+    **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH},
+    **{f"bucket_view:{order}": (run_bucket_view, (order,)) for order in ("after_wrap", "before_wrap")},
+    "unused": (run_unused, ()),
+    "skip_unused": (run_skip_unused, ()),
+}
+
+
+def worker(rank, store_file, out_dir):
+    """One rank: every scenario in order; results (or the traceback) to ``out_dir/<scenario>.rank<r>.pt``."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
+    )
+    try:
+        for name, (fn, args) in SCENARIOS.items():
+            path = os.path.join(out_dir, f"{name}.rank{rank}.pt")
+            try:
+                result = fn(rank, *args)
+            except BaseException:
+                torch.save({"error": traceback.format_exc()}, path)
+                raise  # the other rank may be waiting in a collective of this scenario: stop both
+            torch.save(result, path)
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------- the run and its results
+
+
+class Results:
+    def __init__(self, out_dir, abort):
+        self.out_dir, self.abort = out_dir, abort
+
+    def __call__(self, name):
+        """Both ranks' results of scenario ``name``; fails the test with a rank's traceback if it raised."""
+        per_rank = []
+        for rank in range(WORLD):
+            path = os.path.join(self.out_dir, f"{name}.rank{rank}.pt")
+            if not os.path.exists(path):
+                pytest.fail(f"scenario {name!r} did not run on rank {rank}; the ranks stopped with:\n{self.abort}")
+            result = torch.load(path, weights_only=True)
+            if "error" in result:
+                pytest.fail(f"rank {rank} raised in scenario {name!r}:\n{result['error']}")
+            per_rank.append(result)
+        return per_rank
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    ctx = mp.start_processes(worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=False)
+    abort = None
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                abort = f"the ranks did not finish within {RUN_TIMEOUT_S} s and were killed"
+                break
+    except Exception as e:  # torch.multiprocessing's ProcessRaisedException carries the rank's traceback
+        abort = f"{type(e).__name__}: {e}"
+    return Results(str(tmp), abort)
+
+
+def assert_history(ours, theirs, what, **tol):
+    """Parameters and every state tensor of two histories (lists of snapshots) agree at every step."""
+    __tracebackhide__ = True  # the failure shows at the test's line, without the histories' reprs
+    assert len(ours) == len(theirs) == STEPS
+    for step, (a, b) in enumerate(zip(ours, theirs), start=1):
+        for i, (p, q) in enumerate(zip(a["params"], b["params"], strict=True)):
+            torch.testing.assert_close(p, q, **tol, msg=lambda m: f"{what}, step {step}, parameter {i}: {m}")
+        assert a["state"].keys() == b["state"].keys(), f"{what}, step {step}: stepped parameters differ"
+        for i, entry in a["state"].items():
+            assert entry.keys() == b["state"][i].keys(), f"{what}, step {step}, parameter {i}: state names"
+            for key, value in entry.items():
+                other = b["state"][i][key]
+                if key == "step":
+                    assert value == other, f"{what}, step {step}, parameter {i}: step count {value} != {other}"
+                else:
+                    torch.testing.assert_close(
+                        value, other, **tol, msg=lambda m: f"{what}, step {step}, parameter {i}, {key}: {m}"
+                    )
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+MATCH_IDS = [match_id(*m) for m in MATCH]
+
+
+@pytest.mark.parametrize("scenario", MATCH_IDS)
+def test_matches_torch_optim_under_ddp(ddp_results, scenario):
+    """Parameters and every state equal torch.optim's (Lion: the paper's reference) at every step, on each rank."""
+    for rank, result in enumerate(ddp_results(f"match:{scenario}")):
+        hist = result["history"]
+        assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}, flatopt vs torch", **TOL)
+
+
+@pytest.mark.parametrize("scenario", MATCH_IDS)
+def test_ranks_stay_identical(ddp_results, scenario):
+    """DDP's constructor gave rank 1 rank 0's parameters (into the flat buffers, whichever order), and
+    the ranks hold bit-identical parameters and states after every step."""
+    r0, r1 = ddp_results(f"match:{scenario}")
+    assert any(not torch.equal(a, b) for a, b in zip(r0["init"], r1["init"])), "the ranks must start apart"
+    for i, (a, b, in_buffer) in enumerate(zip(r0["start"], r1["start"], r1["buffer_at_start"])):
+        torch.testing.assert_close(b, a, **SAME, msg=lambda m: f"parameter {i} after DDP's broadcast: {m}")
+        torch.testing.assert_close(in_buffer, a, **SAME, msg=lambda m: f"parameter {i} in the flat buffer: {m}")
+    assert_history([h["flat"] for h in r0["history"]], [h["flat"] for h in r1["history"]], "rank 0 vs 1", **SAME)
+
+
+@pytest.mark.parametrize("scenario", MATCH_IDS)
+def test_params_and_grads_stay_flat_views(ddp_results, scenario):
+    """Every p.data and p.grad is still a view into flatopt's buffers, after DDP's construction and
+    after all the steps; opt.check_bindings() agrees."""
+    for rank, result in enumerate(ddp_results(f"match:{scenario}")):
+        for when in ("views_at_start", "views_at_end"):
+            moved = [(name, data_ok, grad_ok) for name, data_ok, grad_ok in result[when] if not (data_ok and grad_ok)]
+            assert not moved, f"rank {rank}, {when}: (name, data is a view, grad is a view): {moved}"
+        assert result["binding_error"] is None, f"rank {rank}: {result['binding_error']}"
+
+
+@pytest.mark.parametrize("order", ["after_wrap", "before_wrap"])
+def test_gradient_as_bucket_view_is_refused(ddp_results, order):
+    """DDP(gradient_as_bucket_view=True) rebinds every .grad to its own buckets (before_wrap: already in
+    DDP's constructor; after_wrap: at the first backward): the step refuses it, naming the option, and
+    changes nothing."""
+    for rank, result in enumerate(ddp_results(f"bucket_view:{order}")):
+        assert any(not grad_ok for _, _, grad_ok in result["views_after_backward"]), (
+            f"rank {rank}: DDP was expected to replace the .grad views with its bucket views"
+        )
+        err = result["step_error"]
+        assert err is not None, f"rank {rank}: opt.step() did not raise with gradient_as_bucket_view=True"
+        assert err["type"] == "builtins.RuntimeError", f"rank {rank}: {err}"
+        assert "gradient_as_bucket_view" in err["message"], f"rank {rank}: the message does not name it: {err}"
+        for i, (a, b) in enumerate(zip(result["before"], result["after"])):
+            torch.testing.assert_close(b, a, **SAME, msg=lambda m: f"rank {rank}, parameter {i} changed: {m}")
+        for key, before in result["states_before"].items():
+            torch.testing.assert_close(result["states_after"][key], before, **SAME, msg=lambda m: f"{key}: {m}")
+
+
+def test_parameter_used_on_one_rank_only(ddp_results):
+    """find_unused_parameters=True: a parameter that rank 1 alone uses gets the averaged gradient on rank 0
+    too (from DDP, not from rank 0's autograd), and both ranks must step it as torch.optim does after
+    zero_grad(set_to_none=False)."""
+    r0, r1 = ddp_results("unused")
+    assert_history([h["flat"] for h in r0["history"]], [h["flat"] for h in r1["history"]], "rank 0 vs 1", **SAME)
+    for rank, result in enumerate((r0, r1)):
+        hist = result["history"]
+        assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}, flatopt vs torch", **TOL)
+        assert result["binding_error"] is None, f"rank {rank}: {result['binding_error']}"
+
+
+def test_skip_unused_with_several_ranks_is_refused(ddp_results):
+    """skip_unused=True learns from this rank's backward which parameters got a gradient; rank 0 never sees
+    DDP's gradient of ``b`` (used by rank 1 alone) and would skip it while rank 1 steps it. Refused at the
+    first step, on every rank, before anything changes."""
+    for rank, result in enumerate(ddp_results("skip_unused")):
+        err = result["step_error"]
+        assert err is not None, f"rank {rank}: skip_unused=True under DDP was not refused"
+        assert err["type"] == "builtins.RuntimeError", f"rank {rank}: {err}"
+        assert "skip_unused=True" in err["message"] and "find_unused_parameters=True" in err["message"], err
+        assert "Use skip_unused=False" in err["message"], err
+        for i, (a, b) in enumerate(zip(result["before"], result["after"])):
+            torch.testing.assert_close(b, a, **SAME, msg=lambda m: f"rank {rank}, parameter {i} changed: {m}")
+        assert all(not v.any() for v in result["state"].values()), f"rank {rank}: a state changed"
