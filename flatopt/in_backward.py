@@ -108,6 +108,20 @@ def make_buckets(buf, bucket_size):
     return buckets
 
 
+def check_single_process(cls):
+    """Raise if several distributed ranks run: in-backward mode steps each bucket from this rank's
+    own gradient, as soon as it exists, before DistributedDataParallel averages gradients across
+    ranks (DDP then writes its averages into ``.grad`` after the step), so the replicas would
+    diverge without any error."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"{cls}(in_backward=True) cannot train with several distributed ranks ({dist.get_world_size()} here): "
+            "it steps each parameter from this rank's gradient during backward, before DistributedDataParallel "
+            "averages the gradients across ranks, so the replicas would diverge. Use in_backward=False with DDP"
+        )
+
+
 class InBackward:
     """The hooks, buckets and end-of-backward flush of one optimizer with ``in_backward=True``."""
 
@@ -221,6 +235,7 @@ class InBackward:
         """First gradient of a backward pass (or ``opt.step()`` applying accumulated gradients):
         checks, hyper-parameters, and, in a backward pass, the end-of-pass callback."""
         opt = self.opt
+        check_single_process(type(opt).__name__)  # the process group may have started after construction
         if backward:
             self.backwards_since_step += 1
             if self.step_called and self.backwards_since_step > 1:

@@ -14,7 +14,7 @@ from torch import nn
 
 from flatopt.checkpoint import CheckpointMixin
 from flatopt.functional import BACKENDS
-from flatopt.in_backward import DEFAULT_BUCKET_SIZE, FULL_CHECK_EVERY, InBackward, is_large
+from flatopt.in_backward import DEFAULT_BUCKET_SIZE, FULL_CHECK_EVERY, InBackward, check_single_process, is_large
 from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
 from flatopt.staging import PinnedStaging
 from flatopt.step_graph import StepGraph
@@ -162,6 +162,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{cls}(in_backward=True, flat=False): in-backward mode steps buckets of the flat buffers; "
                 "drop flat=False"
             )
+        if in_backward:
+            check_single_process(cls)
         if bucket_size is not None and not in_backward:
             raise ValueError(f"{cls}: bucket_size applies to in_backward=True only; drop it or pass in_backward=True")
         if bucket_size is None:

@@ -279,6 +279,19 @@ def run_skip_unused(rank):
     return out
 
 
+def run_in_backward(rank):
+    """in_backward=True with two ranks: refused when the optimizer is created."""
+    DDP = _ddp()
+    ddp = DDP(mlp(seed=0))
+    ptrs = [p.data_ptr() for p in ddp.module.parameters()]
+    try:
+        flatopt.AdamW(ddp.module, in_backward=True, backend="torch")
+        error = None
+    except Exception as e:
+        error = error_of(e)
+    return {"construct_error": error, "rebound": [p.data_ptr() for p in ddp.module.parameters()] != ptrs}
+
+
 MATCH = [(o, order, {}) for o in OPTIMIZERS for order in ORDERS] + [
     ("AdamW", "after_wrap", {"static_graph": True}),
     ("AdamW", "before_wrap", {"static_graph": True}),
@@ -296,6 +309,7 @@ SCENARIOS = {
     **{f"bucket_view:{order}": (run_bucket_view, (order,)) for order in ("after_wrap", "before_wrap")},
     "unused": (run_unused, ()),
     "skip_unused": (run_skip_unused, ()),
+    "in_backward": (run_in_backward, ()),
 }
 
 
@@ -458,3 +472,14 @@ def test_skip_unused_with_several_ranks_is_refused(ddp_results):
         for i, (a, b) in enumerate(zip(result["before"], result["after"])):
             torch.testing.assert_close(b, a, **SAME, msg=lambda m: f"rank {rank}, parameter {i} changed: {m}")
         assert all(not v.any() for v in result["state"].values()), f"rank {rank}: a state changed"
+
+
+def test_in_backward_with_several_ranks_is_refused(ddp_results):
+    """In-backward mode would step each rank's own gradient before DDP averages them: refused when the
+    optimizer is created, before the parameters are moved into its buffers."""
+    for rank, result in enumerate(ddp_results("in_backward")):
+        err = result["construct_error"]
+        assert err is not None, f"rank {rank}: in_backward=True under DDP was not refused"
+        assert err["type"] == "builtins.RuntimeError", err
+        assert "several distributed ranks (2 here)" in err["message"] and "in_backward=False" in err["message"], err
+        assert not result["rebound"], f"rank {rank}: the refused constructor rebound the parameters"

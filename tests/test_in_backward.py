@@ -220,6 +220,40 @@ def test_accumulation_without_no_step_is_refused_before_the_second_update():
         assert torch.equal(p.detach(), b)
 
 
+def _pretend_ranks(monkeypatch, world):
+    """torch.distributed as it looks in one of ``world`` ranks (the real multi-process run is in test_ddp.py)."""
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+
+
+def test_several_ranks_are_refused_at_construction(monkeypatch):
+    model = Net()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    _pretend_ranks(monkeypatch, 2)
+    with pytest.raises(RuntimeError, match=r"in_backward=True\) cannot train with several distributed ranks"):
+        OPTIMIZERS["adamw"](model, in_backward=True)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs, "the failed constructor rebound parameters"
+    _pretend_ranks(monkeypatch, 1)  # one rank: nothing to average
+    OPTIMIZERS["adamw"](model, in_backward=True)
+
+
+def test_process_group_started_after_construction_is_refused_at_the_first_gradient(monkeypatch):
+    """The check runs again when a backward pass begins, before anything is stepped: the gradients
+    stay in p.grad and the parameters are unchanged."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = OPTIMIZERS["adamw"](model, in_backward=True)
+    gen = torch.Generator().manual_seed(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    _pretend_ranks(monkeypatch, 4)
+    with pytest.raises(RuntimeError, match=r"several distributed ranks \(4 here\).*in_backward=False with DDP"):
+        loss_fn(model, make_batch(gen)).backward()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    assert opt._in_backward.launches == 0 and opt._in_backward.task is None
+
+
 def test_grad_scaler_is_refused():
     torch.manual_seed(0)
     model = Net()
