@@ -1,7 +1,7 @@
 """Question: where does the time of one flatopt step go, on the host and on the device?
 
 Host: the burst-timed cost of ``step()`` (internal step graph, a changing lr as an LR scheduler makes,
-direct Triton launches) and of its parts (binding check, hyper-parameter refresh, graph key, graph
+GradScaler's tensors, direct Triton launches) and of its parts (binding check, hyper-parameter refresh, graph key, graph
 replay, one bare kernel launch), plus a cProfile listing of ``step()``. Device: flatopt's step against
 a copy of the same bytes (the achievable time for a buffer of that size, launch and tail included) and
 against the floor from a large copy, for kernel block sizes and warp counts around the defaults.
@@ -90,6 +90,8 @@ def host_rows(set_name, device, settings):
         kernel(buf.data, buf.grad, buf.states["exp_avg"], buf.states["exp_avg_sq"], hparams=hp, meta=buf.meta)
 
     rows["one Triton launch (adamw_step)"] = host_us(bare, device, settings)
+    amp = amp_rows(opt, device, settings)
+    rows.update(amp.pop("host"))
     opt.use_step_graph = False
     rows["step, direct launch"] = host_us(opt.step, device, settings)
     listing = profile(opt.step)
@@ -98,7 +100,39 @@ def host_rows(set_name, device, settings):
     for k, v in rows.items():
         print(f"host {set_name:10s} {k:36s} {v['median_us']:8.1f} us (p20 {v['q20_us']:.1f}, p80 {v['q80_us']:.1f})")
     print(listing)
-    return dict(params=len(params), host=rows, cprofile_step=listing)
+    return dict(params=len(params), host=rows, grad_scaler_graph=amp, cprofile_step=listing)
+
+
+def amp_rows(opt, device, settings):
+    """Host cost of GradScaler steps: the training loop's ``scaler.step(opt); scaler.update()`` (torch's
+    inf check over every gradient included), and flatopt's step() given new grad_scale / found_inf
+    tensors at every call as GradScaler.step makes them, through the step graph and launched directly.
+    Also how often the step graph replayed, and how many graphs it recorded, under the real scaler."""
+    scaler = torch.amp.GradScaler(device.type)
+    scaler.scale(torch.ones((), device=device))  # creates the scale tensor, as the first scale(loss) does
+    graph = opt._step_graph = StepGraph()
+    calls = [0]
+
+    def scaler_step():
+        calls[0] += 1
+        scaler.step(opt)
+        scaler.update()
+
+    rows = {"scaler.step(opt) + scaler.update()": host_us(scaler_step, device, settings)}
+    stats = dict(scaler_steps=calls[0], replays=graph.reused, recorded=graph.recorded, stopped=graph.failed)
+    scale = scaler._scale
+
+    def step_amp():
+        opt.grad_scale = scale * 1
+        opt.found_inf = torch.zeros(1, device=device)
+        opt.step()
+        del opt.grad_scale, opt.found_inf
+
+    rows["step, new grad_scale/found_inf (graph)"] = host_us(step_amp, device, settings)
+    opt.use_step_graph = False
+    rows["step, new grad_scale/found_inf (direct)"] = host_us(step_amp, device, settings)
+    opt.use_step_graph = True
+    return dict(host=rows, **stats)
 
 
 def profile(fn, calls=200):
