@@ -63,6 +63,11 @@ def check_inputs(static, inputs):
                     f"got shape {tuple(x.shape)}, {x.dtype} on {x.device}. A CUDA graph replays fixed shapes: pad "
                     "or drop the last batch, or capture one step per shape"
                 )
+        elif isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"input {i}: the captured step was recorded with the constant {s!r} ({type(s).__name__}), got a "
+                "tensor; capture with a tensor input to pass tensors"
+            )
         elif not (x is s or x == s):
             raise ValueError(
                 f"input {i}: non-tensor inputs are recorded as constants; the step was captured with {s!r}, got {x!r}"
@@ -218,10 +223,9 @@ class CapturedStep:
                 "the optimizer state changed shape since capture (a state buffer was added, for example SGD "
                 "momentum turned on, or a loaded state_dict made the step counts differ); capture again"
             )
-        with torch.no_grad():
-            for s, x in zip(self.static, inputs):
-                if isinstance(s, torch.Tensor) and x is not s:
-                    s.copy_(x)
+        for s, x in zip(self.static, inputs):  # detached where needed: cheaper than entering no_grad
+            if isinstance(s, torch.Tensor) and x is not s:
+                s.copy_(x.detach() if x.requires_grad else x)
         self.graph.replay()
         return self.outputs
 

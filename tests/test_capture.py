@@ -56,6 +56,30 @@ def test_new_inputs_are_checked_against_the_static_ones():
         check_inputs(static, [torch.ones(2, 3)])
     with pytest.raises(TypeError, match="input 0: .*recorded with a tensor, got list"):
         check_inputs(static, [[1.0], 5])
+    for x in (torch.tensor(5), torch.tensor([5, 6])):  # never compared with ==: no host sync, no ambiguous bool
+        with pytest.raises(TypeError, match=r"input 1: .*recorded with the constant 5 \(int\), got a tensor"):
+            check_inputs(static, [torch.ones(2, 3), x])
+
+
+def test_replay_copies_inputs_without_autograd_history():
+    """__call__ copies new inputs into the static ones; an input that requires grad must not make the
+    static input part of an autograd graph (the CUDA graph is replaced by a stand-in: no GPU needed)."""
+    from flatopt.capture import CapturedStep
+
+    model = nn.Linear(4, 3)
+    opt = flatopt.SGD(model, lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    replays = []
+    step = object.__new__(CapturedStep)
+    step.opt, step.outputs = opt, "outputs"
+    step.graph = type("Graph", (), {"replay": lambda self: replays.append(1)})()
+    step.static = [torch.zeros(2, 4), 3]
+    step.buffers, step.tables, step.layout = list(opt._buffers), dict(opt._hp), step._layout()
+    x = torch.randn(2, 4, requires_grad=True)
+    assert step(x * 2, 3) == "outputs" and replays == [1]
+    assert torch.equal(step.static[0], (x * 2).detach())
+    assert not step.static[0].requires_grad and step.static[0].grad_fn is None
 
 
 def test_snapshot_restores_parameters_grads_states_steps_and_module_buffers():
