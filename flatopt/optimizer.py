@@ -173,6 +173,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._module = None  # weak reference to the module, when given one (capture restores its buffers)
         self._graph_mode = False  # True while capture() warms up or records: step() skips host work
         self._graph_steps = 0  # step() calls since capture() last reset it
+        self._copied_grads = None  # while capture() records: its CopiedGrads, settled before a step
         self._step_graph = StepGraph()
         self.use_step_graph = True  # replay step()'s launches from a CUDA graph (see flatopt.step_graph)
         if isinstance(params, nn.Module):
@@ -622,6 +623,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             return loss
         if self.skip_unused:
             self._check_skip_unused_is_local()
+        if self._copied_grads is not None:  # inside capture(): the .grad views of unused parameters go back
+            self._copied_grads.settle()
         self._check_bindings_at_step()
         if not self._graph_mode:  # a captured step refreshes hyper-parameters before each replay
             self._refresh_hparams(self._devices)
@@ -801,6 +804,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if not self.flat:
             params = [p for p in self._trainable() if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        if self._copied_grads is not None:
+            self._copied_grads.settle()
         self.check_bindings(full=False)
         if not self._buffers:
             return torch.tensor(0.0)

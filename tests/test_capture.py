@@ -13,7 +13,7 @@ from conftest import HAS_CUDA
 from torch import nn
 
 import flatopt
-from flatopt.capture import Snapshot, check_inputs
+from flatopt.capture import CopiedGrads, Snapshot, check_inputs
 
 # ---------------------------------------------------------------------------------------- CPU
 
@@ -80,6 +80,92 @@ def test_replay_copies_inputs_without_autograd_history():
     assert step(x * 2, 3) == "outputs" and replays == [1]
     assert torch.equal(step.static[0], (x * 2).detach())
     assert not step.static[0].requires_grad and step.static[0].grad_fn is None
+
+
+class Tied(nn.Module):
+    """A head tied to the embedding (one parameter, two uses), a layer used twice, and an unused one."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.unused = nn.Linear(6, 6)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = self.mid(torch.tanh(self.mid(h)))
+        return (h @ self.emb.weight.t()).logsumexp(-1).mean()
+
+
+def _two_tied(seed=0):
+    torch.manual_seed(seed)
+    ours = Tied()
+    ref = copy.deepcopy(ours)
+    return ours, flatopt.AdamW(ours, lr=1e-2, weight_decay=0.1), ref, flatopt.AdamW(ref, lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("backwards", [1, 3])
+def test_copied_grads_leave_what_zero_grad_and_accumulation_leave(backwards):
+    """CopiedGrads (what a captured step does instead of zero_grad) against zero_grad + accumulation, eagerly:
+    the same gradients in the same flat buffers, unused parameters zeroed, the hooks gone afterwards."""
+    ours, opt, ref, ref_opt = _two_tied()
+    idx = [torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(i)) for i in range(backwards)]
+    for model in (ours, ref):  # stale gradients that zero_grad must drop
+        model(idx[0]).backward()
+        model.unused.weight.grad.add_(1.0)
+    grads = CopiedGrads(opt)
+    grads.begin()
+    assert all(p.grad is None for p in ours.parameters())  # as zero_grad(set_to_none=True) leaves them
+    for x in idx:
+        ours(x).backward()
+    grads.settle()
+    ref_opt.zero_grad()
+    for x in idx:
+        ref(x).backward()
+    opt.check_bindings(full=True)  # every .grad is its view in the flat buffer again
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert not ours.unused.weight.grad.any()
+    assert torch.equal(opt._buffers[0].grad, ref_opt._buffers[0].grad)
+    ours(idx[0]).backward()  # hooks removed: this one adds into the views
+    ref(idx[0]).backward()
+    assert torch.equal(opt._buffers[0].grad, ref_opt._buffers[0].grad)
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+def test_step_inside_the_step_settles_copied_grads_first():
+    """When train_step steps the optimizer itself (scaler.step(opt)), step() puts the views of unused
+    parameters back before its binding check; clip_grad_norm_ likewise."""
+    ours, opt, ref, ref_opt = _two_tied()
+    x = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(0))
+    opt._copied_grads = grads = CopiedGrads(opt)
+    try:
+        grads.begin()
+        ours(x).backward()
+        assert ours.unused.weight.grad is None
+        total = opt.clip_grad_norm_(0.5)
+        opt.step()
+    finally:
+        opt._copied_grads = None
+    ref_opt.zero_grad()
+    ref(x).backward()
+    assert torch.equal(total, ref_opt.clip_grad_norm_(0.5))
+    ref_opt.step()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_copied_grads_abort_puts_the_views_back_without_launching():
+    ours, opt, _, _ = _two_tied()
+    before = opt._buffers[0].grad.clone()
+    grads = CopiedGrads(opt)
+    grads.begin()
+    grads.abort()
+    opt.check_bindings(full=True)
+    assert torch.equal(opt._buffers[0].grad, before) and not grads.handles
+    ours(torch.randint(0, 11, (4, 5))).backward()  # accumulates into the views: no hook copies it
+    opt.check_bindings(full=True)
 
 
 def test_snapshot_restores_parameters_grads_states_steps_and_module_buffers():
