@@ -108,15 +108,21 @@ def make_buckets(buf, bucket_size):
     return buckets
 
 
+def distributed_ranks():
+    """The number of ranks of torch.distributed's default process group (1 when none is running)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def check_single_process(cls):
     """Raise if several distributed ranks run: in-backward mode steps each bucket from this rank's
     own gradient, as soon as it exists, before DistributedDataParallel averages gradients across
     ranks (DDP then writes its averages into ``.grad`` after the step), so the replicas would
     diverge without any error."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    ranks = distributed_ranks()
+    if ranks > 1:
         raise RuntimeError(
-            f"{cls}(in_backward=True) cannot train with several distributed ranks ({dist.get_world_size()} here): "
+            f"{cls}(in_backward=True) cannot train with several distributed ranks ({ranks} here): "
             "it steps each parameter from this rank's gradient during backward, before DistributedDataParallel "
             "averages the gradients across ranks, so the replicas would diverge. Use in_backward=False with DDP"
         )

@@ -14,7 +14,14 @@ from torch import nn
 
 from flatopt.checkpoint import CheckpointMixin
 from flatopt.functional import BACKENDS
-from flatopt.in_backward import DEFAULT_BUCKET_SIZE, FULL_CHECK_EVERY, InBackward, check_single_process, is_large
+from flatopt.in_backward import (
+    DEFAULT_BUCKET_SIZE,
+    FULL_CHECK_EVERY,
+    InBackward,
+    check_single_process,
+    distributed_ranks,
+    is_large,
+)
 from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
 from flatopt.staging import PinnedStaging
 from flatopt.step_graph import StepGraph
@@ -558,8 +565,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         pass; with several ranks, DistributedDataParallel(find_unused_parameters=True) also writes the
         averaged gradient of a parameter that only other ranks used, which no hook here sees: this
         rank would skip a parameter the others step, and the replicas would drift apart silently."""
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed_ranks() > 1:
             raise RuntimeError(
                 f"{type(self).__name__}(skip_unused=True) decides which parameters to step from the gradients "
                 "this rank's backward pass produced, so under DistributedDataParallel(find_unused_parameters=True) "
