@@ -83,7 +83,8 @@ class CopiedGrads:
     Instead, :meth:`begin` sets each ``.grad`` to None, as ``zero_grad(set_to_none=True)`` does;
     autograd then hands each parameter its new gradient as a tensor of its own, and a
     post-accumulate-grad hook copies it into the parameter's view and puts the view back in
-    ``.grad`` (a read and a write). A second backward pass in the same step (gradient
+    ``.grad`` (a read and a write, when autograd can hand over the gradient it computed as it is;
+    one whose strides differ from the parameter's is first cloned). A second backward pass in the same step (gradient
     accumulation) adds into the view as usual. :meth:`settle` zeroes the views of parameters that
     received no gradient and puts them back, so that the buffers hold what zero_grad plus
     accumulation would have left; ``step()`` and ``clip_grad_norm_()`` call it first. Inside a
@@ -97,20 +98,27 @@ class CopiedGrads:
         for buf in opt._buffers:
             for p, (_, grad_ptr) in zip(buf.params, buf.expected):
                 g = p.grad
-                if g is None or g.data_ptr() != grad_ptr:
+                if g is None or g.data_ptr() != grad_ptr or not p.requires_grad:
                     opt.check_bindings(full=True)  # raises, naming the parameter
                 self.views[p] = g
         self.handles = []
 
     def begin(self):
         """Instead of ``opt.zero_grad()``: every ``.grad`` to None, and the hooks that copy the new gradients in."""
-        self.handles = [p.register_post_accumulate_grad_hook(self._land) for p in self.views]
+        for p in self.views:  # one at a time, so that abort() removes those registered before an error
+            self.handles.append(p.register_post_accumulate_grad_hook(self._land))
         for p in self.views:
             p.grad = None
 
     def _land(self, p):
         view, g = self.views[p], p.grad
         if g.data_ptr() != view.data_ptr():  # the first gradient of this step; later ones add into the view
+            if g.requires_grad:
+                raise RuntimeError(
+                    f"{type(self.opt).__name__}: the gradient of parameter {self.opt._name(p)} requires grad "
+                    "(backward(create_graph=True) in train_step); a captured step keeps gradients in the flat "
+                    "buffer and cannot hold their autograd history. Use backward() without create_graph"
+                )
             view.copy_(g)
             p.grad = view
 
@@ -295,9 +303,13 @@ class CapturedStep:
                 "the optimizer state changed shape since capture (a state buffer was added, for example SGD "
                 "momentum turned on, or a loaded state_dict made the step counts differ); capture again"
             )
-        for s, x in zip(self.static, inputs):  # detached where needed: cheaper than entering no_grad
+        for s, x in zip(self.static, inputs):
             if isinstance(s, torch.Tensor) and x is not s:
-                s.copy_(x.detach() if x.requires_grad else x)
+                if s.requires_grad or x.requires_grad:  # train_step made it a leaf (requires_grad_()), or x has history
+                    with torch.no_grad():
+                        s.copy_(x)
+                else:
+                    s.copy_(x)  # entering no_grad costs more host time than this copy's launch
         self.graph.replay()
         return self.outputs
 

@@ -80,6 +80,10 @@ def test_replay_copies_inputs_without_autograd_history():
     assert step(x * 2, 3) == "outputs" and replays == [1]
     assert torch.equal(step.static[0], (x * 2).detach())
     assert not step.static[0].requires_grad and step.static[0].grad_fn is None
+    step.static[0].requires_grad_()  # as train_step does for a gradient penalty on its input
+    y = torch.randn(2, 4)
+    step(y, 3)
+    assert torch.equal(step.static[0].detach(), y) and step.static[0].grad_fn is None and replays == [1, 1]
 
 
 class Tied(nn.Module):
@@ -95,6 +99,11 @@ class Tied(nn.Module):
         h = self.emb(idx)
         h = self.mid(torch.tanh(self.mid(h)))
         return (h @ self.emb.weight.t()).logsumexp(-1).mean()
+
+
+def _hooks(model):
+    """Post-accumulate-grad hooks per parameter (the optimizer keeps its own until its first step)."""
+    return [len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()]
 
 
 def _two_tied(seed=0):
@@ -113,6 +122,7 @@ def test_copied_grads_leave_what_zero_grad_and_accumulation_leave(backwards):
     for model in (ours, ref):  # stale gradients that zero_grad must drop
         model(idx[0]).backward()
         model.unused.weight.grad.add_(1.0)
+    hooks = _hooks(ours)
     grads = CopiedGrads(opt)
     grads.begin()
     assert all(p.grad is None for p in ours.parameters())  # as zero_grad(set_to_none=True) leaves them
@@ -123,6 +133,7 @@ def test_copied_grads_leave_what_zero_grad_and_accumulation_leave(backwards):
     for x in idx:
         ref(x).backward()
     opt.check_bindings(full=True)  # every .grad is its view in the flat buffer again
+    assert _hooks(ours) == hooks, "settle() left hooks behind"
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), name
     assert not ours.unused.weight.grad.any()
@@ -158,14 +169,47 @@ def test_step_inside_the_step_settles_copied_grads_first():
 
 def test_copied_grads_abort_puts_the_views_back_without_launching():
     ours, opt, _, _ = _two_tied()
-    before = opt._buffers[0].grad.clone()
+    before, hooks = opt._buffers[0].grad.clone(), _hooks(ours)
     grads = CopiedGrads(opt)
     grads.begin()
     grads.abort()
     opt.check_bindings(full=True)
-    assert torch.equal(opt._buffers[0].grad, before) and not grads.handles
+    assert torch.equal(opt._buffers[0].grad, before)
+    assert _hooks(ours) == hooks, "abort() left hooks behind"
     ours(torch.randint(0, 11, (4, 5))).backward()  # accumulates into the views: no hook copies it
     opt.check_bindings(full=True)
+
+
+def test_copied_grads_take_a_gradient_set_from_outside_autograd():
+    """A .grad set by something other than autograd's accumulation (DDP's reducer gives a parameter this
+    rank did not use the average of the others') is copied into the view by settle()."""
+    ours, opt, _, _ = _two_tied()
+    grads = CopiedGrads(opt)
+    grads.begin()
+    ours(torch.randint(0, 11, (4, 5))).backward()
+    given = torch.full_like(ours.unused.weight, 0.25)
+    ours.unused.weight.grad = given
+    grads.settle()
+    opt.check_bindings(full=True)
+    assert ours.unused.weight.grad.data_ptr() != given.data_ptr() and torch.equal(ours.unused.weight.grad, given)
+    assert not ours.unused.bias.grad.any()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_copied_grads_refuse_create_graph_and_frozen_parameters_by_name():
+    ours, opt, _, _ = _two_tied()
+    hooks = _hooks(ours)
+    grads = CopiedGrads(opt)
+    grads.begin()
+    with pytest.raises(RuntimeError, match=r"gradient of parameter '(emb|mid)\.\w+' requires grad.*create_graph"):
+        ours(torch.randint(0, 11, (4, 5))).backward(create_graph=True)
+    grads.abort()
+    opt.check_bindings(full=True)
+    assert _hooks(ours) == hooks
+    ours.mid.weight.requires_grad_(False)  # frozen after construction, in the middle of the buffer
+    with pytest.raises(RuntimeError, match=r"requires_grad=False now: 'mid.weight'"):
+        CopiedGrads(opt)
+    assert _hooks(ours) == hooks
 
 
 def test_snapshot_restores_parameters_grads_states_steps_and_module_buffers():
@@ -367,6 +411,114 @@ def test_max_grad_norm_matches_torch_clip_grad_norm():
         opt_ref.step()
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m: f"replay {i}, {n}: {m}")
+
+
+class TiedLate(nn.Module):
+    """A head tied to the embedding, a layer only the second micro-batch uses, and one never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.mid = nn.Linear(32, 32)
+        self.late = nn.Linear(32, 32)
+        self.unused = nn.Linear(32, 32)
+
+    def forward(self, tokens, late):
+        h = torch.tanh(self.mid(self.emb(tokens).mean(1)))
+        if late:
+            h = torch.tanh(self.late(h))
+        return h @ self.emb.weight.t()
+
+
+def tied_late_step(m, o, sc):
+    """Two micro-batches (the second also through ``m.late``), an injectable inf, GradScaler's unscale_,
+    clipping and the scaler's step, all inside train_step."""
+
+    def train_step(tokens, target, poison):
+        for k in range(2):
+            sc.scale(F.cross_entropy(m(tokens[k], late=k == 1), target[k]) / 2).backward()
+        m.mid.weight.grad[0, 0] += poison
+        sc.unscale_(o)
+        o.clip_grad_norm_(0.5)
+        sc.step(o)
+        sc.update()
+
+    return train_step
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+def test_recorded_body_run_eagerly_matches_eager_flatopt():
+    """What capture() records (CapturedStep._body: gradients copied in, unused views zeroed, then
+    train_step's own unscale_, clipping and step), run eagerly on the CPU, against eager flatopt with
+    zero_grad: the same parameters, gradients and states over 6 steps, one with an inf."""
+    from flatopt.capture import CapturedStep
+
+    torch.manual_seed(0)
+    model = TiedLate()
+    ref = copy.deepcopy(model)
+    opt, opt_ref = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1), flatopt.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) for _ in range(2)]
+    body = object.__new__(CapturedStep)
+    body.opt, body.fn, body.max_grad_norm = opt, tied_late_step(model, opt, scalers[0]), None
+    eager = tied_late_step(ref, opt_ref, scalers[1])
+    g = torch.Generator().manual_seed(0)
+    for i in range(1, 7):
+        tokens, target = torch.randint(0, 50, (2, 16, 7), generator=g), torch.randint(0, 50, (2, 16), generator=g)
+        poison = torch.tensor(float("inf") if i == 3 else 0.0)
+        body.static = [tokens, target, poison]
+        opt._refresh_hparams(opt._devices)  # as each replay's call does before the graph runs
+        body._body()
+        opt._graph_mode = False
+        opt_ref.zero_grad()
+        eager(tokens, target, poison)
+        assert scalers[0].get_scale() == scalers[1].get_scale(), f"step {i}: loss scales differ"
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"step {i}, {n}: {m}")
+            torch.testing.assert_close(  # at the inf step: the same inf/nan where the inf was injected
+                p.grad, q.grad, **SAME, equal_nan=True, msg=lambda m: f"step {i}, {n}.grad: {m}"
+            )
+        for b, c in zip(opt._buffers, opt_ref._buffers):
+            for key, value in c.states.items():
+                torch.testing.assert_close(b.states[key], value, **SAME, msg=lambda m: f"step {i}, {key}: {m}")
+    assert not model.unused.weight.grad.any()
+    assert float(opt.state[model.late.weight]["step"]) == 5.0  # 6 steps, one skipped for the inf
+    opt.check_bindings(full=True)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+def test_captured_gradients_with_tied_late_and_unused_parameters_unscale_and_clip():
+    """What the captured step does instead of zero_grad (each first gradient copied into its view; unused
+    parameters' views zeroed before the step) against eager flatopt: a tied head, a parameter whose first
+    gradient comes in the second micro-batch, one that never gets one, GradScaler's unscale_ then clipping
+    inside train_step, over 8 replays with an inf injected at one of them."""
+    torch.manual_seed(0)
+    model = TiedLate().cuda()
+    ref = copy.deepcopy(model)
+    opt, opt_ref = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1), flatopt.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=3) for _ in range(2)]
+
+    data = [(torch.stack([a[0], b[0]]), torch.stack([a[1], b[1]])) for a, b in zip(batches(9), batches(9, seed=1))]
+    zero, inf = torch.zeros((), device="cuda"), torch.full((), float("inf"), device="cuda")
+    step = opt.capture(tied_late_step(model, opt, scalers[0]), *data[0], zero, scaler=scalers[0])
+    eager = tied_late_step(ref, opt_ref, scalers[1])
+    for i, (tokens, target) in enumerate(data[1:], start=1):
+        poison = inf if i == 4 else zero
+        step(tokens, target, poison)
+        opt_ref.zero_grad()
+        eager(tokens, target, poison)
+        assert scalers[0].get_scale() == scalers[1].get_scale(), f"replay {i}: loss scales differ"
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"replay {i}, {n}: {m}")
+            torch.testing.assert_close(
+                p.grad, q.grad, **SAME, equal_nan=True, msg=lambda m: f"replay {i}, {n}.grad: {m}"
+            )
+        for b, c in zip(opt._buffers, opt_ref._buffers):
+            for key, value in c.states.items():
+                torch.testing.assert_close(b.states[key], value, **SAME, msg=lambda m: f"replay {i}, {key}: {m}")
+    assert not model.unused.weight.grad.any(), "an unused parameter's gradient view must be zero"
+    assert float(opt.state[model.late.weight]["step"]) == 7.0  # 8 replays, one skipped for the inf
+    opt.check_bindings(full=True)
 
 
 @pytest.mark.requires_cuda
