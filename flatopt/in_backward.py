@@ -24,6 +24,7 @@ bucket. Gradient memory held by flatopt: the open buckets' staging gradients (on
 time when gradients arrive in layout order) plus the gradient autograd is producing.
 """
 
+import os
 import threading
 from contextlib import contextmanager
 
@@ -108,24 +109,31 @@ def make_buckets(buf, bucket_size):
     return buckets
 
 
-def distributed_ranks():
-    """The number of ranks of torch.distributed's default process group (1 when none is running)."""
+ALLOW_SEVERAL_RANKS = "FLATOPT_ALLOW_SEVERAL_RANKS"  # =1: the ranks share no parameters
+
+
+def refuse_several_ranks(message):
+    """Raise RuntimeError(``message``, with ``{ranks}`` filled in) when torch.distributed's default process
+    group has several ranks, unless the environment says the ranks share no parameters (pipeline stages,
+    independent runs), so that nothing averages gradients between them."""
     dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if ranks > 1 and os.environ.get(ALLOW_SEVERAL_RANKS) != "1":
+        raise RuntimeError(
+            message.format(ranks=ranks) + " If the ranks share no parameters (pipeline stages, independent runs), "
+            f"set the environment variable {ALLOW_SEVERAL_RANKS}=1 to allow it"
+        )
 
 
 def check_single_process(cls):
-    """Raise if several distributed ranks run: in-backward mode steps each bucket from this rank's
-    own gradient, as soon as it exists, before DistributedDataParallel averages gradients across
-    ranks (DDP then writes its averages into ``.grad`` after the step), so the replicas would
-    diverge without any error."""
-    ranks = distributed_ranks()
-    if ranks > 1:
-        raise RuntimeError(
-            f"{cls}(in_backward=True) cannot train with several distributed ranks ({ranks} here): "
-            "it steps each parameter from this rank's gradient during backward, before DistributedDataParallel "
-            "averages the gradients across ranks, so the replicas would diverge. Use in_backward=False with DDP"
-        )
+    """In-backward mode steps each bucket from this rank's own gradient, as soon as it exists, before
+    DistributedDataParallel averages gradients across ranks (DDP then writes its averages into
+    ``.grad`` after the step), so the replicas would diverge without any error."""
+    refuse_several_ranks(
+        f"{cls}(in_backward=True) cannot train with several distributed ranks ({{ranks}} here): it steps each "
+        "parameter from this rank's gradient during backward, before DistributedDataParallel averages the "
+        "gradients across ranks, so the replicas would diverge. Use in_backward=False with DDP."
+    )
 
 
 class InBackward:

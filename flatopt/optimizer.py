@@ -19,8 +19,8 @@ from flatopt.in_backward import (
     FULL_CHECK_EVERY,
     InBackward,
     check_single_process,
-    distributed_ranks,
     is_large,
+    refuse_several_ranks,
 )
 from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
 from flatopt.staging import PinnedStaging
@@ -565,15 +565,14 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         pass; with several ranks, DistributedDataParallel(find_unused_parameters=True) also writes the
         averaged gradient of a parameter that only other ranks used, which no hook here sees: this
         rank would skip a parameter the others step, and the replicas would drift apart silently."""
-        if distributed_ranks() > 1:
-            raise RuntimeError(
-                f"{type(self).__name__}(skip_unused=True) decides which parameters to step from the gradients "
-                "this rank's backward pass produced, so under DistributedDataParallel(find_unused_parameters=True) "
-                "a parameter used only on other ranks would be skipped here and stepped there, and the replicas "
-                "would diverge. Use skip_unused=False (a parameter without a gradient is then stepped with a zero "
-                "gradient, the same on every rank), or flat=False, which skips a parameter whose .grad is None "
-                "as torch.optim does"
-            )
+        refuse_several_ranks(
+            f"{type(self).__name__}(skip_unused=True) decides which parameters to step from the gradients this "
+            "rank's backward pass produced, so under DistributedDataParallel(find_unused_parameters=True) a "
+            "parameter used only on other ranks would be skipped here and stepped there, and the replicas would "
+            "diverge ({ranks} ranks here). Use skip_unused=False (a parameter without a gradient is then stepped "
+            "with a zero gradient, the same on every rank), or flat=False, which skips a parameter whose .grad is "
+            "None as torch.optim does."
+        )
 
     def _check_bindings_at_step(self):
         """step()'s binding check, amortised: full at the first step and at every FULL_CHECK_EVERY-th step
@@ -617,6 +616,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             closure (Callable, optional): A closure that reevaluates the model and returns the loss.
         """
         loss = None
+        if self.flat and self.skip_unused and not self.in_backward:
+            self._check_skip_unused_is_local()
         self._graph_steps += 1
         if self.in_backward:
             return self._step_in_backward(closure)
@@ -627,8 +628,6 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             with torch.no_grad():
                 self._step_unflat()
             return loss
-        if self.skip_unused:
-            self._check_skip_unused_is_local()
         if self._copied_grads is not None:  # inside capture(): the .grad views of unused parameters go back
             self._copied_grads.settle()
         self._check_bindings_at_step()

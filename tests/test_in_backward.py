@@ -231,11 +231,28 @@ def test_several_ranks_are_refused_at_construction(monkeypatch):
     model = Net()
     ptrs = [p.data_ptr() for p in model.parameters()]
     _pretend_ranks(monkeypatch, 2)
-    with pytest.raises(RuntimeError, match=r"in_backward=True\) cannot train with several distributed ranks"):
+    with pytest.raises(
+        RuntimeError, match=r"in_backward=True\) cannot train with several distributed ranks"
+    ) as excinfo:
         OPTIMIZERS["adamw"](model, in_backward=True)
     assert [p.data_ptr() for p in model.parameters()] == ptrs, "the failed constructor rebound parameters"
+    assert "FLATOPT_ALLOW_SEVERAL_RANKS=1" in str(excinfo.value)
     _pretend_ranks(monkeypatch, 1)  # one rank: nothing to average
     OPTIMIZERS["adamw"](model, in_backward=True)
+
+
+def test_several_ranks_that_share_no_parameters_are_allowed_when_the_environment_says_so(monkeypatch):
+    torch.manual_seed(0)
+    model = Net()
+    _pretend_ranks(monkeypatch, 2)
+    monkeypatch.setenv("FLATOPT_ALLOW_SEVERAL_RANKS", "1")
+    opt = OPTIMIZERS["adamw"](model, in_backward=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss_fn(model, make_batch(torch.Generator().manual_seed(1))).backward()
+    assert opt._in_backward.launches > 0
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
 
 
 def test_process_group_started_after_construction_is_refused_at_the_first_gradient(monkeypatch):
