@@ -13,6 +13,8 @@ Implementations (each on a fresh model from the same seed, trained on the same b
     torch-fused                  torch.optim.AdamW(fused=True), eager, zero_grad(set_to_none=True)
     torch-fused-graph            the whole step hand-captured in one CUDA graph: AdamW(fused=True, capturable=True),
                                  zero_grad(set_to_none=False) inside the graph, static inputs, side-stream warm-up
+    torch-fused-graph-none       the same with zero_grad(set_to_none=True), as torch's CUDA-graph docs capture a
+                                 whole network: .grad allocated from the graph's pool, written by backward directly
     torch-compile-ro             torch.compile(model, mode="reduce-overhead"), eager fused AdamW step
     flatopt                      flatopt.AdamW, eager
     flatopt-capture              flatopt.AdamW, opt.capture(train_step, x, y)
@@ -32,14 +34,16 @@ implementations) are those of the warm-up + timed steps, read before the back-to
 torch.compile cases run last, each in a subprocess with a timeout taken from what is left of --budget-s (a case
 without time is recorded as skipped, with the reason). flatopt's targets (reported with margins, not asserted):
 flatopt-capture <= torch-fused-graph on both models and the fastest of all on the small model; flatopt-capture-
-compiled faster than torch-compile-ro on GPT-2 small; each is evaluated on the synchronised time and again, as a
-target whose name ends in " (back-to-back)", on the back-to-back time.
+compiled faster than torch-compile-ro on GPT-2 small; and, beside those, flatopt-capture <= torch-fused-graph-none
+on both models. Each is evaluated on the synchronised time and again, as a target whose name ends in
+" (back-to-back)", on the back-to-back time.
 
-Paired (skipped with --no-paired): torch-fused-graph and flatopt-capture are built side by side on fresh models and,
-after the warm-up, timed alternately for --iters rounds (ABBA order, each step synchronised as in the main figure,
-with the host time from the call to its return), so that the drift between cases run one after the other does not
-decide a difference of a few percent. Reported: each one's median, and the median over rounds of flatopt-capture's
-time / torch-fused-graph's; the target "flatopt-capture <= torch-fused-graph (paired)" compares the two medians.
+Paired (skipped with --no-paired): torch-fused-graph, torch-fused-graph-none and flatopt-capture are built side by
+side on fresh models and, after the warm-up, timed alternately for --iters rounds (the order reversed every other
+round, each step synchronised as in the main figure, with the host time from the call to its return), so that the
+drift between cases run one after the other does not decide a difference of a few percent. Reported: each one's
+median, and the median over rounds of flatopt-capture's time / each other's; the targets "flatopt-capture <= X
+(paired)" compare the medians.
 Exit status 1 when a flatopt case failed.
 
 GPU run from the repository root (about 1 minute, plus up to 4 compilations within --budget-s, default 200 s):
@@ -80,7 +84,7 @@ N_BATCHES = 4  # the steps cycle through this many fixed batches
 MIN_COMPILE_S = 20.0  # a compile case is not started with less time than this left
 B2B_ROUNDS = 5  # back-to-back timing: rounds of b2b_steps_per_round(iters) steps each
 B2B_SUFFIX = " (back-to-back)"  # the targets evaluated on the back-to-back time
-PAIRED = ("torch-fused-graph", "flatopt-capture")  # built side by side and timed alternately (see time_paired)
+PAIRED = ("torch-fused-graph", "torch-fused-graph-none", "flatopt-capture")  # built side by side, timed alternately
 PAIRED_SUFFIX = " (paired)"  # the target evaluated on the paired time
 
 
@@ -189,6 +193,12 @@ IMPLS = (
         "in one CUDA graph (side-stream warm-up, static inputs)",
         needs_cuda=True,
     ),
+    Impl(
+        "torch-fused-graph-none",
+        "as torch-fused-graph, with zero_grad(set_to_none=True): the gradients live in the graph's pool and "
+        "backward writes them there (torch's documented whole-network capture)",
+        needs_cuda=True,
+    ),
     Impl("flatopt", "flatopt.AdamW(model), eager: zero_grad(), forward, backward, step()", ours=True),
     Impl("flatopt-capture", "flatopt.AdamW(model); opt.capture(train_step, x, y)", ours=True, needs_cuda=True),
     Impl(
@@ -225,13 +235,16 @@ def build(name, model, batches, device, compile_backend):
     if name == "torch-fused":
         opt = torch.optim.AdamW(model.parameters(), **HPARAMS, fused=True)
         return _eager(model, opt, lambda: opt.zero_grad(set_to_none=True)), [opt], None
-    if name == "torch-fused-graph":
+    if name in ("torch-fused-graph", "torch-fused-graph-none"):
         opt = torch.optim.AdamW(model.parameters(), **HPARAMS, fused=True, capturable=True)
         sx, sy = x0.clone(), y0.clone()
         out = {}
+        set_to_none = name == "torch-fused-graph-none"
 
         def body():
-            opt.zero_grad(set_to_none=False)
+            # set_to_none=True records no kernel: backward allocates the .grad tensors from the graph's pool and
+            # every replay writes the new gradients there (torch's documented whole-network capture)
+            opt.zero_grad(set_to_none=set_to_none)
             out["loss"] = model(sx, sy)
             out["loss"].backward()
             opt.step()
@@ -333,8 +346,9 @@ def time_paired(steps, device, rounds):
 
 
 def run_paired(model_name, cfg, device, args, names=PAIRED):
-    """The implementations ``names`` (theirs, mine) built side by side (each on a fresh model from the same seed),
-    ``args.warmup`` steps each, then ``args.iters`` rounds of time_paired; never raises (a failure is recorded)."""
+    """The implementations ``names`` (the last one flatopt's, the others compared with it) built side by side, each
+    on a fresh model from the same seed, ``args.warmup`` steps each, then ``args.iters`` rounds of time_paired;
+    never raises (a failure, of any of them, is recorded in the row)."""
     row = dict(model=model_name, impls=list(names), status=None)
     if device.type != "cuda" and any(IMPL_BY_NAME[n].needs_cuda for n in names):
         row.update(status="skipped", reason="CUDA graphs need a CUDA device")
@@ -361,15 +375,18 @@ def run_paired(model_name, cfg, device, args, names=PAIRED):
             hmed, h20, h80 = harness.quantiles(us)
             row[name] = dict(median_ms=med, q20_ms=q20, q80_ms=q80, host_median_us=hmed, host_q20_us=h20,
                              host_q80_us=h80)  # fmt: skip
-        mine, theirs = timed[names[1]][0], timed[names[0]][0]
-        med, q20, q80 = harness.quantiles([a / b for a, b in zip(mine, theirs)])
-        row.update(ratio_median=med, ratio_q20=q20, ratio_q80=q80, rounds=args.iters, status="ok")
+        mine = timed[names[-1]][0]
+        row["ratios"] = {}  # per other implementation: flatopt's time / its time, round by round
+        for other in names[:-1]:
+            med, q20, q80 = harness.quantiles([a / b for a, b in zip(mine, timed[other][0])])
+            row["ratios"][other] = dict(median=med, q20=q20, q80=q80)
+        row.update(rounds=args.iters, status="ok")
     except Exception as e:  # recorded; the run goes on
         row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
     finally:
         for release in releases:
             release()
-        del built, releases
+        built = releases = step = keep = release = batches = model = one = timed = None  # noqa: F841 (freed here)
         try:
             harness.free_memory(device, baseline)
         except Exception as e:
@@ -486,16 +503,17 @@ def _target(what, model, value, threshold, why_missing):
 
 def evaluate_targets(rows, models, paired=()):
     """flatopt's targets on the synchronised time (median_ms), then the same on the back-to-back time, then
-    flatopt-capture <= torch-fused-graph on the paired time of each model in ``paired``."""
+    flatopt-capture <= each other implementation timed with it, on the paired time of each model in ``paired``."""
     out = _evaluate_targets(rows, models, "median_ms", "") + _evaluate_targets(
         rows, models, "b2b_median_ms", B2B_SUFFIX
     )
     for p in paired:
         ok = p["status"] == "ok"
-        theirs, mine = p["impls"]
-        out.append(_target(f"{mine} <= {theirs}{PAIRED_SUFFIX}", p["model"], p[mine]["median_ms"] if ok else None,
-                           p[theirs]["median_ms"] if ok else None,
-                           None if ok else f"{p['status']}: {p.get('reason', '')}"))  # fmt: skip
+        mine = p["impls"][-1]
+        for theirs in p["impls"][:-1]:
+            out.append(_target(f"{mine} <= {theirs}{PAIRED_SUFFIX}", p["model"], p[mine]["median_ms"] if ok else None,
+                               p[theirs]["median_ms"] if ok else None,
+                               None if ok else f"{p['status']}: {p.get('reason', '')}"))  # fmt: skip
     return out
 
 
@@ -524,6 +542,11 @@ def _evaluate_targets(rows, models, key, suffix):
         mine, theirs = ("gpt2", "flatopt-capture-compiled"), ("gpt2", "torch-compile-ro")
         out.append(_target("flatopt-capture-compiled <= torch-compile-ro" + suffix, "gpt2", ms.get(mine),
                            ms.get(theirs), missing(mine, theirs)))  # fmt: skip
+    # torch's documented whole-network capture (set_to_none=True): results written before it was added have no row
+    for m in [m for m in models if any(r["model"] == m and r["impl"] == "torch-fused-graph-none" for r in rows)]:
+        mine, theirs = (m, "flatopt-capture"), (m, "torch-fused-graph-none")
+        out.append(_target("flatopt-capture <= torch-fused-graph-none" + suffix, m, ms.get(mine), ms.get(theirs),
+                           missing(mine, theirs)))  # fmt: skip
     return out
 
 
@@ -579,10 +602,11 @@ def markdown(record):
     if paired:
         lines += [
             "",
-            f"Paired: {' and '.join(paired[0]['impls'])} built side by side and timed alternately, each step "
-            "synchronised (ms; host: from the call to its return).",
+            f"Paired: {', '.join(paired[0]['impls'])} built side by side and timed alternately, each step "
+            f"synchronised (ms; host: from the call to its return; ratio: {paired[0]['impls'][-1]}'s time / this "
+            "one's, round by round).",
             "",
-            "| model | implementation | median ms (p20-p80) | host us (p20-p80) | ratio per round (p20-p80) |",
+            "| model | implementation | median ms (p20-p80) | host us (p20-p80) | ratio (p20-p80) |",
             "|---|---|---|---|---|",
         ]
         for p in paired:
@@ -590,13 +614,12 @@ def markdown(record):
                 reason = (p.get("reason") or "").splitlines()[0][:150] if p.get("reason") else ""
                 lines.append(f"| {p['model']} | {', '.join(p['impls'])} | - | - | {p['status']}: {reason} |")
                 continue
-            ratio = f"{p['ratio_median']:.4f} ({p['ratio_q20']:.4f}-{p['ratio_q80']:.4f})"
             for name in p["impls"]:
-                r = p[name]
+                r, q = p[name], p["ratios"].get(name)
+                ratio = f"{q['median']:.4f} ({q['q20']:.4f}-{q['q80']:.4f})" if q else ""
                 lines.append(
                     f"| {p['model']} | {name} | {r['median_ms']:.3f} ({r['q20_ms']:.3f}-{r['q80_ms']:.3f}) "
-                    f"| {r['host_median_us']:.1f} ({r['host_q20_us']:.1f}-{r['host_q80_us']:.1f}) "
-                    f"| {ratio if name == p['impls'][1] else ''} |"
+                    f"| {r['host_median_us']:.1f} ({r['host_q20_us']:.1f}-{r['host_q80_us']:.1f}) | {ratio} |"
                 )
     lines += ["", "| flatopt target | model | value | threshold | met | margin |", "|---|---|---|---|---|---|"]
     for t in record["targets"]:
@@ -627,7 +650,8 @@ def print_paired(p):
     if p["status"] == "ok":
         detail = (
             "  ".join(f"{n} {p[n]['median_ms']:.3f} ms (host {p[n]['host_median_us']:.1f} us)" for n in p["impls"])
-            + f"  ratio {p['ratio_median']:.4f}"
+            + "  ratios "
+            + ", ".join(f"{q['median']:.4f}" for q in p["ratios"].values())
         )
     else:
         detail = f"{p['status'].upper()}: {p.get('reason', '')}"

@@ -521,6 +521,7 @@ def plot_memory_png(record, path):
 CAPTURE_IMPLS = (
     "torch-fused",
     "torch-fused-graph",
+    "torch-fused-graph-none",
     "torch-compile-ro",
     "flatopt",
     "flatopt-capture",
@@ -529,6 +530,7 @@ CAPTURE_IMPLS = (
 CAPTURE_LABELS = {
     "torch-fused": "torch fused\n(eager)",
     "torch-fused-graph": "torch fused\nCUDA graph\n(by hand)",
+    "torch-fused-graph-none": "torch fused\nCUDA graph\nset_to_none",
     "torch-compile-ro": "torch.compile\nreduce-\noverhead",
     "flatopt": "flatopt\n(eager)",
     "flatopt-capture": "flatopt\ncapture",
@@ -537,6 +539,7 @@ CAPTURE_LABELS = {
 CAPTURE_COLORS = {
     "torch-fused": "tab:orange",
     "torch-fused-graph": "tab:green",
+    "torch-fused-graph-none": "tab:brown",
     "torch-compile-ro": "tab:purple",
     "flatopt": "tab:gray",
     "flatopt-capture": "tab:olive",

@@ -128,6 +128,10 @@ def amp_rows(opt, device, settings):
         opt.step()
         del opt.grad_scale, opt.found_inf
 
+    def alloc_only():
+        return scale * 1, torch.zeros(1, device=device)
+
+    rows["new grad_scale/found_inf alone (subtract from the next two)"] = host_us(alloc_only, device, settings)
     rows["step, new grad_scale/found_inf (graph)"] = host_us(step_amp, device, settings)
     opt.use_step_graph = False
     rows["step, new grad_scale/found_inf (direct)"] = host_us(step_amp, device, settings)

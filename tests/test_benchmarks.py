@@ -538,16 +538,25 @@ def test_capture_smoke_run_on_cpu(capture, capture_smoke, capsys):
             assert r["b2b_steps_per_round"] == capture.b2b_steps_per_round(record["settings"]["iters"]) >= 5
         # same init, data and steps: flatopt trains as torch does
         assert rows[(m, "flatopt")]["final_loss_minus_torch_fused"] == pytest.approx(0.0, abs=1e-3)
-        for impl in ("torch-fused-graph", "flatopt-capture", "torch-compile-ro", "flatopt-capture-compiled"):
+        for impl in [i.name for i in capture.IMPLS if i.needs_cuda]:
             assert rows[(m, impl)]["status"] == "skipped" and "CUDA" in rows[(m, impl)]["reason"]
-    assert all(t["met"] is None for t in record["targets"]) and len(record["targets"]) == 10
+    assert all(t["met"] is None for t in record["targets"]) and len(record["targets"]) == 16
     names = [t["target"] for t in record["targets"]]
-    assert names[4:8] == [n + " (back-to-back)" for n in names[:4]]
-    assert names[8:] == ["flatopt-capture <= torch-fused-graph (paired)"] * 2
+    assert (
+        names[:6]
+        == ["flatopt-capture <= torch-fused-graph"] * 2
+        + [
+            "flatopt-capture fastest of all (small)",
+            "flatopt-capture-compiled <= torch-compile-ro",
+        ]
+        + ["flatopt-capture <= torch-fused-graph-none"] * 2
+    )
+    assert names[6:12] == [n + " (back-to-back)" for n in names[:6]]
+    assert names[12:] == [f"flatopt-capture <= {t} (paired)" for t in capture.PAIRED[:-1]] * 2
     assert [p["model"] for p in record["paired"]] == ["small", "gpt2"]
     for p in record["paired"]:
         assert p["status"] == "skipped" and "CUDA" in p["reason"] and p["impls"] == list(capture.PAIRED)
-    assert record["targets"][8]["note"].startswith("skipped: CUDA graphs need")
+    assert record["targets"][12]["note"].startswith("skipped: CUDA graphs need")
     text = md.read_text()
     assert text.startswith("> **SMOKE RUN") and "| small | flatopt | " in text
     assert "back-to-back ms (p20-p80)" in text and "(back-to-back) |" in text
@@ -585,7 +594,8 @@ def test_capture_paired_on_cpu(capture, monkeypatch):
     for n in names:
         r = p[n]
         assert 0 < r["q20_ms"] <= r["median_ms"] <= r["q80_ms"] and 0 < r["host_median_us"]
-    assert 0 < p["ratio_q20"] <= p["ratio_median"] <= p["ratio_q80"]
+    (q,) = p["ratios"].values()  # flatopt's time / torch-fused's
+    assert list(p["ratios"]) == ["torch-fused"] and 0 < q["q20"] <= q["median"] <= q["q80"]
     (t,) = capture.evaluate_targets([], [], [p])
     assert t["target"] == "flatopt <= torch-fused (paired)" and t["value"] == p["flatopt"]["median_ms"]
     assert t["threshold"] == p["torch-fused"]["median_ms"] and t["met"] == (t["value"] <= t["threshold"])
@@ -595,10 +605,7 @@ def test_capture_paired_on_cpu(capture, monkeypatch):
     record = dict(smoke=False, env={}, steps=4, results=[], targets=[], paired=[p, failed])
     text = capture.markdown(record)
     assert f"| small | flatopt | {p['flatopt']['median_ms']:.3f} (" in text
-    assert (
-        f"| {p['ratio_median']:.4f} (" in text
-        and "| gpt2 | torch-fused, flatopt | - | - | failed: RuntimeError" in text
-    )
+    assert f"| {q['median']:.4f} (" in text and "| gpt2 | torch-fused, flatopt | - | - | failed: RuntimeError" in text
     # a build that raises is recorded, not raised
     build = capture.build
     monkeypatch.setattr(capture, "build", lambda name, *a: build(name, *a) if name == "torch-fused" else 1 / 0)
