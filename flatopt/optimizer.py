@@ -501,6 +501,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         and ``backward(create_graph=True)`` at once. Call this (``full=True``) to check every
         parameter now.
         """
+        if not full and self._ends_bound():
+            return
         cls = type(self).__name__
         checked = []  # the parameters looked at: every one (full) or the first and last of each buffer
         for buf in self._buffers:
@@ -573,6 +575,23 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             "with a zero gradient, the same on every rank), or flat=False, which skips a parameter whose .grad is "
             "None as torch.optim does."
         )
+
+    def _ends_bound(self):
+        """Whether the first and last parameter of every buffer still hold their views and require grad:
+        step()'s usual check, without building anything (check_bindings says what is wrong otherwise;
+        a parameter moved to another device has another address)."""
+        for buf in self._buffers:
+            params, expected = buf.params, buf.expected
+            for i in (0, len(params) - 1):
+                p = params[i]
+                data_ptr, grad_ptr = expected[i]
+                if p.data_ptr() != data_ptr or p.dtype != buf.dtype or not p.requires_grad:
+                    return False
+                if grad_ptr is not None:
+                    g = p.grad
+                    if g is None or g.data_ptr() != grad_ptr:
+                        return False
+        return True
 
     def _check_bindings_at_step(self):
         """step()'s binding check, amortised: full at the first step and at every FULL_CHECK_EVERY-th step
