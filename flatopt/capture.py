@@ -99,7 +99,8 @@ class CopiedGrads:
             for p, (_, grad_ptr) in zip(buf.params, buf.expected):
                 g = p.grad
                 if g is None or g.data_ptr() != grad_ptr or not p.requires_grad:
-                    opt.check_bindings(full=True)  # raises, naming the parameter
+                    opt.check_bindings(full=True)  # raises, naming the parameter and what to do
+                    raise RuntimeError(f"{type(opt).__name__}: parameter {opt._name(p)} is not bound to its buffers")
                 self.views[p] = g
         self.handles = []
 
@@ -116,8 +117,8 @@ class CopiedGrads:
             if g.requires_grad:
                 raise RuntimeError(
                     f"{type(self.opt).__name__}: the gradient of parameter {self.opt._name(p)} requires grad "
-                    "(backward(create_graph=True) in train_step); a captured step keeps gradients in the flat "
-                    "buffer and cannot hold their autograd history. Use backward() without create_graph"
+                    "(backward(create_graph=True) in train_step); the recorded step keeps gradients in the flat "
+                    "buffer, which cannot hold their autograd history. Use backward() without create_graph"
                 )
             view.copy_(g)
             p.grad = view

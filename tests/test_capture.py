@@ -209,7 +209,6 @@ def test_copied_grads_refuse_create_graph_and_frozen_parameters_by_name():
     ours.mid.weight.requires_grad_(False)  # frozen after construction, in the middle of the buffer
     with pytest.raises(RuntimeError, match=r"requires_grad=False now: 'mid.weight'"):
         CopiedGrads(opt)
-    assert _hooks(ours) == hooks
 
 
 def test_snapshot_restores_parameters_grads_states_steps_and_module_buffers():
@@ -458,6 +457,8 @@ def test_recorded_body_run_eagerly_matches_eager_flatopt():
     ref = copy.deepcopy(model)
     opt, opt_ref = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1), flatopt.AdamW(ref, lr=1e-2, weight_decay=0.1)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) for _ in range(2)]
+    for m in (model, ref):  # stale gradients in the never-used layer: the recorded step must zero them
+        m.unused.weight.grad.fill_(1.0)
     body = object.__new__(CapturedStep)
     body.opt, body.fn, body.max_grad_norm = opt, tied_late_step(model, opt, scalers[0]), None
     eager = tied_late_step(ref, opt_ref, scalers[1])
@@ -500,6 +501,8 @@ def test_captured_gradients_with_tied_late_and_unused_parameters_unscale_and_cli
 
     data = [(torch.stack([a[0], b[0]]), torch.stack([a[1], b[1]])) for a, b in zip(batches(9), batches(9, seed=1))]
     zero, inf = torch.zeros((), device="cuda"), torch.full((), float("inf"), device="cuda")
+    for m in (model, ref):  # stale gradients in the never-used layer: the recorded step must zero them
+        m.unused.weight.grad.fill_(1.0)
     step = opt.capture(tied_late_step(model, opt, scalers[0]), *data[0], zero, scaler=scalers[0])
     eager = tied_late_step(ref, opt_ref, scalers[1])
     for i, (tokens, target) in enumerate(data[1:], start=1):
