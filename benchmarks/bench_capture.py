@@ -31,17 +31,20 @@ between rounds), cycling through the same batches: the median (20th-80th percent
 steps is the training loop's throughput with the host running ahead of the device (perf_counter on the CPU,
 likewise). The first and the final loss (reported, not asserted: bf16 autocast differs slightly between
 implementations) are those of the warm-up + timed steps, read before the back-to-back rounds, which train on. The
-torch.compile cases run last, each in a subprocess with a timeout taken from what is left of --budget-s (a case
-without time is recorded as skipped, with the reason). flatopt's targets (reported with margins, not asserted):
-flatopt-capture <= torch-fused-graph on both models and the fastest of all on the small model; flatopt-capture-
-compiled faster than torch-compile-ro on GPT-2 small; and, beside those, flatopt-capture <= torch-fused-graph-none
-on both models. Each is evaluated on the synchronised time and again, as a target whose name ends in
-" (back-to-back)", on the back-to-back time.
+torch.compile cases run after the others (then the paired timing), each in a subprocess with a timeout taken from
+what is left of --budget-s (a case without time is recorded as skipped, with the reason).
+
+flatopt's targets (reported with margins, not asserted): flatopt-capture <= torch-fused-graph on both models and the
+fastest of all on the small model; flatopt-capture-compiled faster than torch-compile-ro on GPT-2 small; and, beside
+those, flatopt-capture <= torch-fused-graph-none on both models. Each is evaluated on the synchronised time and
+again, as a target whose name ends in " (back-to-back)", on the back-to-back time.
 
 Paired (skipped with --no-paired): torch-fused-graph, torch-fused-graph-none and flatopt-capture are built side by
-side on fresh models and, after the warm-up, timed alternately for --iters rounds (the order reversed every other
-round, each step synchronised as in the main figure, with the host time from the call to its return), so that the
-drift between cases run one after the other does not decide a difference of a few percent. Reported: each one's
+side on fresh models and, after the warm-up, timed alternately for --iters rounds (every one once per round, in an
+order that changes from round to round and never runs a step right after itself: round_orders; each step
+synchronised as in the main figure, with the host time from the call to its return), so that the drift between
+cases run one after the other does not decide a difference of a few percent. An implementation that fails to build
+is recorded and the others are still timed; only a failure of flatopt-capture counts as flatopt's. Reported: each one's
 median, and the median over rounds of flatopt-capture's time / each other's; the targets "flatopt-capture <= X
 (paired)" compare the medians.
 Exit status 1 when a flatopt case failed.
@@ -60,6 +63,7 @@ Markdown table of a stored result: ``python3 benchmarks/bench_capture.py --repor
 import argparse
 import itertools
 import json
+import random
 import sys
 import tempfile
 import time
@@ -182,7 +186,7 @@ class Impl:
     note: str
     ours: bool = False
     needs_cuda: bool = False
-    compiled: bool = False  # torch.compile: runs last, in a subprocess with a timeout
+    compiled: bool = False  # torch.compile: runs after the others (before the paired timing), in a subprocess
 
 
 IMPLS = (
@@ -315,16 +319,35 @@ def time_back_to_back(step, device, rounds, per_round):
     return times
 
 
+def round_orders(names, rounds, seed=0):
+    """The order of each round: every name once, and never the same name twice in a row, also across rounds (a step
+    run right after itself may find its data still in the L2 cache). Two names alternate (ABAB: each always runs
+    right after the other); more are shuffled with a fixed seed, so that position and predecessor are spread over
+    them alike."""
+    rng, orders, last = random.Random(seed), [], None
+    for _ in range(rounds):
+        if len(names) == 2:
+            order = list(names) if last != names[0] else list(names[::-1])
+        else:
+            order = list(names)
+            rng.shuffle(order)
+            while order[0] == last:
+                rng.shuffle(order)
+        orders.append(order)
+        last = order[-1]
+    return orders
+
+
 def time_paired(steps, device, rounds):
-    """Time the ``steps`` (name -> callable) alternately, each call synchronised as in the main timing: round i calls
-    every step once, in the given order when i is even and in reverse when odd, so that drift (clocks, temperature,
-    other tenants) falls on all of them alike. Returns name -> (device ms per call, host us per call): CUDA events
-    around the call (perf_counter on the CPU), and the host time from the call to its return."""
+    """Time the ``steps`` (name -> callable) alternately, each call synchronised as in the main timing: each round
+    calls every step once, in the order of round_orders, so that drift (clocks, temperature, other tenants) falls on
+    all of them alike. Returns name -> (device ms per call, host us per call): CUDA events around the call
+    (perf_counter on the CPU), and the host time from the call to its return."""
     names = list(steps)
     out = {n: ([], []) for n in names}
     cuda = device.type == "cuda"
-    for i in range(rounds):
-        for name in names if i % 2 == 0 else names[::-1]:
+    for order in round_orders(names, rounds):
+        for name in order:
             ms, us = out[name]
             if cuda:
                 torch.cuda.synchronize(device)
@@ -347,42 +370,53 @@ def time_paired(steps, device, rounds):
 
 def run_paired(model_name, cfg, device, args, names=PAIRED):
     """The implementations ``names`` (the last one flatopt's, the others compared with it) built side by side, each
-    on a fresh model from the same seed, ``args.warmup`` steps each, then ``args.iters`` rounds of time_paired;
-    never raises (a failure, of any of them, is recorded in the row)."""
-    row = dict(model=model_name, impls=list(names), status=None)
+    on a fresh model from the same seed, ``args.warmup`` steps each, then ``args.iters`` rounds of time_paired. Never
+    raises: an implementation that fails to build is recorded under "failed" and the others are timed; ``ours`` says
+    whether flatopt's failed (to build, or while the steps were timed together)."""
+    row = dict(model=model_name, impls=list(names), status=None, ours=False)
     if device.type != "cuda" and any(IMPL_BY_NAME[n].needs_cuda for n in names):
         row.update(status="skipped", reason="CUDA graphs need a CUDA device")
         return row
     t0 = time.perf_counter()
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-    built, releases = {}, []
+    built, releases, failed = {}, [], {}
     try:
         for name in names:
-            batches = make_batches(cfg, device, args.seed)
-            model = make_model(cfg, device, args.seed)
-            step, keep, release = build(name, model, batches, device, args.compile_backend)
+            try:
+                batches = make_batches(cfg, device, args.seed)
+                model = make_model(cfg, device, args.seed)
+                step, keep, release = build(name, model, batches, device, args.compile_backend)
+            except Exception as e:
+                failed[name] = f"{type(e).__name__}: {e}"[:1000]
+                continue
             if release is not None:
                 releases.append(release)
             counter = itertools.count()
             built[name] = (lambda s=step, b=batches, c=counter: s(*b[next(c) % N_BATCHES])), (keep, model)
-        model = None
-        for one, _ in built.values():
-            for _ in range(args.warmup):
-                one()
-        timed = time_paired({n: one for n, (one, _) in built.items()}, device, args.iters)
-        for name, (ms, us) in timed.items():
-            med, q20, q80 = harness.quantiles(ms)
-            hmed, h20, h80 = harness.quantiles(us)
-            row[name] = dict(median_ms=med, q20_ms=q20, q80_ms=q80, host_median_us=hmed, host_q20_us=h20,
-                             host_q80_us=h80)  # fmt: skip
-        mine = timed[names[-1]][0]
-        row["ratios"] = {}  # per other implementation: flatopt's time / its time, round by round
-        for other in names[:-1]:
-            med, q20, q80 = harness.quantiles([a / b for a, b in zip(mine, timed[other][0])])
-            row["ratios"][other] = dict(median=med, q20=q20, q80=q80)
-        row.update(rounds=args.iters, status="ok")
-    except Exception as e:  # recorded; the run goes on
-        row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
+        mine = names[-1]
+        if failed:
+            row["failed"] = failed
+        if mine not in built or len(built) < 2:
+            row.update(status="failed", ours=mine in failed,
+                       reason="; ".join(f"{n}: {why}" for n, why in failed.items()))  # fmt: skip
+        else:
+            for one, _ in built.values():
+                for _ in range(args.warmup):
+                    one()
+            timed = time_paired({n: one for n, (one, _) in built.items()}, device, args.iters)
+            for name, (ms, us) in timed.items():
+                med, q20, q80 = harness.quantiles(ms)
+                hmed, h20, h80 = harness.quantiles(us)
+                row[name] = dict(median_ms=med, q20_ms=q20, q80_ms=q80, host_median_us=hmed, host_q20_us=h20,
+                                 host_q80_us=h80)  # fmt: skip
+            row["ratios"] = {}  # per other implementation: flatopt's time / its time, round by round
+            for other in [n for n in names[:-1] if n in timed]:
+                med, q20, q80 = harness.quantiles([a / b for a, b in zip(timed[mine][0], timed[other][0])])
+                row["ratios"][other] = dict(median=med, q20=q20, q80=q80)
+            row.update(rounds=args.iters, status="ok")
+    except Exception as e:  # while the steps ran together: flatopt's cannot be told apart from the others'
+        row.update(status="failed", ours=True, reason=f"{type(e).__name__}: {e}"[:2000],
+                   traceback=traceback.format_exc()[-4000:])  # fmt: skip
     finally:
         for release in releases:
             release()
@@ -508,12 +542,13 @@ def evaluate_targets(rows, models, paired=()):
         rows, models, "b2b_median_ms", B2B_SUFFIX
     )
     for p in paired:
-        ok = p["status"] == "ok"
         mine = p["impls"][-1]
         for theirs in p["impls"][:-1]:
+            ok = p["status"] == "ok" and theirs in p
+            why = None if ok else f"{theirs} failed: {p['failed'][theirs]}" if theirs in p.get("failed", {}) else (
+                f"{p['status']}: {p.get('reason', '')}")  # fmt: skip
             out.append(_target(f"{mine} <= {theirs}{PAIRED_SUFFIX}", p["model"], p[mine]["median_ms"] if ok else None,
-                               p[theirs]["median_ms"] if ok else None,
-                               None if ok else f"{p['status']}: {p.get('reason', '')}"))  # fmt: skip
+                               p[theirs]["median_ms"] if ok else None, why))  # fmt: skip
     return out
 
 
@@ -614,7 +649,7 @@ def markdown(record):
                 reason = (p.get("reason") or "").splitlines()[0][:150] if p.get("reason") else ""
                 lines.append(f"| {p['model']} | {', '.join(p['impls'])} | - | - | {p['status']}: {reason} |")
                 continue
-            for name in p["impls"]:
+            for name in [n for n in p["impls"] if n in p]:
                 r, q = p[name], p["ratios"].get(name)
                 ratio = f"{q['median']:.4f} ({q['q20']:.4f}-{q['q80']:.4f})" if q else ""
                 lines.append(
@@ -649,9 +684,11 @@ def print_row(r):
 def print_paired(p):
     if p["status"] == "ok":
         detail = (
-            "  ".join(f"{n} {p[n]['median_ms']:.3f} ms (host {p[n]['host_median_us']:.1f} us)" for n in p["impls"])
-            + "  ratios "
-            + ", ".join(f"{q['median']:.4f}" for q in p["ratios"].values())
+            "  ".join(
+                f"{n} {p[n]['median_ms']:.3f} ms (host {p[n]['host_median_us']:.1f} us)" for n in p["impls"] if n in p
+            )
+            + f"  {p['impls'][-1]} / "
+            + ", ".join(f"{n} {q['median']:.4f}" for n, q in p["ratios"].items())
         )
     else:
         detail = f"{p['status'].upper()}: {p.get('reason', '')}"
@@ -763,21 +800,22 @@ def run(args, argv):
                 harness.write_json(path, record)
 
     run_all([i for i in chosen if not i.compiled])
-    if not args.no_paired and all(name in args.impls for name in PAIRED):
+    run_all([i for i in chosen if i.compiled])  # before the paired timing: their targets were the ones left unmeasured
+    paired = [n for n in PAIRED if n in args.impls]
+    if not args.no_paired and paired[-1:] == [PAIRED[-1]] and len(paired) >= 2:
         for m in args.models:
             if time.monotonic() > deadline:
-                p = dict(model=m, impls=list(PAIRED), status="skipped",
+                p = dict(model=m, impls=paired, status="skipped",
                          reason=f"time budget (--budget-s {args.budget_s:g}) spent")  # fmt: skip
             else:
-                p = run_paired(m, configs[m], device, args)
+                p = run_paired(m, configs[m], device, args, names=paired)
             record["paired"].append(p)
             print_paired(p)
             harness.write_json(path, record)
-    run_all([i for i in chosen if i.compiled])
     rows.sort(key=lambda r: (list(MODELS).index(r["model"]), list(IMPL_BY_NAME).index(r["impl"])))
     record["reference_final_loss"] = loss_agreement(rows)
     record["targets"] = evaluate_targets(rows, args.models, record["paired"])
-    failed = [r for r in rows + record["paired"] if r.get("ours", True) and r["status"] == "failed"]
+    failed = [r for r in rows + record["paired"] if r.get("ours") and r["status"] == "failed"]
     record["flatopt_failed"] = bool(failed)
     record["total_s"] = round(time.monotonic() - start, 1)
     harness.write_json(path, record)

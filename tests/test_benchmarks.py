@@ -578,9 +578,27 @@ def test_capture_time_paired_alternates(capture):
     calls = []
     steps = {name: (lambda n=name: calls.append(n)) for name in ("a", "b")}
     out = capture.time_paired(steps, torch.device("cpu"), 4)
-    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # ABBA: neither always runs first
+    assert calls == ["a", "b"] * 4  # each always right after the other, never after itself
     for ms, us in out.values():
         assert len(ms) == len(us) == 4 and all(t >= 0 for t in ms + us)
+
+
+def test_capture_round_orders_spread_three_implementations(capture):
+    """Every name once per round, never right after itself (its data may still be in the cache), and over many rounds
+    each in each position, after each other name, about equally often."""
+    names = ["a", "b", "c"]
+    orders = capture.round_orders(names, 600)
+    assert all(sorted(o) == names for o in orders)
+    flat = [n for o in orders for n in o]
+    assert all(x != y for x, y in zip(flat, flat[1:])), "a step ran right after itself"
+    for pos in range(3):
+        counts = [sum(o[pos] == n for o in orders) for n in names]
+        assert min(counts) > 150, (pos, counts)  # 200 each if uniform
+    follows = {(x, y): 0 for x in names for y in names if x != y}
+    for x, y in zip(flat, flat[1:]):
+        follows[(x, y)] += 1
+    assert min(follows.values()) > 0.7 * max(follows.values()), follows
+    assert capture.round_orders(names, 10) == capture.round_orders(names, 10)  # a fixed seed: reproducible
 
 
 def test_capture_paired_on_cpu(capture, monkeypatch):
@@ -606,11 +624,25 @@ def test_capture_paired_on_cpu(capture, monkeypatch):
     text = capture.markdown(record)
     assert f"| small | flatopt | {p['flatopt']['median_ms']:.3f} (" in text
     assert f"| {q['median']:.4f} (" in text and "| gpt2 | torch-fused, flatopt | - | - | failed: RuntimeError" in text
-    # a build that raises is recorded, not raised
+    # a build that raises is recorded, not raised; the others are still timed, and only flatopt's failure is ours
+    monkeypatch.setitem(capture.IMPL_BY_NAME, "broken", capture.Impl("broken", "fails to build"))
     build = capture.build
-    monkeypatch.setattr(capture, "build", lambda name, *a: build(name, *a) if name == "torch-fused" else 1 / 0)
-    broken = capture.run_paired("small", cfg, torch.device("cpu"), args, names=names)
-    assert broken["status"] == "failed" and broken["reason"].startswith("ZeroDivisionError")
+    monkeypatch.setattr(capture, "build", lambda name, *a: 1 / 0 if name == "broken" else build(name, *a))
+    part = capture.run_paired("small", cfg, torch.device("cpu"), args, names=("broken", *names))
+    assert part["status"] == "ok" and part["failed"]["broken"].startswith("ZeroDivisionError") and not part["ours"]
+    assert list(part["ratios"]) == ["torch-fused"] and "broken" not in part  # the two that built were timed
+    by = {t["target"]: t for t in capture.evaluate_targets([], [], [part])}
+    assert by["flatopt <= broken (paired)"]["met"] is None
+    assert by["flatopt <= broken (paired)"]["note"].startswith("broken failed: ZeroDivisionError")
+    assert by["flatopt <= torch-fused (paired)"]["met"] is not None
+    text = capture.markdown(dict(record, paired=[part]))
+    assert "| small | torch-fused | " in text and "| small | broken | " not in text
+    mine_broken = capture.run_paired("small", cfg, torch.device("cpu"), args, names=("torch-fused", "broken"))
+    assert (
+        mine_broken["status"] == "failed"
+        and mine_broken["ours"]
+        and "broken: ZeroDivisionError" in mine_broken["reason"]
+    )
 
 
 def test_capture_worker_and_command(capture, capsys):
