@@ -628,6 +628,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         )
 
     @_hooked_step
+    @torch.compiler.disable  # one fused launch (or graph replay) already: torch.compile runs it as it is
     def step(self, closure=None):
         """Performs a single optimization step.
 
