@@ -20,7 +20,8 @@ allocates the lazy optimizer states and compiles the kernels; the peak including
 memory of parameters and of optimizer states, the memory held between steps, the step time (CUDA events around
 zero_grad + forward + backward + step, median of the timed steps) and the kernel launches of one step
 (torch.profiler: device kernels and memsets/copies; kernels whose name contains "adam"; flatopt's own launch
-counter in in-backward mode). Every byte figure is relative to the memory allocated before the case.
+counter in in-backward mode, with how many of those launches its buckets replayed from their CUDA graphs and how
+many buckets gave up recording). Every byte figure is relative to the memory allocated before the case.
 
 Peak activations are measured, not estimated: the peak of the fwd-bwd case minus the memory it holds between
 steps (parameters and input). It includes the one gradient being produced, as every optimizer case does.
@@ -333,6 +334,11 @@ def run_case(case, dtype_name, sizes, device, args):
             row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
         med, q20, q80 = harness.quantiles(times)
         row.update(median_ms=med, q20_ms=q20, q80_ms=q80, iters=len(times))
+        if launches0 is not None:  # how the buckets' launches went: replayed from their CUDA graphs, or not
+            graphs = [b.graph for b in opt._in_backward.buckets]
+            row.update(bucket_graph_replays=sum(g.reused for g in graphs),
+                       bucket_graphs_recorded=sum(g.recorded for g in graphs),
+                       buckets_launching_directly=sum(g.failed for g in graphs))  # fmt: skip
         if cuda and not args.no_profile:
             try:
                 row.update(profile_step(step, device))

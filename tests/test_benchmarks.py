@@ -455,6 +455,9 @@ def test_memory_smoke_run_on_cpu(memory, memory_smoke, capsys):
             rows[("flatopt-in-backward-small", dt)]["largest_bucket_elements"] == memory.SMOKE.dim * memory.SMOKE.hidden
         )
         assert rows[("flatopt-in-backward", dt)]["buckets"] == 1
+        # no CUDA graphs on the CPU: every bucket launches directly, and says so by recording none
+        assert rows[("flatopt-in-backward", dt)]["bucket_graph_replays"] == 0
+        assert rows[("flatopt-in-backward", dt)]["bucket_graphs_recorded"] == 0
         losses = {rows[(c, dt)]["final_loss"] for c in ("flatopt", "flatopt-in-backward", "flatopt-in-backward-small")}
         assert max(losses) - min(losses) <= 1e-3 * max(losses)  # in-backward trains as step mode does
     assert md.read_text().startswith("> **SMOKE RUN") and "| fp32 | flatopt-in-backward |" in md.read_text()
