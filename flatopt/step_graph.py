@@ -49,9 +49,11 @@ class StepGraph:
     @staticmethod
     def key_of(opt, grad_scale=None, found_inf=None):
         hp = opt._hp[opt._buffers[0].device]
-        amp = tuple(
-            None if t is None else (t.data_ptr(), t.dtype, t.device, t.numel()) for t in (grad_scale, found_inf)
-        )
+        amp = None  # the usual step: no GradScaler tensors, nothing to build
+        if grad_scale is not None or found_inf is not None:
+            amp = tuple(
+                None if t is None else (t.data_ptr(), t.dtype, t.device, t.numel()) for t in (grad_scale, found_inf)
+            )
         return (hp.data_ptr(), amp) + tuple(
             (
                 buf.data.data_ptr(),
