@@ -308,6 +308,13 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{type(self).__name__} supports float32, bfloat16 and float16 parameters, got {p.dtype}; "
                 "convert the model with model.to(torch.float32) before creating the optimizer"
             )
+        if p.requires_grad and type(p.data).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            raise ValueError(  # a wrapper subclass: its operations are not the plain tensor's (flat=False fails too)
+                f"{type(self).__name__} steps plain tensors (in flat buffers, or one by one with flat=False), and "
+                f"{self._name(p)} is a {type(p.data).__name__}: tensor subclasses with their own dispatch, such as "
+                "DTensor (FSDP2's fully_shard, tensor parallelism), keep their own layout and storage. Use "
+                "torch.optim for them"
+            )
         if p.requires_grad and self.flat and p.is_meta:
             raise ValueError(
                 f"{type(self).__name__}(flat=True) copies the parameters into its buffers, and a parameter on the "

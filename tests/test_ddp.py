@@ -292,6 +292,27 @@ def run_in_backward(rank):
     return {"construct_error": error, "rebound": [p.data_ptr() for p in ddp.module.parameters()] != ptrs}
 
 
+def run_fsdp2(rank):
+    """FSDP2's fully_shard turns the parameters into DTensors: refused when the optimizer is created (flat or
+    not), before anything changes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp(seed=0)
+    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+    before = [p.to_local().clone() for p in model.parameters()]
+    errors = {}
+    for flat in (True, False):
+        try:
+            flatopt.AdamW(model, lr=1e-2, flat=flat, backend="torch")
+            errors[flat] = None
+        except Exception as e:
+            errors[flat] = error_of(e)
+    unchanged = all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+    types = sorted({type(p).__name__ for p in model.parameters()})
+    return {"errors": errors, "unchanged": unchanged, "types": types}
+
+
 MATCH = [(o, order, {}) for o in OPTIMIZERS for order in ORDERS] + [
     ("AdamW", "after_wrap", {"static_graph": True}),
     ("AdamW", "before_wrap", {"static_graph": True}),
@@ -310,6 +331,7 @@ SCENARIOS = {
     "unused": (run_unused, ()),
     "skip_unused": (run_skip_unused, ()),
     "in_backward": (run_in_backward, ()),
+    "fsdp2": (run_fsdp2, ()),
 }
 
 
@@ -483,3 +505,15 @@ def test_in_backward_with_several_ranks_is_refused(ddp_results):
         assert err["type"] == "builtins.RuntimeError", err
         assert "several distributed ranks (2 here)" in err["message"] and "in_backward=False" in err["message"], err
         assert not result["rebound"], f"rank {rank}: the refused constructor rebound the parameters"
+
+
+def test_fsdp2_dtensor_parameters_are_refused(ddp_results):
+    """fully_shard (FSDP2) on two ranks: its DTensor parameters are refused by name, flat or not, with the
+    way out (torch.optim), and nothing changes."""
+    for rank, result in enumerate(ddp_results("fsdp2")):
+        assert result["types"] == ["DTensor"], result["types"]
+        for flat, err in result["errors"].items():
+            assert err is not None, f"rank {rank}, flat={flat}: DTensor parameters were accepted"
+            assert err["type"] == "builtins.ValueError", err
+            assert "'0.weight' is a DTensor" in err["message"] and "Use torch.optim" in err["message"], err
+        assert result["unchanged"], f"rank {rank}: a refused constructor changed the parameters"

@@ -690,3 +690,22 @@ def test_skip_unused_with_several_ranks_is_refused_before_anything_changes(monke
     monkeypatch.setenv("FLATOPT_ALLOW_SEVERAL_RANKS", "1")
     silent(opt2.step)
     assert float(opt2.state[params[0]]["step"]) == 1.0
+
+
+def test_a_tensor_subclass_without_its_own_dispatch_is_stepped_as_a_tensor():
+    """Only subclasses with their own dispatch (DTensor: tests/test_ddp.py) are refused; a plain subclass
+    steps as torch.optim steps it."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    torch.manual_seed(0)
+    ours = nn.Parameter(torch.randn(3, 4).as_subclass(Tagged))
+    theirs = nn.Parameter(ours.detach().clone())
+    opt, ref = silent(flatopt.AdamW, [ours], lr=1e-2), torch.optim.AdamW([theirs], lr=1e-2)
+    grad = torch.randn(3, 4)
+    ours.grad.copy_(grad)
+    theirs.grad = grad.clone()
+    silent(opt.step)  # the gradient was set, not accumulated: the first-step warning would name it
+    ref.step()
+    close(ours.detach().as_subclass(torch.Tensor), theirs.detach(), "parameter", rtol=1e-6, atol=1e-7)
