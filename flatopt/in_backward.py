@@ -112,12 +112,17 @@ def make_buckets(buf, bucket_size):
 ALLOW_SEVERAL_RANKS = "FLATOPT_ALLOW_SEVERAL_RANKS"  # =1: the ranks share no parameters
 
 
+def world_size():
+    """The number of ranks in torch.distributed's default process group (1 when none is running)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def refuse_several_ranks(message):
     """Raise RuntimeError(``message``, with ``{ranks}`` filled in) when torch.distributed's default process
     group has several ranks, unless the environment says the ranks share no parameters (pipeline stages,
     independent runs), so that nothing averages gradients between them."""
-    dist = torch.distributed
-    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    ranks = world_size()
     if ranks > 1 and os.environ.get(ALLOW_SEVERAL_RANKS) != "1":
         raise RuntimeError(
             message.format(ranks=ranks) + " If the ranks share no parameters (pipeline stages, independent runs), "

@@ -21,6 +21,7 @@ from flatopt.in_backward import (
     check_single_process,
     is_large,
     refuse_several_ranks,
+    world_size,
 )
 from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
 from flatopt.staging import PinnedStaging
@@ -637,9 +638,17 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             "after zero_grad(set_to_none=False)); pass skip_unused=True to skip them as torch.optim does, or "
             "set requires_grad=False on parameters you do not train"
         )
+        ranks = world_size()
+        where = "" if ranks == 1 else f" from this rank's backward pass (one of {ranks} ranks)"
+        ddp = (
+            ""
+            if ranks == 1
+            else ". Under DistributedDataParallel(find_unused_parameters=True) a parameter another rank used gets "
+            "the averaged gradient from DDP and is stepped with it; this concerns those no rank used"
+        )
         warnings.warn(
-            f"{type(self).__name__}: {len(unused)} parameter(s) received no gradient before the first step: "
-            f"{names}. flatopt {action}",
+            f"{type(self).__name__}: {len(unused)} parameter(s) received no gradient{where} before the first "
+            f"step: {names}. flatopt {action}{ddp}",
             stacklevel=_outside_stacklevel(),
         )
 

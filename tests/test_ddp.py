@@ -475,6 +475,12 @@ def test_parameter_used_on_one_rank_only(ddp_results):
     zero_grad(set_to_none=False)."""
     r0, r1 = ddp_results("unused")
     assert_history([h["flat"] for h in r0["history"]], [h["flat"] for h in r1["history"]], "rank 0 vs 1", **SAME)
+    # rank 0's backward gave b no gradient at the first step (rank 1's did): its warning says whose backward it
+    # means and that DDP hands such a parameter the other ranks' gradient
+    (warning,) = r0["warnings"]
+    assert "'b.weight'" in warning and "from this rank's backward pass (one of 2 ranks)" in warning, warning
+    assert "another rank used gets the averaged gradient from DDP" in warning, warning
+    assert not r1["warnings"], r1["warnings"]
     for rank, result in enumerate((r0, r1)):
         hist = result["history"]
         assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}, flatopt vs torch", **TOL)
