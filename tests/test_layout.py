@@ -574,3 +574,23 @@ def test_flat_false_keeps_tensors_in_place_and_matches_torch(backend, opt_name):
                 else:
                     assert_same(mine, value, step, f"{name}.{key}")
         assert model.unused.weight not in ours.state or not ours.state[model.unused.weight]
+
+
+def test_saving_a_subset_writes_the_whole_buffer_unless_cloned():
+    """What the README says about saving part of a model: a parameter view shares the flat buffer's storage,
+    so torch.save of one layer writes the whole buffer; a clone writes the layer alone."""
+    import io
+
+    def saved_bytes(obj):
+        out = io.BytesIO()
+        torch.save(obj, out)
+        return out.tell()
+
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 10))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = flatopt.AdamW(model)
+    buffer_bytes = opt._buffers[0].data.numel() * 4
+    layer = model[1].state_dict()
+    assert saved_bytes(layer) > buffer_bytes
+    assert saved_bytes({k: v.clone() for k, v in layer.items()}) < 2 * (1000 * 10 + 10) * 4
