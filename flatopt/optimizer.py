@@ -578,6 +578,19 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 "step them. Set requires_grad before creating the optimizer; to keep the optimizer state, save "
                 "opt.state_dict() first and load it into the new optimizer"
             )
+        module = self._module() if full and self._module is not None else None
+        if module is not None:  # built from a module: a parameter object replaced there is never stepped again
+            current = dict(module.named_parameters(remove_duplicate=False))
+            replaced = [n for p, n in self._names.items() if current.get(n, p) is not p and p.requires_grad]
+            if replaced:
+                shown = ", ".join(f"'{n}'" for n in replaced[:8]) + (", ..." if len(replaced) > 8 else "")
+                raise RuntimeError(
+                    f"{cls}: the module's parameter(s) {shown} are no longer the Parameter objects the optimizer "
+                    "was created with: they were replaced (load_state_dict(..., assign=True), `module.weight = "
+                    "nn.Parameter(...)`), so the optimizer would go on stepping the old ones and the model would "
+                    "not train. Load weights with load_state_dict() without assign=True (it copies into the "
+                    "parameters), or create the optimizer after replacing them"
+                )
 
     def _check_skip_unused_is_local(self):
         """skip_unused=True learns which parameters received a gradient from this process's backward

@@ -709,3 +709,32 @@ def test_a_tensor_subclass_without_its_own_dispatch_is_stepped_as_a_tensor():
     silent(opt.step)  # the gradient was set, not accumulated: the first-step warning would name it
     ref.step()
     close(ours.detach().as_subclass(torch.Tensor), theirs.detach(), "parameter", rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict(assign=True)", "attribute"])
+def test_parameters_replaced_in_the_module_are_detected(how):
+    """An optimizer built from a module notices, at its full binding check (the first step, every
+    FULL_CHECK_EVERY-th, check_bindings()), that the module's parameters are no longer the ones it steps:
+    torch.optim would go on stepping the old objects while the model stops training. The step that finds it
+    changes nothing."""
+    model, opt, gen = trained()
+    if how == "attribute":
+        model.proj.weight = nn.Parameter(model.proj.weight.detach().clone())
+        names = "'proj.weight'"
+    else:
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        names = "'"
+    with pytest.raises(RuntimeError, match=rf"parameter\(s\) {names}.*no longer the Parameter objects.*assign=True"):
+        opt.check_bindings()
+    old = [p for b in opt._buffers for p in b.params]
+    for _ in range(FULL_CHECK_EVERY + 1):
+        loss_fn(model, make_batch(gen)).backward()
+        before = snapshot(old, opt)
+        try:
+            silent(opt.step)
+        except RuntimeError as e:
+            assert "no longer the Parameter objects" in str(e)
+            assert_unchanged(before, snapshot(old, opt))
+            break
+    else:
+        pytest.fail(f"the replaced parameters were not detected within {FULL_CHECK_EVERY + 1} steps")
