@@ -714,9 +714,9 @@ def test_a_tensor_subclass_without_its_own_dispatch_is_stepped_as_a_tensor():
 @pytest.mark.parametrize("how", ["load_state_dict(assign=True)", "attribute"])
 def test_parameters_replaced_in_the_module_are_detected(how):
     """An optimizer built from a module notices, at its full binding check (the first step, every
-    FULL_CHECK_EVERY-th, check_bindings()), that the module's parameters are no longer the ones it steps:
-    torch.optim would go on stepping the old objects while the model stops training. The step that finds it
-    changes nothing."""
+    FULL_CHECK_EVERY-th, check_bindings()), that the module's parameters are no longer the ones it steps
+    (torch.optim keeps the old objects without a word, and the model stops training). The step that finds
+    it changes nothing."""
     model, opt, gen = trained()
     if how == "attribute":
         model.proj.weight = nn.Parameter(model.proj.weight.detach().clone())
