@@ -85,6 +85,19 @@ _TORCH_OPTIM = importlib.import_module("torch.optim.optimizer")
 _HOOK_TABLES = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
 
 
+def _own_dispatch(p):
+    """A tensor subclass with its own __torch_dispatch__ (a wrapper such as DTensor), not a plain tensor."""
+    return type(p.data).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def _is_dtensor(p):
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p.data, DTensor)
+
+
 def _hooked_step(step):
     """torch.optim's wrapper of ``step()``: the step pre-hooks (global, then the optimizer's), ``step``,
     the profiler's entry point, the post-hooks (the optimizer's, then global), all inside the profiler
@@ -95,8 +108,9 @@ def _hooked_step(step):
     ``step`` runs outside the compiled graph."""
     # Under torch.compile, ``step`` is left out of the graph: one fused launch (or graph replay) already, and
     # dynamo cannot trace Triton's launcher under the interpreter. Called only while compiling: the disabled
-    # wrapper costs about 0.5 us of host time per call, checking costs 0.07 us.
-    uncompiled = torch.compiler.disable(step)
+    # wrapper costs about 0.5 us of host time per call, checking costs 0.07 us. (Every supported torch has the
+    # hook tables, so the early return below is not exercised by the tests.)
+    uncompiled = torch._disable_dynamo(step)  # as torch.optim does: dynamo is imported at the first call only
 
     def run(*args, **kwargs):
         return (uncompiled if torch.compiler.is_compiling() else step)(*args, **kwargs)
@@ -309,12 +323,12 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{type(self).__name__} supports float32, bfloat16 and float16 parameters, got {p.dtype}; "
                 "convert the model with model.to(torch.float32) before creating the optimizer"
             )
-        if p.requires_grad and type(p.data).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
-            raise ValueError(  # a wrapper subclass: its operations are not the plain tensor's (flat=False fails too)
-                f"{type(self).__name__} steps plain tensors (in flat buffers, or one by one with flat=False), and "
-                f"{self._name(p)} is a {type(p.data).__name__}: tensor subclasses with their own dispatch, such as "
-                "DTensor (FSDP2's fully_shard, tensor parallelism), keep their own layout and storage. Use "
-                "torch.optim for them"
+        if p.requires_grad and _own_dispatch(p) and (self.flat or _is_dtensor(p)):
+            raise ValueError(  # flat buffers hold plain storage; flat=False views each tensor with as_strided
+                f"{type(self).__name__} steps plain tensors, and {self._name(p)} is a {type(p.data).__name__}: "
+                "tensor subclasses with their own dispatch, such as DTensor (FSDP2's fully_shard, tensor "
+                "parallelism), keep their own layout and storage, which flat buffers cannot hold (and DTensor "
+                "has no as_strided, which flat=False uses). Use torch.optim for them"
             )
         if p.requires_grad and self.flat and p.is_meta:
             raise ValueError(
@@ -579,17 +593,17 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 "opt.state_dict() first and load it into the new optimizer"
             )
         module = self._module() if full and self._module is not None else None
-        if module is not None:  # built from a module: a parameter object replaced there is never stepped again
-            current = dict(module.named_parameters(remove_duplicate=False))
-            replaced = [n for p, n in self._names.items() if current.get(n, p) is not p and p.requires_grad]
-            if replaced:
-                shown = ", ".join(f"'{n}'" for n in replaced[:8]) + (", ..." if len(replaced) > 8 else "")
+        if module is not None:  # built from a module: a trainable parameter of it that this optimizer lacks
+            held = {id(p) for group in self.param_groups for p in group["params"]}
+            missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+            if missing:
+                shown = ", ".join(f"'{n}'" for n in missing[:8]) + (", ..." if len(missing) > 8 else "")
                 raise RuntimeError(
-                    f"{cls}: the module's parameter(s) {shown} are no longer the Parameter objects the optimizer "
-                    "was created with: they were replaced (load_state_dict(..., assign=True), `module.weight = "
-                    "nn.Parameter(...)`), so the optimizer would go on stepping the old ones and the model would "
-                    "not train. Load weights with load_state_dict() without assign=True (it copies into the "
-                    "parameters), or create the optimizer after replacing them"
+                    f"{cls}: the module's trainable parameter(s) {shown} are not among the parameters the optimizer "
+                    "was created with, so they would never be stepped: they were replaced (load_state_dict(..., "
+                    "assign=True), `module.weight = nn.Parameter(...)`) or added since. Load weights with "
+                    "load_state_dict() without assign=True (it copies into the parameters), give new parameters "
+                    "to opt.add_param_group(), or create the optimizer afterwards"
                 )
 
     def _check_skip_unused_is_local(self):
@@ -656,8 +670,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         ddp = (
             ""
             if ranks == 1
-            else ". Under DistributedDataParallel(find_unused_parameters=True) a parameter another rank used gets "
-            "the averaged gradient from DDP and is stepped with it; this concerns those no rank used"
+            else ". Under DistributedDataParallel a parameter another rank used gets the averaged gradient from DDP "
+            "and is stepped with it; this concerns those no rank used"
         )
         warnings.warn(
             f"{type(self).__name__}: {len(unused)} parameter(s) received no gradient{where} before the first "
