@@ -116,3 +116,10 @@ class LionReference(torch.optim.Optimizer):
                 p.mul_(1 - lr * wd)
                 p.add_((m * beta1 + p.grad * (1 - beta1)).sign(), alpha=-lr)
                 m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+def pretend_ranks(monkeypatch, world):
+    """torch.distributed as it looks in one of ``world`` ranks (the real multi-process run is in test_ddp.py)."""
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import Net, loss_fn, make_batch
+from conftest import Net, loss_fn, make_batch, pretend_ranks
 from torch import nn
 
 import flatopt
@@ -677,9 +677,7 @@ def test_skip_unused_with_several_ranks_is_refused_before_anything_changes(monke
     model2 = Net()
     opt2 = silent(flatopt.AdamW, model2, lr=1e-2, skip_unused=True)
     loss_fn(model2, make_batch(torch.Generator().manual_seed(0))).backward()
-    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    pretend_ranks(monkeypatch, 2)
     params = list(model2.parameters())
     before = snapshot(params, opt2)
     calls = []

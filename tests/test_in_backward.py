@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import Net, device_for, loss_fn, make_batch, param_groups
+from conftest import Net, device_for, loss_fn, make_batch, param_groups, pretend_ranks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -220,31 +220,24 @@ def test_accumulation_without_no_step_is_refused_before_the_second_update():
         assert torch.equal(p.detach(), b)
 
 
-def _pretend_ranks(monkeypatch, world):
-    """torch.distributed as it looks in one of ``world`` ranks (the real multi-process run is in test_ddp.py)."""
-    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
-
-
 def test_several_ranks_are_refused_at_construction(monkeypatch):
     model = Net()
     ptrs = [p.data_ptr() for p in model.parameters()]
-    _pretend_ranks(monkeypatch, 2)
+    pretend_ranks(monkeypatch, 2)
     with pytest.raises(
         RuntimeError, match=r"in_backward=True\) cannot train with several distributed ranks"
     ) as excinfo:
         OPTIMIZERS["adamw"](model, in_backward=True)
     assert [p.data_ptr() for p in model.parameters()] == ptrs, "the failed constructor rebound parameters"
     assert "FLATOPT_ALLOW_SEVERAL_RANKS=1" in str(excinfo.value)
-    _pretend_ranks(monkeypatch, 1)  # one rank: nothing to average
+    pretend_ranks(monkeypatch, 1)  # one rank: nothing to average
     OPTIMIZERS["adamw"](model, in_backward=True)
 
 
 def test_several_ranks_that_share_no_parameters_are_allowed_when_the_environment_says_so(monkeypatch):
     torch.manual_seed(0)
     model = Net()
-    _pretend_ranks(monkeypatch, 2)
+    pretend_ranks(monkeypatch, 2)
     monkeypatch.setenv("FLATOPT_ALLOW_SEVERAL_RANKS", "1")
     opt = OPTIMIZERS["adamw"](model, in_backward=True)
     before = [p.detach().clone() for p in model.parameters()]
@@ -263,7 +256,7 @@ def test_process_group_started_after_construction_is_refused_at_the_first_gradie
     opt = OPTIMIZERS["adamw"](model, in_backward=True)
     gen = torch.Generator().manual_seed(1)
     before = [p.detach().clone() for p in model.parameters()]
-    _pretend_ranks(monkeypatch, 4)
+    pretend_ranks(monkeypatch, 4)
     with pytest.raises(RuntimeError, match=r"several distributed ranks \(4 here\).*in_backward=False with DDP"):
         loss_fn(model, make_batch(gen)).backward()
     for p, b in zip(model.parameters(), before):
