@@ -16,7 +16,8 @@ Implementations (each on a fresh model from the same seed, trained on the same b
     torch-fused-graph-none       the same with zero_grad(set_to_none=True), as torch's CUDA-graph docs capture a
                                  whole network: .grad allocated from the graph's pool, written by backward directly
     torch-compile-ro             torch.compile(model, mode="reduce-overhead"), eager fused AdamW step
-    flatopt                      flatopt.AdamW, eager
+    flatopt                      flatopt.AdamW, eager: zero_grad() (.grad None, hooks copy the new gradients in)
+    flatopt-keep-grads           the same with zero_grad(set_to_none=False): buffer zeroed, autograd adds into views
     flatopt-capture              flatopt.AdamW, opt.capture(train_step, x, y)
     flatopt-capture-compiled     flatopt.AdamW, opt.capture around torch.compile(model) (default mode)
 
@@ -203,7 +204,17 @@ IMPLS = (
         "backward writes them there (torch's documented whole-network capture)",
         needs_cuda=True,
     ),
-    Impl("flatopt", "flatopt.AdamW(model), eager: zero_grad(), forward, backward, step()", ours=True),
+    Impl(
+        "flatopt",
+        "flatopt.AdamW(model), eager: zero_grad(), forward, backward, step(); hooks copy each new gradient into the "
+        "flat buffer",
+        ours=True,
+    ),
+    Impl(
+        "flatopt-keep-grads",
+        "as flatopt, with zero_grad(set_to_none=False): the buffer is zeroed and autograd adds into the views",
+        ours=True,
+    ),
     Impl("flatopt-capture", "flatopt.AdamW(model); opt.capture(train_step, x, y)", ours=True, needs_cuda=True),
     Impl(
         "torch-compile-ro",
@@ -285,6 +296,8 @@ def build(name, model, batches, device, compile_backend):
     opt = flatopt.AdamW(model, **HPARAMS, backend=backend)
     if name == "flatopt":
         return _eager(model, opt, opt.zero_grad), [opt], None
+    if name == "flatopt-keep-grads":
+        return _eager(model, opt, lambda: opt.zero_grad(set_to_none=False)), [opt], None
     fwd = model if name == "flatopt-capture" else torch.compile(model, backend=compile_backend)
 
     def train_step(x, y):

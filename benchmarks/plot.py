@@ -524,6 +524,7 @@ CAPTURE_IMPLS = (
     "torch-fused-graph-none",
     "torch-compile-ro",
     "flatopt",
+    "flatopt-keep-grads",
     "flatopt-capture",
     "flatopt-capture-compiled",
 )
@@ -533,6 +534,7 @@ CAPTURE_LABELS = {
     "torch-fused-graph-none": "torch fused\nCUDA graph\nset_to_none",
     "torch-compile-ro": "torch.compile\nreduce-\noverhead",
     "flatopt": "flatopt\n(eager)",
+    "flatopt-keep-grads": "flatopt\n(eager,\nset_to_none\n=False)",
     "flatopt-capture": "flatopt\ncapture",
     "flatopt-capture-compiled": "flatopt\ncapture +\ntorch.compile",
 }
@@ -542,6 +544,7 @@ CAPTURE_COLORS = {
     "torch-fused-graph-none": "tab:brown",
     "torch-compile-ro": "tab:purple",
     "flatopt": "tab:gray",
+    "flatopt-keep-grads": "tab:pink",
     "flatopt-capture": "tab:olive",
     "flatopt-capture-compiled": "tab:cyan",
 }

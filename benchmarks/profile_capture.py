@@ -36,7 +36,14 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import bench_capture, harness
 from benchmarks.bench_memory import time_steps
 
-DEFAULT_IMPLS = ["torch-fused", "torch-fused-graph", "torch-fused-graph-none", "flatopt", "flatopt-capture"]
+DEFAULT_IMPLS = [
+    "torch-fused",
+    "torch-fused-graph",
+    "torch-fused-graph-none",
+    "flatopt",
+    "flatopt-keep-grads",
+    "flatopt-capture",
+]
 MINE, THEIRS = "flatopt-capture", "torch-fused-graph"
 CATEGORIES = (  # rough, by lower-cased kernel name: the first match wins
     ("optimizer", ("adam",)),  # torch's FusedAdamMathFunctor, flatopt's adamw_kernel

@@ -45,11 +45,13 @@ FUSED = """fused (bool, optional): None or True: flatopt always steps each flat 
             kernel, so ``False`` is refused (default: None)"""
 
 NOTES = """
-    Gradients: with ``flat=True`` every ``p.grad`` is a view into one gradient buffer and
-    ``zero_grad()`` zeroes it in one operation, whatever ``set_to_none`` says. Do not set
-    ``.grad`` to None behind the optimizer's back (``model.zero_grad()``); ``step()`` detects it
-    and raises. ``step()`` accepts GradScaler's ``grad_scale`` and ``found_inf`` inside the
-    kernel, with no host synchronisation.
+    Gradients: with ``flat=True`` gradients live in one flat buffer per (device, dtype).
+    ``zero_grad()`` sets every ``.grad`` to None, as torch.optim does, and a hook copies each new
+    gradient into the parameter's view and puts the view back in ``.grad``;
+    ``zero_grad(set_to_none=False)`` zeroes the buffer and keeps the views. ``step()`` zeroes the
+    views of parameters that received no gradient and steps them too (``skip_unused=True`` skips
+    them), and copies in a ``.grad`` set behind the optimizer's back. ``step()`` accepts
+    GradScaler's ``grad_scale`` and ``found_inf`` inside the kernel, with no host synchronisation.
 
     The implementation options of torch.optim (or lion-pytorch) named above are taken for
     drop-in use at the values that change nothing and refused, with the reason, at any other.

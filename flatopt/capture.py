@@ -5,7 +5,7 @@ gradients, ``train_step`` (forward and backward) and the optimizer step can be r
 replayed. What the graph records:
 
 * ``opt.zero_grad()``, as ``.grad`` set to None and each first gradient copied into its view
-  (see :class:`CopiedGrads`; the ``.grad`` views are back before the optimizer steps);
+  (see :mod:`flatopt.grads`; the ``.grad`` views are back before the optimizer steps);
 * ``train_step(*static_inputs)``: its CUDA work, with the inputs read from static tensors;
 * optional ``opt.clip_grad_norm_(max_grad_norm)``, then ``opt.step()``, unless ``train_step``
   steps the optimizer itself (for example through ``scaler.step(opt)``).
@@ -75,78 +75,6 @@ def check_inputs(static, inputs):
             )
 
 
-class CopiedGrads:
-    """Gradients copied into the flat buffers, instead of the buffers zeroed and then added to.
-
-    ``opt.zero_grad()`` zeroes every gradient buffer, and autograd then adds each new gradient
-    into its ``.grad`` view: a write, then two reads and a write, of every gradient's bytes.
-    Instead, :meth:`begin` sets each ``.grad`` to None, as ``zero_grad(set_to_none=True)`` does;
-    autograd then hands each parameter its new gradient as a tensor of its own, and a
-    post-accumulate-grad hook copies it into the parameter's view and puts the view back in
-    ``.grad`` (a read and a write, when autograd can hand over the gradient it computed as it is;
-    one whose strides differ from the parameter's is first cloned). A second backward pass in the same step (gradient
-    accumulation) adds into the view as usual. :meth:`settle` zeroes the views of parameters that
-    received no gradient and puts them back, so that the buffers hold what zero_grad plus
-    accumulation would have left; ``step()`` and ``clip_grad_norm_()`` call it first. Inside a
-    captured step this halves the gradients' memory traffic; the new gradients come from the
-    graph's memory pool, one parameter's at a time.
-    """
-
-    def __init__(self, opt):
-        self.opt = opt
-        self.views = {}  # param -> its gradient view in the flat buffer
-        for buf in opt._buffers:
-            for p, (_, grad_ptr) in zip(buf.params, buf.expected):
-                g = p.grad
-                if g is None or g.data_ptr() != grad_ptr or not p.requires_grad:
-                    opt.check_bindings(full=True)  # raises, naming the parameter and what to do
-                    raise RuntimeError(f"{type(opt).__name__}: parameter {opt._name(p)} is not bound to its buffers")
-                self.views[p] = g
-        self.handles = []
-
-    def begin(self):
-        """Instead of ``opt.zero_grad()``: every ``.grad`` to None, and the hooks that copy the new gradients in."""
-        for p in self.views:  # one at a time, so that abort() removes those registered before an error
-            self.handles.append(p.register_post_accumulate_grad_hook(self._land))
-        for p in self.views:
-            p.grad = None
-
-    def _land(self, p):
-        view, g = self.views[p], p.grad
-        if g.data_ptr() != view.data_ptr():  # the first gradient of this step; later ones add into the view
-            if g.requires_grad:
-                raise RuntimeError(
-                    f"{type(self.opt).__name__}: the gradient of parameter {self.opt._name(p)} requires grad "
-                    "(backward(create_graph=True) in train_step); the recorded step keeps gradients in the flat "
-                    "buffer, which cannot hold their autograd history. Use backward() without create_graph"
-                )
-            view.copy_(g)
-            p.grad = view
-
-    def settle(self):
-        """Zero the views of parameters without a gradient, put every view back in ``.grad``, remove the hooks."""
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        for p, view in self.views.items():
-            g = p.grad
-            if g is None:
-                view.zero_()
-                p.grad = view
-            elif g.data_ptr() != view.data_ptr():  # set by something other than autograd's accumulation
-                view.copy_(g)
-                p.grad = view
-
-    def abort(self):
-        """After an exception: the hooks removed and the views back in ``.grad``, launching nothing
-        (a failed recording leaves the stream unusable until it ends)."""
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        for p, view in self.views.items():
-            p.grad = view
-
-
 class Snapshot:
     """Copies, in host memory (so that capture does not need twice the GPU memory), of everything
     warm-up changes, to put back before recording."""
@@ -179,6 +107,7 @@ class CapturedStep:
             raise ValueError(f"Invalid warmup: {warmup!r}; expected an int >= 2 (the last one checks for host syncs)")
         if max_grad_norm is not None and not float(max_grad_norm) > 0:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}; expected a positive number")
+        opt.check_bindings(full=True)  # names a parameter frozen, moved or cast since construction
         self.opt = opt
         self.fn = train_step
         self.max_grad_norm = max_grad_norm
@@ -239,9 +168,9 @@ class CapturedStep:
         opt = self.opt
         opt._graph_mode = True
         opt._graph_steps = 0
-        grads = opt._copied_grads = CopiedGrads(opt)
+        grads = opt._landing
         try:
-            grads.begin()  # zero_grad, by copying the first gradients in (see CopiedGrads)
+            grads.release()  # zero_grad(): the first gradients are copied in (see flatopt.grads)
             out = self.fn(*self.static)
             grads.settle()
             if not opt._graph_steps:
@@ -249,10 +178,8 @@ class CapturedStep:
                     opt.clip_grad_norm_(self.max_grad_norm)
                 opt.step()
         except BaseException:
-            grads.abort()
+            grads.restore()  # launching nothing: a failed recording leaves the stream unusable until it ends
             raise
-        finally:
-            opt._copied_grads = None
         return out
 
     def _run(self, graph_mode, check_sync=False):

@@ -14,6 +14,7 @@ from torch import nn
 
 from flatopt.checkpoint import CheckpointMixin
 from flatopt.functional import BACKENDS
+from flatopt.grads import GradLanding
 from flatopt.in_backward import (
     DEFAULT_BUCKET_SIZE,
     FULL_CHECK_EVERY,
@@ -204,7 +205,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._module = None  # weak reference to the module, when given one (capture restores its buffers)
         self._graph_mode = False  # True while capture() warms up or records: step() skips host work
         self._graph_steps = 0  # step() calls since capture() last reset it
-        self._copied_grads = None  # while capture() records: its CopiedGrads, settled before a step
+        self._landing = None  # GradLanding: gradients copied into the flat buffers (flat=True, step mode)
         self._step_graph = StepGraph()
         self.use_step_graph = True  # replay step()'s launches from a CUDA graph (see flatopt.step_graph)
         if isinstance(params, nn.Module):
@@ -381,6 +382,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._hooks = []
         if self._in_backward is not None:
             self._in_backward.remove()
+        if self._landing is not None:
+            self._landing.detach()
         buffers = []
         for key in keys:
             params, groups = members[key]
@@ -413,6 +416,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             params = [p for b in buffers for p in b.params]
             self._hooks = [p.register_post_accumulate_grad_hook(self._seen.add) for p in params]
             self._hooks += [p.register_hook(self._sparse_grad_hook(p)) for p in params]
+        if not self.in_backward:
+            self._landing = GradLanding(self)
+            self._landing.attach()  # for good: also after model.zero_grad() or zero_grad(set_to_none=False)
 
     def _sparse_grad_hook(self, p):
         """A hook on ``p``'s incoming gradient, registered until the first step with the hooks that
@@ -528,11 +534,19 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
         ``step()`` checks every parameter at the first step and at every ``FULL_CHECK_EVERY``-th
         (256th) step after it, and otherwise only the first and last parameter of each buffer
-        (``full=False``, O(1) host work), which catches ``model.to(...)``, ``model.zero_grad()``
-        and ``backward(create_graph=True)`` at once. Call this (``full=True``) to check every
-        parameter now.
+        (``full=False``, O(1) host work), which catches ``model.to(...)`` at once. Call this
+        (``full=True``) to check every parameter now.
+
+        First, with ``flat=True`` in step mode, the gradients are settled into the flat gradient
+        buffer (see :mod:`flatopt.grads`): a ``.grad`` that is None is zeroed in its view, one that
+        is a tensor of its own is copied in, and the views are put back in ``.grad``.
         """
-        if not full and self._ends_bound():
+        self._check_bindings(full)
+
+    def _check_bindings(self, full, settle=True):
+        if not full and self._ends_bound(grads=False):
+            if settle:
+                self._settle_grads()
             return
         cls = type(self).__name__
         checked = []  # the parameters looked at: every one (full) or the first and last of each buffer
@@ -541,36 +555,13 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             for i in idx:
                 p = buf.params[i]
                 checked.append(p)
-                data_ptr, grad_ptr = buf.expected[i]
+                data_ptr = buf.expected[i][0]  # the gradient was settled above
                 if p.data_ptr() != data_ptr or p.dtype != buf.dtype or p.device != buf.device:
                     raise RuntimeError(
                         f"{cls}: parameter {self._name(p)} no longer lives in the optimizer's flat buffer: its data "
                         "was replaced after the optimizer was created (model.to(), model.cuda(), model.half() or "
                         "`p.data = ...` do that). Create the optimizer after moving or casting the model; to keep "
                         "the optimizer state, save opt.state_dict() first and load it into the new optimizer"
-                    )
-                if grad_ptr is None:  # in-backward mode: no gradient buffer
-                    continue
-                g = p.grad
-                if g is None:
-                    raise RuntimeError(
-                        f"{cls}: parameter {self._name(p)} has .grad None, but flatopt keeps every .grad as a view "
-                        "into its flat gradient buffer; something set it to None (model.zero_grad(), or another "
-                        "optimizer's zero_grad()). Call opt.zero_grad() instead: it zeroes the buffer and keeps the "
-                        "views"
-                    )
-                if g.data_ptr() != grad_ptr:
-                    why = (
-                        "a sparse gradient"
-                        if g.is_sparse
-                        else "DistributedDataParallel(gradient_as_bucket_view=True), backward(create_graph=True) or "
-                        "`p.grad = ...`"
-                    )
-                    raise RuntimeError(
-                        f"{cls}: the .grad of parameter {self._name(p)} is no longer a view into the flat gradient "
-                        f"buffer ({why} replaces it). Use DistributedDataParallel with gradient_as_bucket_view=False "
-                        "(its default), backward() without create_graph, dense gradients, and in-place changes to "
-                        ".grad, or construct the optimizer with flat=False"
                     )
         frozen = [p for p in checked if not p.requires_grad]
         if frozen and not self.skip_unused:
@@ -605,6 +596,23 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                     "load_state_dict() without assign=True (it copies into the parameters), give new parameters "
                     "to opt.add_param_group(), or create the optimizer afterwards"
                 )
+        if settle:  # last: it is the only part that changes anything
+            self._settle_grads(force=True)
+
+    def _settle_grads(self, force=False):
+        """Gradients into the flat buffers (see flatopt.grads): after zero_grad() or a gradient copied in
+        by a hook, and when a .grad was set to None or replaced behind the optimizer's back
+        (model.zero_grad()), which ``force`` or the ends of a buffer show."""
+        grads = self._grads_to_settle(force)
+        if grads is not None:
+            self._landing.apply(grads)
+
+    def _grads_to_settle(self, force=False):
+        """The plan of _settle_grads (checked, nothing done yet), or None when there is nothing to settle."""
+        landing = self._landing
+        if landing is not None and (force or landing.dirty or not self._ends_bound()):
+            return landing.plan()
+        return None
 
     def _check_skip_unused_is_local(self):
         """skip_unused=True learns which parameters received a gradient from this process's backward
@@ -620,10 +628,11 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             "None as torch.optim does."
         )
 
-    def _ends_bound(self):
-        """Whether the first and last parameter of every buffer still hold their views and require grad:
-        step()'s usual check, without building anything (check_bindings says what is wrong otherwise;
-        a parameter moved to another device has another address)."""
+    def _ends_bound(self, grads=True):
+        """Whether the first and last parameter of every buffer still hold their views (of the gradient
+        too, unless ``grads`` is False) and require grad: step()'s usual check, without building
+        anything (check_bindings says what is wrong otherwise; a parameter moved to another device has
+        another address)."""
         for buf in self._buffers:
             params, expected = buf.params, buf.expected
             for i in (0, len(params) - 1):
@@ -631,7 +640,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 data_ptr, grad_ptr = expected[i]
                 if p.data_ptr() != data_ptr or p.dtype != buf.dtype or not p.requires_grad:
                     return False
-                if grad_ptr is not None:
+                if grads and grad_ptr is not None:
                     g = p.grad
                     if g is None or g.data_ptr() != grad_ptr:
                         return False
@@ -640,9 +649,12 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def _check_bindings_at_step(self):
         """step()'s binding check, amortised: full at the first step and at every FULL_CHECK_EVERY-th step
         after it, the first and last parameter of each buffer otherwise. The count advances only when
-        the check passes, so a full check that raised runs again at the next step."""
-        self.check_bindings(full=not self._unused_reported or self._checked_steps % FULL_CHECK_EVERY == 0)
+        the check passes, so a full check that raised runs again at the next step. The gradients are
+        settled afterwards, by step(), once the hyper-parameters have been validated too."""
+        full = not self._unused_reported or self._checked_steps % FULL_CHECK_EVERY == 0
+        self._check_bindings(full, settle=False)
         self._checked_steps += 1
+        return full
 
     def _report_unused(self):
         unused = [p for b in self._buffers for p in b.params if p not in self._seen]
@@ -699,11 +711,12 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             with torch.no_grad():
                 self._step_unflat()
             return loss
-        if self._copied_grads is not None:  # inside capture(): the .grad views of unused parameters go back
-            self._copied_grads.settle()
-        self._check_bindings_at_step()
+        full = self._check_bindings_at_step()
+        grads = self._grads_to_settle(force=full)  # checked now, settled last (see flatopt.grads)
         if not self._graph_mode:  # a captured step refreshes hyper-parameters before each replay
             self._refresh_hparams(self._devices)
+        if grads is not None:
+            self._landing.apply(grads)
         if not self._unused_reported:
             self._report_unused()
         if self.skip_unused:
@@ -880,8 +893,6 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if not self.flat:
             params = [p for p in self._trainable() if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-        if self._copied_grads is not None:
-            self._copied_grads.settle()
         self.check_bindings(full=False)
         if not self._buffers:
             return torch.tensor(0.0)
@@ -900,10 +911,18 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         return total
 
     def zero_grad(self, set_to_none=True):
-        """Zero the flat gradient buffers, one operation per buffer.
+        """Resets the gradients of all optimized parameters, as torch.optim does.
 
-        With ``flat=True`` the ``.grad`` views are kept whatever ``set_to_none`` says (the buffers
-        never move); with ``flat=False`` this is torch.optim's ``zero_grad``.
+        Args:
+            set_to_none (bool): instead of setting to zero, set the grads to None (default: True).
+
+        With ``flat=True`` the gradients still land in the flat gradient buffer. ``set_to_none=True``
+        sets every ``.grad`` to None; the next backward pass copies each new gradient into the
+        parameter's view of the buffer and puts the view back in ``.grad`` (a read and a write of
+        its bytes), and ``step()`` zeroes the views of parameters that received none. With
+        ``set_to_none=False`` the buffers are zeroed (one operation each) and the views kept, and
+        autograd adds each gradient into its view (a write, then two reads and a write). See
+        :mod:`flatopt.grads`.
         """
         if self.in_backward:
             self._in_backward.abandon()
@@ -911,6 +930,10 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             return super().zero_grad(set_to_none=set_to_none)
         if not self.flat:
             return super().zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            self._landing.release()
+            return None
+        self._landing.restore()
         for buf in self._buffers:
             buf.grad.zero_()
         return None

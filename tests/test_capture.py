@@ -13,7 +13,7 @@ from conftest import HAS_CUDA
 from torch import nn
 
 import flatopt
-from flatopt.capture import CopiedGrads, Snapshot, check_inputs
+from flatopt.capture import Snapshot, check_inputs
 
 # ---------------------------------------------------------------------------------------- CPU
 
@@ -84,131 +84,6 @@ def test_replay_copies_inputs_without_autograd_history():
     y = torch.randn(2, 4)
     step(y, 3)
     assert torch.equal(step.static[0].detach(), y) and step.static[0].grad_fn is None and replays == [1, 1]
-
-
-class Tied(nn.Module):
-    """A head tied to the embedding (one parameter, two uses), a layer used twice, and an unused one."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(11, 6)
-        self.mid = nn.Linear(6, 6)
-        self.unused = nn.Linear(6, 6)
-
-    def forward(self, idx):
-        h = self.emb(idx)
-        h = self.mid(torch.tanh(self.mid(h)))
-        return (h @ self.emb.weight.t()).logsumexp(-1).mean()
-
-
-def _hooks(model):
-    """Post-accumulate-grad hooks per parameter (the optimizer keeps its own until its first step)."""
-    return [len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()]
-
-
-def _two_tied(seed=0):
-    torch.manual_seed(seed)
-    ours = Tied()
-    ref = copy.deepcopy(ours)
-    return ours, flatopt.AdamW(ours, lr=1e-2, weight_decay=0.1), ref, flatopt.AdamW(ref, lr=1e-2, weight_decay=0.1)
-
-
-@pytest.mark.parametrize("backwards", [1, 3])
-def test_copied_grads_leave_what_zero_grad_and_accumulation_leave(backwards):
-    """CopiedGrads (what a captured step does instead of zero_grad) against zero_grad + accumulation, eagerly:
-    the same gradients in the same flat buffers, unused parameters zeroed, the hooks gone afterwards."""
-    ours, opt, ref, ref_opt = _two_tied()
-    idx = [torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(i)) for i in range(backwards)]
-    for model in (ours, ref):  # stale gradients that zero_grad must drop
-        model(idx[0]).backward()
-        model.unused.weight.grad.add_(1.0)
-    hooks = _hooks(ours)
-    grads = CopiedGrads(opt)
-    grads.begin()
-    assert all(p.grad is None for p in ours.parameters())  # as zero_grad(set_to_none=True) leaves them
-    for x in idx:
-        ours(x).backward()
-    grads.settle()
-    ref_opt.zero_grad()
-    for x in idx:
-        ref(x).backward()
-    opt.check_bindings(full=True)  # every .grad is its view in the flat buffer again
-    assert _hooks(ours) == hooks, "settle() left hooks behind"
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad), name
-    assert not ours.unused.weight.grad.any()
-    assert torch.equal(opt._buffers[0].grad, ref_opt._buffers[0].grad)
-    ours(idx[0]).backward()  # hooks removed: this one adds into the views
-    ref(idx[0]).backward()
-    assert torch.equal(opt._buffers[0].grad, ref_opt._buffers[0].grad)
-
-
-@pytest.mark.filterwarnings("ignore:.*received no gradient")
-def test_step_inside_the_step_settles_copied_grads_first():
-    """When train_step steps the optimizer itself (scaler.step(opt)), step() puts the views of unused
-    parameters back before its binding check; clip_grad_norm_ likewise."""
-    ours, opt, ref, ref_opt = _two_tied()
-    x = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(0))
-    opt._copied_grads = grads = CopiedGrads(opt)
-    try:
-        grads.begin()
-        ours(x).backward()
-        assert ours.unused.weight.grad is None
-        total = opt.clip_grad_norm_(0.5)
-        opt.step()
-    finally:
-        opt._copied_grads = None
-    ref_opt.zero_grad()
-    ref(x).backward()
-    assert torch.equal(total, ref_opt.clip_grad_norm_(0.5))
-    ref_opt.step()
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        assert torch.equal(p, q), name
-        assert torch.equal(p.grad, q.grad), name
-
-
-def test_copied_grads_abort_puts_the_views_back_without_launching():
-    ours, opt, _, _ = _two_tied()
-    before, hooks = opt._buffers[0].grad.clone(), _hooks(ours)
-    grads = CopiedGrads(opt)
-    grads.begin()
-    grads.abort()
-    opt.check_bindings(full=True)
-    assert torch.equal(opt._buffers[0].grad, before)
-    assert _hooks(ours) == hooks, "abort() left hooks behind"
-    ours(torch.randint(0, 11, (4, 5))).backward()  # accumulates into the views: no hook copies it
-    opt.check_bindings(full=True)
-
-
-def test_copied_grads_take_a_gradient_set_from_outside_autograd():
-    """A .grad set by something other than autograd's accumulation (DDP's reducer gives a parameter this
-    rank did not use the average of the others') is copied into the view by settle()."""
-    ours, opt, _, _ = _two_tied()
-    grads = CopiedGrads(opt)
-    grads.begin()
-    ours(torch.randint(0, 11, (4, 5))).backward()
-    given = torch.full_like(ours.unused.weight, 0.25)
-    ours.unused.weight.grad = given
-    grads.settle()
-    opt.check_bindings(full=True)
-    assert ours.unused.weight.grad.data_ptr() != given.data_ptr() and torch.equal(ours.unused.weight.grad, given)
-    assert not ours.unused.bias.grad.any()
-
-
-@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
-def test_copied_grads_refuse_create_graph_and_frozen_parameters_by_name():
-    ours, opt, _, _ = _two_tied()
-    hooks = _hooks(ours)
-    grads = CopiedGrads(opt)
-    grads.begin()
-    with pytest.raises(RuntimeError, match=r"gradient of parameter '(emb|mid)\.\w+' requires grad.*create_graph"):
-        ours(torch.randint(0, 11, (4, 5))).backward(create_graph=True)
-    grads.abort()
-    opt.check_bindings(full=True)
-    assert _hooks(ours) == hooks
-    ours.mid.weight.requires_grad_(False)  # frozen after construction, in the middle of the buffer
-    with pytest.raises(RuntimeError, match=r"requires_grad=False now: 'mid.weight'"):
-        CopiedGrads(opt)
 
 
 def test_snapshot_restores_parameters_grads_states_steps_and_module_buffers():
@@ -470,7 +345,7 @@ def test_recorded_body_run_eagerly_matches_eager_flatopt():
         opt._refresh_hparams(opt._devices)  # as each replay's call does before the graph runs
         body._body()
         opt._graph_mode = False
-        opt_ref.zero_grad()
+        opt_ref.zero_grad(set_to_none=False)  # zeroed and added to: the other way gradients reach the buffer
         eager(tokens, target, poison)
         assert scalers[0].get_scale() == scalers[1].get_scale(), f"step {i}: loss scales differ"
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -508,7 +383,7 @@ def test_captured_gradients_with_tied_late_and_unused_parameters_unscale_and_cli
     for i, (tokens, target) in enumerate(data[1:], start=1):
         poison = inf if i == 4 else zero
         step(tokens, target, poison)
-        opt_ref.zero_grad()
+        opt_ref.zero_grad(set_to_none=False)  # zeroed and added to: the other way gradients reach the buffer
         eager(tokens, target, poison)
         assert scalers[0].get_scale() == scalers[1].get_scale(), f"replay {i}: loss scales differ"
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):

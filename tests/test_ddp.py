@@ -11,8 +11,8 @@ FileStore in a temporary directory (no TCP port to pick).
   0's parameters in place, into the flat buffers). Also with ``static_graph=True``, with gradient
   accumulation under ``ddp.no_sync()`` and with a communication hook (fp16_compress_hook).
 * ``gradient_as_bucket_view=True`` makes DDP rebind every ``.grad`` to a view of its own buckets
-  (at construction when ``.grad`` exists, else at the first backward): ``step()`` must refuse it with
-  a RuntimeError naming the option, before changing anything.
+  (at construction when ``.grad`` exists, else at the first backward): ``step()`` copies the averaged
+  gradients into the flat buffer (see flatopt.grads) and must match torch.optim under the same DDP.
 * ``find_unused_parameters=True`` with a parameter that only one rank uses: DDP hands the averaged
   gradient to the rank that did not use it, which must step it as the other rank does. With
   ``skip_unused=True`` no hook on that rank sees the gradient, so the rank would skip what the other
@@ -193,38 +193,41 @@ def run_match(rank, opt_name, order, variant):
                     nn.functional.mse_loss(d(x), y).backward()
         opt.step()
         ref_opt.step()
+        out["views_at_end"] = flat_views(opt)  # after the last step; zero_grad() sets every .grad to None
         opt.zero_grad()
         ref_opt.zero_grad()
         out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
-    out["views_at_end"] = flat_views(opt)
     out["binding_error"] = binding_error(opt)
     return out
 
 
 def run_bucket_view(rank, order):
-    """DDP(gradient_as_bucket_view=True): one forward and backward, then opt.step()."""
+    """DDP(gradient_as_bucket_view=True), flatopt.AdamW against torch.optim.AdamW under the same DDP, over
+    STEPS steps."""
     DDP = _ddp()
-    model = mlp(seed=0)
+    flat_cls, ref_cls, hp = OPTIMIZERS["AdamW"]
+    model, ref = mlp(seed=0), mlp(seed=0)
     if order == "before_wrap":
-        opt = flatopt.AdamW(model, lr=1e-2, backend="torch")
+        opt = flat_cls(model, backend="torch", **hp)
         ddp = DDP(model, gradient_as_bucket_view=True)
     else:
         ddp = DDP(model, gradient_as_bucket_view=True)
-        opt = flatopt.AdamW(ddp.module.parameters(), lr=1e-2, backend="torch")
-    out = {"views_after_construction": flat_views(opt)}
-    x, y = batch(rank, 0)
-    nn.functional.mse_loss(ddp(x), y).backward()
-    out["views_after_backward"] = flat_views(opt)
-    out["before"] = values(model)
-    out["states_before"] = {k: v.clone() for k, v in opt._buffers[0].states.items()}
-    try:
+        opt = flat_cls(ddp.module.parameters(), backend="torch", **hp)
+    ref_ddp = DDP(ref, gradient_as_bucket_view=True)
+    ref_opt = ref_cls(ref_ddp.module.parameters(), **hp)
+    out = {"history": [], "views_after_backward": []}
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        for d in (ddp, ref_ddp):
+            nn.functional.mse_loss(d(x), y).backward()
+        out["views_after_backward"].append(flat_views(opt))
         opt.step()
-        out["step_error"] = None
-    except Exception as e:
-        out["step_error"] = error_of(e)
-        out["step_traceback"] = traceback.format_exc()
-    out["after"] = values(model)
-    out["states_after"] = {k: v.clone() for k, v in opt._buffers[0].states.items()}
+        ref_opt.step()
+        out["views_at_end"] = flat_views(opt)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+    out["binding_error"] = binding_error(opt)
     return out
 
 
@@ -455,22 +458,28 @@ def test_params_and_grads_stay_flat_views(ddp_results, scenario):
 
 
 @pytest.mark.parametrize("order", ["after_wrap", "before_wrap"])
-def test_gradient_as_bucket_view_is_refused(ddp_results, order):
-    """DDP(gradient_as_bucket_view=True) rebinds every .grad to its own buckets (before_wrap: already in
-    DDP's constructor; after_wrap: at the first backward): the step refuses it, naming the option, and
-    changes nothing."""
-    for rank, result in enumerate(ddp_results(f"bucket_view:{order}")):
-        assert any(not grad_ok for _, _, grad_ok in result["views_after_backward"]), (
-            f"rank {rank}: DDP was expected to replace the .grad views with its bucket views"
+def test_gradient_as_bucket_view_matches_torch(ddp_results, order):
+    """DDP(gradient_as_bucket_view=True) rebinds every .grad to its own buckets at every backward: step()
+    copies them into the flat buffer and puts the views back, and the steps match torch.optim's under the
+    same DDP, parameters and states, on both ranks."""
+    results = ddp_results(f"bucket_view:{order}")
+    for rank, result in enumerate(results):
+        for step, views in enumerate(result["views_after_backward"]):
+            assert all(not grad_ok for _, _, grad_ok in views), (
+                f"rank {rank}, step {step}: DDP was expected to hand over its bucket views as .grad"
+            )
+        moved = [(name, data_ok, grad_ok) for name, data_ok, grad_ok in result["views_at_end"] if not grad_ok]
+        assert not moved, f"rank {rank}: .grad not back in the flat buffer after step(): {moved}"
+        assert result["binding_error"] is None, f"rank {rank}: {result['binding_error']}"
+        assert_history(
+            [h["flat"] for h in result["history"]],
+            [h["ref"] for h in result["history"]],
+            f"rank {rank}, flatopt vs torch",
+            **TOL,
         )
-        err = result["step_error"]
-        assert err is not None, f"rank {rank}: opt.step() did not raise with gradient_as_bucket_view=True"
-        assert err["type"] == "builtins.RuntimeError", f"rank {rank}: {err}"
-        assert "gradient_as_bucket_view" in err["message"], f"rank {rank}: the message does not name it: {err}"
-        for i, (a, b) in enumerate(zip(result["before"], result["after"])):
-            torch.testing.assert_close(b, a, **SAME, msg=lambda m: f"rank {rank}, parameter {i} changed: {m}")
-        for key, before in result["states_before"].items():
-            torch.testing.assert_close(result["states_after"][key], before, **SAME, msg=lambda m: f"{key}: {m}")
+    assert_history(
+        [h["flat"] for h in results[0]["history"]], [h["flat"] for h in results[1]["history"]], "ranks", **SAME
+    )
 
 
 def test_parameter_used_on_one_rank_only(ddp_results):

@@ -1,0 +1,177 @@
+"""How gradients reach the flat gradient buffers: copied in as autograd produces them.
+
+Zeroing the buffers and letting autograd add every new gradient into its ``.grad`` view
+(``zero_grad(set_to_none=False)``) costs a write, then two reads and a write, of every gradient's
+bytes. torch.optim's default, ``zero_grad(set_to_none=True)``, costs nothing there: autograd hands
+over the gradient it computed. flatopt does the same and then copies it in, a read and a write:
+
+* :meth:`GradLanding.release` (``opt.zero_grad()``) sets every ``.grad`` to None, as torch does;
+* autograd gives each parameter its first gradient as a tensor of its own, and a
+  post-accumulate-grad hook copies it into the parameter's view and puts the view back in
+  ``.grad``, which frees the tensor at once (so flatopt holds one gradient beyond its buffers at a
+  time). A second backward pass before the next ``zero_grad()`` (gradient accumulation) adds into
+  the view as usual. The hooks stay registered for the optimizer's life, so a ``.grad`` set to
+  None behind the optimizer's back (``model.zero_grad()``) is handled alike;
+* :meth:`GradLanding.settle`, run before anything reads the buffers (``step()``,
+  ``clip_grad_norm_()``, ``check_bindings()``), zeroes the view of every parameter whose ``.grad``
+  is still None (it received no gradient) and copies in any ``.grad`` that is a tensor of its own
+  (set by ``p.grad = ...``, or by DistributedDataParallel: a parameter only other ranks used, or
+  ``gradient_as_bucket_view=True``), so the buffers hold what zeroing plus accumulation would have
+  left.
+
+Between ``zero_grad()`` and ``step()`` a ``.grad`` is therefore None (no gradient yet) or the
+parameter's view holding its gradient, as torch.optim users expect. Inside ``capture()`` the same
+copies are recorded into the graph: the new gradients come from the graph's memory pool.
+"""
+
+import weakref
+
+import torch
+
+# id(parameter) -> (weak reference to the parameter, weak reference to the GradLanding whose hook copies into
+# it). Keyed by id: a WeakKeyDictionary would compare tensors with ==, elementwise.
+_OWNER = {}
+
+
+def _owner(p):
+    entry = _OWNER.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
+
+
+def _forget(handles, ids):
+    """A GradLanding is gone: remove its hooks and its entries in _OWNER."""
+    for h in handles:
+        h.remove()
+    for i in ids:
+        entry = _OWNER.get(i)
+        if entry is not None and entry[1]() is None:
+            del _OWNER[i]
+
+
+class GradLanding:
+    """The gradient views of one optimizer's flat buffers and the hooks that copy gradients into them."""
+
+    def __init__(self, opt):
+        self.opt = weakref.ref(opt)  # the hooks live on the parameters: no reference back to the optimizer
+        self.views = {p: view for buf in opt._buffers for p, view in zip(buf.params, buf.grad_views)}
+        self.handles = []
+        self.dirty = False  # a .grad may be None or a tensor of its own: settle() before the buffers are read
+        self._finalizer = None
+
+    def attach(self):
+        """Register the hooks (once). A parameter that another optimizer's hooks copied into is taken
+        over, and that optimizer's hooks are removed (it would copy into buffers the parameter left)."""
+        if self.handles:
+            return
+        ref = weakref.ref(self)
+
+        def land(p):
+            self_ = ref()
+            if self_ is not None:
+                self_.land(p)
+
+        for p in self.views:
+            other = _owner(p)
+            if other is not None and other is not self:
+                other.detach()
+            _OWNER[id(p)] = (weakref.ref(p), ref)
+            self.handles.append(p.register_post_accumulate_grad_hook(land))
+        self._finalizer = weakref.finalize(self, _forget, list(self.handles), [id(p) for p in self.views])
+
+    def detach(self):
+        for p in self.views:
+            if _owner(p) is self:
+                del _OWNER[id(p)]
+        if self._finalizer is not None:
+            self._finalizer()  # removes the hooks, once
+            self._finalizer = None
+        self.handles = []
+
+    def land(self, p):
+        """The post-accumulate-grad hook: copy a gradient of its own into ``p``'s view."""
+        view, g = self.views[p], p.grad
+        if g is view or g is None:  # accumulated into the view (or an anomaly left it None): nothing to do
+            return
+        self.dirty = True  # others may still be None: settle() zeroes them before a step
+        if not self._fits(p, g, view) or g.requires_grad or g.layout != torch.strided:
+            return  # left as it is: settle() or check_bindings() says what is wrong
+        with torch.no_grad():
+            view.copy_(g)
+        p.grad = view
+
+    @staticmethod
+    def _fits(p, g, view):
+        """Whether ``p`` (and ``g``) still have the buffer's dtype and device: after ``model.to()``
+        they do not, and check_bindings() reports it."""
+        return p.dtype is view.dtype and p.get_device() == view.get_device() and (g is None or g.dtype is view.dtype)
+
+    def release(self):
+        """``zero_grad()``: every ``.grad`` to None; the next gradients are copied in."""
+        for p in self.views:
+            p.grad = None
+        self.dirty = True
+
+    def restore(self):
+        """Every view back in ``.grad``, launching nothing (its values are stale until the buffer is
+        zeroed): after a failed capture, and before ``zero_grad(set_to_none=False)`` zeroes them."""
+        for p, view in self.views.items():
+            if p.grad is not view and self._fits(p, None, view):
+                p.grad = view
+        self.dirty = False
+
+    def settle(self):
+        """Zero the views of parameters whose ``.grad`` is None, copy in every ``.grad`` that is a
+        tensor of its own, and put the views back in ``.grad``. Raises, changing nothing, for a
+        gradient the buffer cannot hold (sparse, or with autograd history)."""
+        self.apply(self.plan())
+
+    def plan(self):
+        """What settle() does, checked but not done: (views to zero, (view, tensor or None) to copy)."""
+        zero, copy = [], []
+        for p, view in self.views.items():
+            g = p.grad
+            if g is view:
+                continue
+            if not self._fits(p, g, view):
+                continue  # the parameter moved or was cast: check_bindings() raises for it
+            if g is None:
+                zero.append((p, view))
+            elif g.data_ptr() == view.data_ptr() and g.stride() == view.stride():
+                copy.append((p, view, None))  # the view itself, as another tensor object
+            else:
+                self._check(p, g)
+                copy.append((p, view, g))
+        return zero, copy
+
+    def apply(self, plan):
+        zero, copy = plan
+        with torch.no_grad():
+            if zero:
+                torch._foreach_zero_([view for _, view in zero])
+            for _, view, g in copy:
+                if g is not None:
+                    view.copy_(g)
+        for p, view in zero:
+            p.grad = view
+        for p, view, _ in copy:
+            p.grad = view
+        self.dirty = False
+
+    def _check(self, p, g):
+        opt = self.opt()
+        cls = type(opt).__name__ if opt is not None else "flatopt"
+        name = opt._name(p) if opt is not None else "?"
+        if g.layout != torch.strided:
+            raise RuntimeError(
+                f"{cls} does not support sparse gradients: parameter {name} has a {g.layout} .grad, which its dense "
+                "flat gradient buffer cannot hold; use sparse=False on the embedding (nn.Embedding(..., "
+                "sparse=False)) that produces it"
+            )
+        if g.requires_grad:
+            raise RuntimeError(
+                f"{cls}: the .grad of parameter {name} requires grad (backward(create_graph=True)); the flat gradient "
+                "buffer cannot hold its autograd history. Use backward() without create_graph, or construct the "
+                "optimizer with flat=False"
+            )

@@ -1,0 +1,268 @@
+"""How gradients reach the flat gradient buffer (flatopt.grads).
+
+``zero_grad()`` (set_to_none=True, torch's default) sets every ``.grad`` to None and a hook copies
+each new gradient into its view; ``zero_grad(set_to_none=False)`` zeroes the buffer and autograd
+adds into the views. Both must leave the same buffers and train the same, bit for bit, and match
+torch.optim; ``.grad`` set to None or replaced behind the optimizer's back is settled at the step;
+no gradient outlives its hook; the hooks neither pile up nor outlive their optimizer.
+"""
+
+import copy
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import flatopt
+
+SAME = dict(rtol=0.0, atol=0.0)
+TOL = dict(rtol=1e-6, atol=1e-7)  # flatopt against torch.optim: the same formula, float32, another order
+GRAD_TOL = dict(rtol=1e-5, atol=1e-7)  # gradients at parameters that differ by TOL
+
+
+class Tied(nn.Module):
+    """A head tied to the embedding (one parameter, two uses), a layer used twice, a parameter reached
+    only from the second micro-batch on, and a layer never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.late = nn.Linear(6, 6)
+        self.unused = nn.Linear(6, 6)
+
+    def forward(self, idx, late=False):
+        h = self.emb(idx)
+        h = self.mid(torch.tanh(self.mid(h)))
+        if late:
+            h = self.late(h)
+        return (h @ self.emb.weight.t()).logsumexp(-1).mean()
+
+
+def hooks(model):
+    """Post-accumulate-grad hooks per parameter."""
+    return [len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()]
+
+
+def batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 11, (4, 5), generator=g) for _ in range(n)]
+
+
+def three(seed=0, **hp):
+    """The same Tied model three times: flatopt with zero_grad(), flatopt with zero_grad(set_to_none=False),
+    torch.optim.AdamW (set_to_none=False: it then steps every parameter, as flatopt does)."""
+    torch.manual_seed(seed)
+    hp = {"lr": 1e-2, "weight_decay": 0.1, **hp}
+    models = [Tied() for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opts = [flatopt.AdamW(models[0], **hp), flatopt.AdamW(models[1], **hp)]
+    for p in models[2].parameters():
+        p.grad = torch.zeros_like(p)
+    opts.append(torch.optim.AdamW(models[2].parameters(), **hp))
+    return models, opts
+
+
+def assert_view(p, opt, what):
+    buf = opt._buffers[0]
+    start = buf.index[p][0]
+    assert p.grad is not None, f"{what}: .grad is None"
+    assert p.grad.untyped_storage().data_ptr() == buf.grad.untyped_storage().data_ptr(), f"{what}: not in the buffer"
+    assert p.grad.storage_offset() == buf.grad.storage_offset() + start, f"{what}: at the wrong place"
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+@pytest.mark.parametrize("micro", [1, 3])
+def test_both_zero_grads_train_alike_and_match_torch(micro):
+    """Over 8 steps of ``micro`` micro-batches (the late parameter gets its first gradient in the second):
+    zero_grad() and zero_grad(set_to_none=False) leave the same gradient buffers and parameters and states,
+    bit for bit, and match torch.optim. Between zero_grad() and step(), a .grad is None or its view."""
+    (ours, keep, ref), (opt, opt_keep, opt_ref) = three()
+    data = batches(8 * micro)
+    for step in range(8):
+        opt.zero_grad()
+        opt_keep.zero_grad(set_to_none=False)
+        opt_ref.zero_grad(set_to_none=False)
+        assert all(p.grad is None for p in ours.parameters())
+        for i in range(micro):
+            x = data[step * micro + i]
+            for m in (ours, keep, ref):
+                m(x, late=i > 0).backward()
+        for name, p in ours.named_parameters():
+            if name.startswith("unused") or (micro == 1 and name.startswith("late")):
+                assert p.grad is None, f"step {step}: {name} received no gradient, its .grad must be None"
+            else:
+                assert_view(p, opt, f"step {step}, {name}")
+        opt.step()
+        opt_keep.step()
+        opt_ref.step()
+        assert torch.equal(opt._buffers[0].grad, opt_keep._buffers[0].grad), f"step {step}: gradient buffers"
+        for (name, p), q, r in zip(ours.named_parameters(), keep.parameters(), ref.parameters()):
+            assert_view(p, opt, f"step {step}, {name} after step()")
+            torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"step {step}, {name}: {m}")
+            torch.testing.assert_close(p, r, **TOL, msg=lambda m: f"step {step}, {name} vs torch: {m}")
+            torch.testing.assert_close(
+                p.grad, r.grad, **GRAD_TOL, msg=lambda m: f"step {step}, {name}.grad vs torch: {m}"
+            )
+        for key, value in opt_keep._buffers[0].states.items():
+            assert torch.equal(opt._buffers[0].states[key], value), f"step {step}: state {key}"
+    assert not ours.unused.weight.grad.any()
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+@pytest.mark.parametrize(
+    "behind_the_back",
+    [
+        "model.zero_grad()",
+        "module.zero_grad()",
+        "p.grad = tensor",
+        "zero_grad(set_to_none=False) then model.zero_grad()",
+    ],
+)
+def test_grads_set_to_none_or_replaced_behind_the_optimizers_back(behind_the_back):
+    """torch.optim takes a .grad however it got there; so does flatopt, copying it into the buffer at
+    step(): model.zero_grad() instead of opt.zero_grad(), a submodule's zero_grad(), a .grad assigned
+    a tensor of its own. The steps match those of opt.zero_grad() exactly."""
+    (ours, keep, _), (opt, opt_keep, _) = three()
+    for step, x in enumerate(batches(6)):
+        if behind_the_back == "model.zero_grad()":
+            ours.zero_grad()
+        elif behind_the_back == "module.zero_grad()":
+            opt.zero_grad(set_to_none=False)
+            ours.mid.zero_grad()  # the middle of the buffer: step() checks only its ends at most steps
+        elif behind_the_back.startswith("zero_grad(set_to_none=False)"):
+            opt.zero_grad(set_to_none=False)
+            ours.zero_grad()
+        else:
+            opt.zero_grad()
+        opt_keep.zero_grad(set_to_none=False)
+        for m in (ours, keep):
+            m(x).backward()
+        if behind_the_back == "p.grad = tensor":
+            ours.mid.weight.grad = ours.mid.weight.grad.clone() * 2
+            keep.mid.weight.grad.mul_(2)
+        opt.step()
+        opt_keep.step()
+        for (name, p), q in zip(ours.named_parameters(), keep.parameters()):
+            torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"step {step}, {name}: {m}")
+            assert_view(p, opt, f"step {step}, {name}")
+    opt.check_bindings(full=True)
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+def test_clip_grad_norm_and_grad_scaler_unscale_between_backward_and_step():
+    """After zero_grad() the unused parameters' .grad is None until the step: torch's clip_grad_norm_ and
+    GradScaler.unscale_ skip them, flatopt's clip_grad_norm_ settles them first; all agree with the
+    zeroed-buffer way (torch's clip_grad_norm_ sums the norms of fewer tensors: to rounding)."""
+    (ours, keep, _), (opt, opt_keep, _) = three()
+    scalers = [torch.amp.GradScaler("cpu", init_scale=4.0) for _ in range(2)]
+    for step, x in enumerate(batches(4)):
+        opt.zero_grad()
+        opt_keep.zero_grad(set_to_none=False)
+        norms = []
+        for m, o, sc in zip((ours, keep), (opt, opt_keep), scalers):
+            sc.scale(m(x)).backward()
+            sc.unscale_(o)
+            norms.append(o.clip_grad_norm_(0.05) if step % 2 else nn.utils.clip_grad_norm_(m.parameters(), 0.05))
+            sc.step(o)
+            sc.update()
+        torch.testing.assert_close(norms[0], norms[1], **TOL, msg=lambda m: f"step {step}: gradient norms: {m}")
+        for (name, p), q in zip(ours.named_parameters(), keep.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
+
+
+def test_no_gradient_outlives_its_hook():
+    """Each new gradient is copied into the buffer as it arrives and freed: after backward, none of the
+    gradient tensors autograd produced is alive (flatopt holds one beyond its buffers at a time)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = flatopt.AdamW(model)
+    produced = []
+    for p in model.parameters():
+        p.register_hook(lambda g: produced.append(weakref.ref(g)))  # runs before the gradient is accumulated
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    gc.collect()
+    assert len(produced) == 6
+    assert all(r() is None for r in produced), "a gradient autograd produced is still alive after backward"
+    for p in model.parameters():
+        assert_view(p, opt, "after backward")
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+def test_hooks_are_registered_once_and_go_with_their_optimizer():
+    """One hook per parameter whatever the zero_grad()s; a second optimizer over the same parameters takes
+    them over (the first one's hooks are removed, so nothing copies into the buffers the parameters left);
+    an optimizer that is garbage collected takes its hooks with it."""
+    torch.manual_seed(0)
+    model = Tied()
+    base = hooks(model)
+    opt = flatopt.AdamW(model)
+    model(batches(1)[0], late=True).backward()  # the first step removes the hooks that look for unused parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    assert hooks(model) == [n + 1 for n in base]
+    for set_to_none in (True, False, True, True):
+        opt.zero_grad(set_to_none=set_to_none)
+        assert hooks(model) == [n + 1 for n in base]
+    second = flatopt.SGD(model, lr=0.1)
+    for x in batches(2):
+        second.zero_grad()
+        model(x, late=True).backward()
+        second.step()
+    assert hooks(model) == [n + 1 for n in base]  # the first optimizer's were removed
+    second.check_bindings(full=True)
+    with pytest.raises(RuntimeError, match="no longer lives in the optimizer's flat buffer"):
+        opt.check_bindings(full=True)
+    del opt, second
+    gc.collect()
+    assert hooks(model) == base
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+def test_add_param_group_moves_the_hooks_to_the_new_buffers():
+    torch.manual_seed(0)
+    model, extra = Tied(), nn.Linear(6, 6)
+    ref, ref_extra = copy.deepcopy(model), copy.deepcopy(extra)
+    opt = flatopt.AdamW(model.parameters(), lr=1e-2)
+    opt_ref = flatopt.AdamW(ref.parameters(), lr=1e-2)
+    for o, e in ((opt, extra), (opt_ref, ref_extra)):
+        o.add_param_group({"params": list(e.parameters()), "lr": 3e-2})
+    for step, x in enumerate(batches(3)):
+        opt.zero_grad()
+        opt_ref.zero_grad(set_to_none=False)
+        for m, e in ((model, extra), (ref, ref_extra)):
+            (m(x) + e(m.emb(x)).square().mean()).backward()
+        opt.step()
+        opt_ref.step()
+        for (name, p), q in zip(list(model.named_parameters()) + list(extra.named_parameters()),
+                                list(ref.parameters()) + list(ref_extra.parameters())):  # fmt: skip
+            torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"step {step}, {name}: {m}")
+    assert all(n == 1 for n in hooks(model) + hooks(extra))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_gradient_is_left_for_the_caller_and_refused_at_step():
+    """A gradient with autograd history (backward(create_graph=True)) cannot live in the buffer: the hook
+    leaves it in .grad, where a gradient penalty can still use it, and step() refuses it by name, changing
+    nothing."""
+    torch.manual_seed(0)
+    model = Tied()
+    opt = flatopt.AdamW(model)
+    opt.zero_grad()
+    model(batches(1)[0]).backward(create_graph=True)
+    assert model.mid.weight.grad.requires_grad  # left as autograd made it
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"\.grad of parameter 'emb\.weight' requires grad.*create_graph"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert model.unused.weight.grad is None  # not settled: the refused step changed nothing
+    for p in model.parameters():
+        p.grad = None  # break the graph's reference cycle
