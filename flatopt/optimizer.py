@@ -544,10 +544,15 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._check_bindings(full)
 
     def _check_bindings(self, full, settle=True):
-        if not full and self._ends_bound(grads=False):
-            if settle:
-                self._settle_grads()
-            return
+        """check_bindings(); returns whether the gradients need settling (then settled, if ``settle``):
+        after zero_grad() or a hook's copy (``dirty``), or a .grad set to None or replaced behind the
+        optimizer's back, which the ends of a buffer or a full check show."""
+        landing = self._landing
+        dirty = landing is not None and landing.dirty
+        if not full and self._ends_bound(grads=not dirty):
+            if settle and dirty:
+                landing.settle()
+            return dirty
         cls = type(self).__name__
         checked = []  # the parameters looked at: every one (full) or the first and last of each buffer
         for buf in self._buffers:
@@ -596,23 +601,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                     "load_state_dict() without assign=True (it copies into the parameters), give new parameters "
                     "to opt.add_param_group(), or create the optimizer afterwards"
                 )
-        if settle:  # last: it is the only part that changes anything
-            self._settle_grads(force=True)
-
-    def _settle_grads(self, force=False):
-        """Gradients into the flat buffers (see flatopt.grads): after zero_grad() or a gradient copied in
-        by a hook, and when a .grad was set to None or replaced behind the optimizer's back
-        (model.zero_grad()), which ``force`` or the ends of a buffer show."""
-        grads = self._grads_to_settle(force)
-        if grads is not None:
-            self._landing.apply(grads)
-
-    def _grads_to_settle(self, force=False):
-        """The plan of _settle_grads (checked, nothing done yet), or None when there is nothing to settle."""
-        landing = self._landing
-        if landing is not None and (force or landing.dirty or not self._ends_bound()):
-            return landing.plan()
-        return None
+        if settle and landing is not None:  # last: it is the only part that changes anything
+            landing.settle()
+        return landing is not None
 
     def _check_skip_unused_is_local(self):
         """skip_unused=True learns which parameters received a gradient from this process's backward
@@ -649,12 +640,12 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def _check_bindings_at_step(self):
         """step()'s binding check, amortised: full at the first step and at every FULL_CHECK_EVERY-th step
         after it, the first and last parameter of each buffer otherwise. The count advances only when
-        the check passes, so a full check that raised runs again at the next step. The gradients are
-        settled afterwards, by step(), once the hyper-parameters have been validated too."""
+        the check passes, so a full check that raised runs again at the next step. Returns whether the
+        gradients need settling, which step() does last, once the hyper-parameters are validated too."""
         full = not self._unused_reported or self._checked_steps % FULL_CHECK_EVERY == 0
-        self._check_bindings(full, settle=False)
+        unsettled = self._check_bindings(full, settle=False)
         self._checked_steps += 1
-        return full
+        return unsettled
 
     def _report_unused(self):
         unused = [p for b in self._buffers for p in b.params if p not in self._seen]
@@ -711,12 +702,11 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             with torch.no_grad():
                 self._step_unflat()
             return loss
-        full = self._check_bindings_at_step()
-        grads = self._grads_to_settle(force=full)  # checked now, settled last (see flatopt.grads)
+        grads = self._landing.plan() if self._check_bindings_at_step() else None  # checked now, settled last
         if not self._graph_mode:  # a captured step refreshes hyper-parameters before each replay
             self._refresh_hparams(self._devices)
         if grads is not None:
-            self._landing.apply(grads)
+            self._landing.apply(grads)  # see flatopt.grads
         if not self._unused_reported:
             self._report_unused()
         if self.skip_unused:
