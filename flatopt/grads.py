@@ -66,11 +66,28 @@ class GradLanding:
         if self.handles:
             return
         ref = weakref.ref(self)
+        views, strided = self.views, torch.strided
 
         def land(p):
+            """Copy a gradient of its own into ``p``'s view and put the view back in ``.grad``. Runs once per
+            parameter per backward pass, so it is kept short (no no_grad(): autograd runs hooks with grad
+            mode off, and a gradient with history is left alone)."""
+            g, view = p.grad, views[p]
+            if g is view or g is None:  # accumulated into the view: nothing to do
+                return
             self_ = ref()
-            if self_ is not None:
-                self_.land(p)
+            if self_ is None:
+                return
+            self_.dirty = True  # others may still be None: settle() zeroes them before a step
+            if (
+                g.requires_grad  # backward(create_graph=True): settle() refuses it, naming the parameter
+                or g.layout is not strided
+                or g.dtype is not view.dtype  # the parameter was cast or moved: check_bindings() says so
+                or g.get_device() != view.get_device()
+            ):
+                return
+            view.copy_(g)
+            p.grad = view
 
         for p in self.views:
             other = _owner(p)
@@ -88,18 +105,6 @@ class GradLanding:
             self._finalizer()  # removes the hooks, once
             self._finalizer = None
         self.handles = []
-
-    def land(self, p):
-        """The post-accumulate-grad hook: copy a gradient of its own into ``p``'s view."""
-        view, g = self.views[p], p.grad
-        if g is view or g is None:  # accumulated into the view (or an anomaly left it None): nothing to do
-            return
-        self.dirty = True  # others may still be None: settle() zeroes them before a step
-        if not self._fits(p, g, view) or g.requires_grad or g.layout != torch.strided:
-            return  # left as it is: settle() or check_bindings() says what is wrong
-        with torch.no_grad():
-            view.copy_(g)
-        p.grad = view
 
     @staticmethod
     def _fits(p, g, view):
