@@ -11,11 +11,9 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             parameter (default: True)
         backend (str, optional): ``"triton"`` (the default when every parameter is on CUDA) or
             ``"torch"`` (pure torch over the same buffers, the default on the CPU)
-        skip_unused (bool, optional): leave parameters that received no gradient since the last
-            step untouched (no weight decay, no state update, step count unchanged), exactly as
-            torch.optim does for ``p.grad is None``. Costs one small host-to-device copy per step.
-            Refused with several distributed ranks (DDP gives a rank gradients its own backward
-            pass never produced).
+        skip_unused (bool, optional): leave parameters whose ``.grad`` is None at ``step()``
+            untouched (no weight decay, no state update, step count unchanged), exactly as
+            torch.optim does. Costs one small host-to-device copy per step.
             By default such parameters are stepped with a zero gradient and a warning names them
             at the first step (default: False)
         in_backward (bool, optional): step each bucket of parameters during backward, from

@@ -222,7 +222,7 @@ class CapturedStep:
                 f"the parameters of {type(opt).__name__} were laid out again since capture (add_param_group); "
                 "capture again"
             )
-        opt.check_bindings(full=False)
+        opt._check_bindings(full=False, settle=False)  # the graph copies the gradients in itself
         opt._refresh_hparams(opt._devices)
         if any(opt._hp[d] is not t for d, t in self.tables.items()):
             raise RuntimeError("the number of param groups changed since capture; capture again")

@@ -57,7 +57,6 @@ class GradLanding:
         self.opt = weakref.ref(opt)  # the hooks live on the parameters: no reference back to the optimizer
         self.views = {p: view for buf in opt._buffers for p, view in zip(buf.params, buf.grad_views)}
         self.handles = []
-        self.dirty = False  # a .grad may be None or a tensor of its own: settle() before the buffers are read
         self._finalizer = None
 
     def attach(self):
@@ -73,12 +72,8 @@ class GradLanding:
             parameter per backward pass, so it is kept short (no no_grad(): autograd runs hooks with grad
             mode off, and a gradient with history is left alone)."""
             g, view = p.grad, views[p]
-            if g is view or g is None:  # accumulated into the view: nothing to do
+            if g is view or g is None or ref() is None:  # accumulated into the view, or the optimizer is gone
                 return
-            self_ = ref()
-            if self_ is None:
-                return
-            self_.dirty = True  # others may still be None: settle() zeroes them before a step
             if (
                 g.requires_grad  # backward(create_graph=True): settle() refuses it, naming the parameter
                 or g.layout is not strided
@@ -116,7 +111,6 @@ class GradLanding:
         """``zero_grad()``: every ``.grad`` to None; the next gradients are copied in."""
         for p in self.views:
             p.grad = None
-        self.dirty = True
 
     def restore(self):
         """Every view back in ``.grad``, launching nothing (its values are stale until the buffer is
@@ -124,7 +118,6 @@ class GradLanding:
         for p, view in self.views.items():
             if p.grad is not view and self._fits(p, None, view):
                 p.grad = view
-        self.dirty = False
 
     def settle(self):
         """Zero the views of parameters whose ``.grad`` is None, copy in every ``.grad`` that is a
@@ -133,7 +126,9 @@ class GradLanding:
         self.apply(self.plan())
 
     def plan(self):
-        """What settle() does, checked but not done: (views to zero, (view, tensor or None) to copy)."""
+        """What settle() does, checked but not done: ((param, view) to zero, (param, view, tensor or None)
+        to copy). One identity test per parameter when every ``.grad`` is its view (step() runs it at
+        every step: a ``.grad`` replaced in the middle of a buffer is seen at once)."""
         zero, copy = [], []
         for p, view in self.views.items():
             g = p.grad
@@ -143,15 +138,18 @@ class GradLanding:
                 continue  # the parameter moved or was cast: check_bindings() raises for it
             if g is None:
                 zero.append((p, view))
-            elif g.data_ptr() == view.data_ptr() and g.stride() == view.stride():
+                continue
+            self._check(p, g)
+            if g.data_ptr() == view.data_ptr() and g.stride() == view.stride():
                 copy.append((p, view, None))  # the view itself, as another tensor object
             else:
-                self._check(p, g)
                 copy.append((p, view, g))
         return zero, copy
 
     def apply(self, plan):
         zero, copy = plan
+        if not zero and not copy:
+            return
         with torch.no_grad():
             if zero:
                 torch._foreach_zero_([view for _, view in zero])
@@ -162,7 +160,6 @@ class GradLanding:
             p.grad = view
         for p, view, _ in copy:
             p.grad = view
-        self.dirty = False
 
     def _check(self, p, g):
         opt = self.opt()

@@ -21,7 +21,6 @@ from flatopt.in_backward import (
     InBackward,
     check_single_process,
     is_large,
-    refuse_several_ranks,
     world_size,
 )
 from flatopt.layout import SUPPORTED_DTYPES, FlatBuffer, StepMeta, is_dense
@@ -384,6 +383,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self._in_backward.remove()
         if self._landing is not None:
             self._landing.detach()
+        no_grad = [p for ps, _ in members.values() for p in ps if p.grad is None]  # skip_unused keeps them None
         buffers = []
         for key in keys:
             params, groups = members[key]
@@ -412,13 +412,16 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._step_graph = StepGraph()  # graphs of the old layout read its freed tables: never replay them
         if self.in_backward:
             self._in_backward = InBackward(self, self.bucket_size)
-        elif not self._unused_reported or self.skip_unused:
+        elif not self._unused_reported:
             params = [p for b in buffers for p in b.params]
             self._hooks = [p.register_post_accumulate_grad_hook(self._seen.add) for p in params]
             self._hooks += [p.register_hook(self._sparse_grad_hook(p)) for p in params]
         if not self.in_backward:
             self._landing = GradLanding(self)
             self._landing.attach()  # for good: also after model.zero_grad() or zero_grad(set_to_none=False)
+            if self.skip_unused:  # a parameter steps only once it has a .grad, as in torch.optim
+                for p in no_grad:
+                    p.grad = None
 
     def _sparse_grad_hook(self, p):
         """A hook on ``p``'s incoming gradient, registered until the first step with the hooks that
@@ -544,15 +547,13 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._check_bindings(full)
 
     def _check_bindings(self, full, settle=True):
-        """check_bindings(); returns whether the gradients need settling (then settled, if ``settle``):
-        after zero_grad() or a hook's copy (``dirty``), or a .grad set to None or replaced behind the
-        optimizer's back, which the ends of a buffer or a full check show."""
-        landing = self._landing
-        dirty = landing is not None and landing.dirty
-        if not full and self._ends_bound(grads=not dirty):
-            if settle and dirty:
-                landing.settle()
-            return dirty
+        """check_bindings(), then (``settle``) the gradients settled into the flat buffers."""
+        if full or not self._ends_bound():
+            self._check_data_bindings(full)
+        if settle and self._landing is not None:
+            self._landing.settle()
+
+    def _check_data_bindings(self, full):
         cls = type(self).__name__
         checked = []  # the parameters looked at: every one (full) or the first and last of each buffer
         for buf in self._buffers:
@@ -601,59 +602,36 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                     "load_state_dict() without assign=True (it copies into the parameters), give new parameters "
                     "to opt.add_param_group(), or create the optimizer afterwards"
                 )
-        if settle and landing is not None:  # last: it is the only part that changes anything
-            landing.settle()
-        return landing is not None
 
-    def _check_skip_unused_is_local(self):
-        """skip_unused=True learns which parameters received a gradient from this process's backward
-        pass; with several ranks, DistributedDataParallel(find_unused_parameters=True) also writes the
-        averaged gradient of a parameter that only other ranks used, which no hook here sees: this
-        rank would skip a parameter the others step, and the replicas would drift apart silently."""
-        refuse_several_ranks(
-            f"{type(self).__name__}(skip_unused=True) decides which parameters to step from the gradients this "
-            "rank's backward pass produced, so under DistributedDataParallel(find_unused_parameters=True) a "
-            "parameter used only on other ranks would be skipped here and stepped there, and the replicas would "
-            "diverge ({ranks} ranks here). Use skip_unused=False (a parameter without a gradient is then stepped "
-            "with a zero gradient, the same on every rank), or flat=False, which skips a parameter whose .grad is "
-            "None as torch.optim does."
-        )
-
-    def _ends_bound(self, grads=True):
-        """Whether the first and last parameter of every buffer still hold their views (of the gradient
-        too, unless ``grads`` is False) and require grad: step()'s usual check, without building
-        anything (check_bindings says what is wrong otherwise; a parameter moved to another device has
-        another address)."""
+    def _ends_bound(self):
+        """Whether the first and last parameter of every buffer still hold their data views and require
+        grad: step()'s usual check, without building anything (check_bindings says what is wrong
+        otherwise; a parameter moved to another device has another address). Gradients are settled
+        separately, every parameter at every step (see flatopt.grads)."""
         for buf in self._buffers:
             params, expected = buf.params, buf.expected
             for i in (0, len(params) - 1):
                 p = params[i]
-                data_ptr, grad_ptr = expected[i]
-                if p.data_ptr() != data_ptr or p.dtype != buf.dtype or not p.requires_grad:
+                if p.data_ptr() != expected[i][0] or p.dtype != buf.dtype or not p.requires_grad:
                     return False
-                if grads and grad_ptr is not None:
-                    g = p.grad
-                    if g is None or g.data_ptr() != grad_ptr:
-                        return False
         return True
 
     def _check_bindings_at_step(self):
         """step()'s binding check, amortised: full at the first step and at every FULL_CHECK_EVERY-th step
         after it, the first and last parameter of each buffer otherwise. The count advances only when
-        the check passes, so a full check that raised runs again at the next step. Returns whether the
-        gradients need settling, which step() does last, once the hyper-parameters are validated too."""
-        full = not self._unused_reported or self._checked_steps % FULL_CHECK_EVERY == 0
-        unsettled = self._check_bindings(full, settle=False)
-        self._checked_steps += 1
-        return unsettled
+        the step's checks pass (step() advances it), so a full check that raised runs again at the next
+        step. Returns the gradients' settling plan (checked, not done: step() applies it last, once the
+        hyper-parameters are validated too), or None."""
+        self._check_bindings(not self._unused_reported or self._checked_steps % FULL_CHECK_EVERY == 0, settle=False)
+        return self._landing.plan() if self._landing is not None else None
 
     def _report_unused(self):
         unused = [p for b in self._buffers for p in b.params if p not in self._seen]
         self._unused_reported = True
-        if not self.skip_unused:
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._seen.clear()
         if unused:
             self._warn_unused(unused)
 
@@ -690,8 +668,6 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             closure (Callable, optional): A closure that reevaluates the model and returns the loss.
         """
         loss = None
-        if self.flat and self.skip_unused and not self.in_backward:
-            self._check_skip_unused_is_local()
         self._graph_steps += 1
         if self.in_backward:
             return self._step_in_backward(closure)
@@ -702,18 +678,18 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             with torch.no_grad():
                 self._step_unflat()
             return loss
-        grads = self._landing.plan() if self._check_bindings_at_step() else None  # checked now, settled last
+        grads = self._check_bindings_at_step()
         if not self._graph_mode:  # a captured step refreshes hyper-parameters before each replay
             self._refresh_hparams(self._devices)
-        if grads is not None:
-            self._landing.apply(grads)  # see flatopt.grads
+        self._checked_steps += 1
+        if self.skip_unused:  # torch.optim's rule: a parameter whose .grad is None is not stepped
+            without = {p for p, _ in grads[0]}
+            for buf in self._buffers:
+                mask = torch.tensor([p not in without for p in buf.params], dtype=torch.uint8)
+                buf.meta.active = mask.to(buf.device, non_blocking=True)
+        self._landing.apply(grads)  # see flatopt.grads
         if not self._unused_reported:
             self._report_unused()
-        if self.skip_unused:
-            for buf in self._buffers:
-                mask = torch.tensor([p in self._seen for p in buf.params], dtype=torch.uint8)
-                buf.meta.active = mask.to(buf.device, non_blocking=True)
-            self._seen.clear()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
 
@@ -896,8 +872,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 "`error_if_nonfinite=False`"
             )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for b in self._buffers:
-            b.grad.mul_(coef.to(b.device, b.grad.dtype))
+        for b in self._buffers:  # the views, not the padding: a nan norm must not leave nan there for good
+            torch._foreach_mul_(b.grad_views, coef.to(b.device, b.grad.dtype))
         return total
 
     def zero_grad(self, set_to_none=True):

@@ -14,9 +14,8 @@ FileStore in a temporary directory (no TCP port to pick).
   (at construction when ``.grad`` exists, else at the first backward): ``step()`` copies the averaged
   gradients into the flat buffer (see flatopt.grads) and must match torch.optim under the same DDP.
 * ``find_unused_parameters=True`` with a parameter that only one rank uses: DDP hands the averaged
-  gradient to the rank that did not use it, which must step it as the other rank does. With
-  ``skip_unused=True`` no hook on that rank sees the gradient, so the rank would skip what the other
-  steps: ``step()`` refuses skip_unused=True with several ranks, saying why, before changing anything.
+  gradient to the rank that did not use it, which must step it as the other rank does, also with
+  ``skip_unused=True`` (which decides from ``.grad`` at the step, as torch.optim does).
 
 Every rank runs every scenario in one pair of processes (a spawn costs seconds of imports); each
 scenario's results, or the traceback it raised, go to a file per rank, and the tests compare them
@@ -264,21 +263,31 @@ def run_unused(rank):
 
 
 def run_skip_unused(rank):
-    """skip_unused=True under DDP(find_unused_parameters=True): the first step raises."""
+    """skip_unused=True under DDP(find_unused_parameters=True), against torch.optim with its default
+    zero_grad(set_to_none=True): ``b`` is used by rank 1 alone at even steps (rank 0 gets DDP's averaged
+    gradient, from no hook of its own) and by no rank at odd steps (no rank steps it)."""
     DDP = _ddp()
-    model = Branchy()
+    hp = OPTIMIZERS["AdamW"][2]
+    model, ref = Branchy(), Branchy()
+    ref.load_state_dict(model.state_dict())
     ddp = DDP(model, find_unused_parameters=True)
-    opt = flatopt.AdamW(ddp.module, backend="torch", skip_unused=True, lr=1e-2)
-    x, y = batch(rank, 0)
-    nn.functional.mse_loss(ddp(x, rank == 1), y).backward()
-    out = {"before": values(model)}
-    try:
-        opt.step()
-        out["step_error"] = None
-    except Exception as e:
-        out["step_error"] = error_of(e)
-    out["after"] = values(model)
-    out["state"] = {k: v.clone() for k, v in opt._buffers[0].states.items()}
+    ref_ddp = DDP(ref, find_unused_parameters=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first step's warning about b
+        opt = flatopt.AdamW(ddp.module, backend="torch", skip_unused=True, **hp)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **hp)
+    out = {"history": []}
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        for d in (ddp, ref_ddp):
+            nn.functional.mse_loss(d(x, rank == 1 and step % 2 == 0), y).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
     return out
 
 
@@ -500,19 +509,15 @@ def test_parameter_used_on_one_rank_only(ddp_results):
         assert result["binding_error"] is None, f"rank {rank}: {result['binding_error']}"
 
 
-def test_skip_unused_with_several_ranks_is_refused(ddp_results):
-    """skip_unused=True learns from this rank's backward which parameters got a gradient; rank 0 never sees
-    DDP's gradient of ``b`` (used by rank 1 alone) and would skip it while rank 1 steps it. Refused at the
-    first step, on every rank, before anything changes."""
-    for rank, result in enumerate(ddp_results("skip_unused")):
-        err = result["step_error"]
-        assert err is not None, f"rank {rank}: skip_unused=True under DDP was not refused"
-        assert err["type"] == "builtins.RuntimeError", f"rank {rank}: {err}"
-        assert "skip_unused=True" in err["message"] and "find_unused_parameters=True" in err["message"], err
-        assert "Use skip_unused=False" in err["message"], err
-        for i, (a, b) in enumerate(zip(result["before"], result["after"])):
-            torch.testing.assert_close(b, a, **SAME, msg=lambda m: f"rank {rank}, parameter {i} changed: {m}")
-        assert all(not v.any() for v in result["state"].values()), f"rank {rank}: a state changed"
+def test_skip_unused_with_several_ranks_matches_torch(ddp_results):
+    """skip_unused=True steps a parameter whose .grad is not None at step(), as torch.optim does: rank 0 steps
+    ``b`` with the gradient DDP hands it when rank 1 alone used it, and no rank steps it when none did. Both
+    ranks stay bit-identical and match torch.optim (states and step counts included)."""
+    r0, r1 = ddp_results("skip_unused")
+    for rank, result in enumerate((r0, r1)):
+        hist = result["history"]
+        assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}, flatopt vs torch", **TOL)
+    assert_history([h["flat"] for h in r0["history"]], [h["flat"] for h in r1["history"]], "rank 0 vs 1", **SAME)
 
 
 def test_in_backward_with_several_ranks_is_refused(ddp_results):

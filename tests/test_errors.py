@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import Net, loss_fn, make_batch, pretend_ranks
+from conftest import Net, loss_fn, make_batch
 from torch import nn
 
 import flatopt
@@ -650,26 +650,6 @@ def test_invalid_group_in_add_param_group_changes_nothing():
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
         opt.add_param_group({"params": [extra], "lr": -0.5})
     assert_unchanged(before, snapshot(params, opt))
-
-
-def test_skip_unused_with_several_ranks_is_refused_before_anything_changes(monkeypatch):
-    """skip_unused=True with several distributed ranks (simulated here; tests/test_ddp.py runs two real
-    ranks): refused at step(), before the closure runs, unless the environment says the ranks share no
-    parameters."""
-    model2 = Net()
-    opt2 = silent(flatopt.AdamW, model2, lr=1e-2, skip_unused=True)
-    loss_fn(model2, make_batch(torch.Generator().manual_seed(0))).backward()
-    pretend_ranks(monkeypatch, 2)
-    params = list(model2.parameters())
-    before = snapshot(params, opt2)
-    calls = []
-    with pytest.raises(RuntimeError, match=r"skip_unused=True\) decides.*\(2 ranks here\).*ALLOW_SEVERAL_RANKS=1"):
-        opt2.step(lambda: calls.append(1))
-    assert not calls, "the closure ran before the refusal"
-    assert_unchanged(before, snapshot(params, opt2))
-    monkeypatch.setenv("FLATOPT_ALLOW_SEVERAL_RANKS", "1")
-    silent(opt2.step)
-    assert float(opt2.state[params[0]]["step"]) == 1.0
 
 
 def test_a_tensor_subclass_without_its_own_dispatch_is_stepped_as_a_tensor():

@@ -266,3 +266,98 @@ def test_create_graph_gradient_is_left_for_the_caller_and_refused_at_step():
     assert model.unused.weight.grad is None  # not settled: the refused step changed nothing
     for p in model.parameters():
         p.grad = None  # break the graph's reference cycle
+
+
+def test_a_nan_gradient_does_not_poison_later_steps():
+    """The flat clip multiplies the parameters' views only: a nan norm once leaves the buffer's padding at
+    zero, so the next steps' norms are finite again (the padding is never zeroed by zero_grad() now)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))  # 15 and 4 elements: padded to 64 each
+    ref = copy.deepcopy(model)
+    opt, ref_opt = flatopt.AdamW(model, lr=0.1), torch.optim.AdamW(ref.parameters(), lr=0.1)
+    norms, ref_norms = [], []
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x = torch.randn(2, 4, generator=g)
+        if step == 0:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        model(x).sum().backward()
+        ref.zero_grad()
+        ref(x).sum().backward()
+        norms.append(opt.clip_grad_norm_(1.0))
+        ref_norms.append(nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+        assert not opt._buffers[0].grad[opt._buffers[0].index[model[0].weight][1] : 64].any(), "padding not zero"
+        if torch.isfinite(norms[-1]):
+            opt.step()
+            ref_opt.step()
+    assert torch.isnan(norms[0]) and torch.isnan(ref_norms[0])
+    for step in (1, 2):
+        torch.testing.assert_close(norms[step], ref_norms[step], **TOL, msg=lambda m: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("how", ["replaced", "set to None"])
+def test_a_grad_changed_after_backward_in_the_middle_of_a_buffer_is_seen_at_once(how):
+    """zero_grad(set_to_none=False), backward, then the middle parameter's .grad replaced or set to None: the
+    very next step uses what .grad says (every step compares every .grad with its view), as torch.optim does
+    (with set_to_none=False, torch steps a None .grad's parameter not at all: compared with skip_unused)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    ref = copy.deepcopy(model)
+    opt = flatopt.SGD(model, lr=0.1, skip_unused=how == "set to None")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        x = torch.randn(3, 4, generator=g)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=False)
+            m(x).sum().backward()
+            if how == "replaced":
+                m[1].weight.grad = m[1].weight.grad * -3.0
+            else:
+                m[1].weight.grad = None
+            o.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
+        assert_view(model[1].weight, opt, f"step {step}, after step()")
+
+
+def test_skip_unused_decides_from_grad_as_torch_does():
+    """skip_unused=True steps exactly the parameters whose .grad is not None at step(), as torch.optim: one
+    whose gradient was set by hand (no backward reached it) is stepped, one whose .grad was set to None
+    after backward is not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = flatopt.AdamW(model, lr=0.1, weight_decay=0.1, skip_unused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        x = torch.randn(3, 4, generator=g)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m[2](x).sum().backward()  # only the last layer
+            if step % 2 == 0:
+                m[1].weight.grad = torch.full_like(m[1].weight, 0.5)  # no backward reached it
+            else:
+                m[2].bias.grad = None  # backward reached it, then it was dropped
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                o.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
+        assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
+
+
+def test_a_sparse_grad_set_by_hand_is_refused_by_name():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = flatopt.AdamW(model)
+    model(torch.randn(2, 4)).sum().backward()
+    model[0].bias.grad = model[0].bias.grad.to_sparse()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"does not support sparse gradients: parameter '0\.bias' has a"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
