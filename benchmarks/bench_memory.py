@@ -158,7 +158,12 @@ CASES = (
         "torch's optimizer-in-backward recipe: one torch.optim.AdamW(fused=True) per parameter, step() and "
         "zero_grad() from p.register_post_accumulate_grad_hook",
     ),
-    Case("flatopt", "flatopt.AdamW(model), step mode: zero_grad() (one memset), forward, backward, step()", ours=True),
+    Case(
+        "flatopt",
+        "flatopt.AdamW(model), step mode: zero_grad() (.grad None; hooks copy gradients into the buffer), forward, "
+        "backward, step()",
+        ours=True,
+    ),
     Case(
         "flatopt-in-backward",
         "flatopt.AdamW(model, in_backward=True), default bucket_size; step() and zero_grad() called as in step mode",
