@@ -223,6 +223,7 @@ class CapturedStep:
                 "capture again"
             )
         opt._check_bindings(full=False, settle=False)  # the graph copies the gradients in itself
+        opt._landing.restore_if_released()  # so .grad shows them after the replay, also after zero_grad()
         opt._refresh_hparams(opt._devices)
         if any(opt._hp[d] is not t for d, t in self.tables.items()):
             raise RuntimeError("the number of param groups changed since capture; capture again")

@@ -56,6 +56,9 @@ class GradLanding:
     def __init__(self, opt):
         self.opt = weakref.ref(opt)  # the hooks live on the parameters: no reference back to the optimizer
         self.views = {p: view for buf in opt._buffers for p, view in zip(buf.params, buf.grad_views)}
+        self.firsts = [(buf.params[0], buf.grad_views[0]) for buf in opt._buffers]
+        # skip_unused: a .grad that is None stays None (its view is zeroed all the same), as torch leaves it
+        self.keep_none = opt.skip_unused
         self.handles = []
         self._finalizer = None
 
@@ -116,8 +119,15 @@ class GradLanding:
         """Every view back in ``.grad``, launching nothing (its values are stale until the buffer is
         zeroed): after a failed capture, and before ``zero_grad(set_to_none=False)`` zeroes them."""
         for p, view in self.views.items():
-            if p.grad is not view and self._fits(p, None, view):
+            g = p.grad
+            if g is not view and self._fits(p, None, view) and not (g is None and self.keep_none):
                 p.grad = view
+
+    def restore_if_released(self):
+        """restore() when the first parameter of a buffer has lost its view (zero_grad() between two
+        replays of a captured step, which writes the gradients into the views): one test per buffer."""
+        if any(p.grad is not view for p, view in self.firsts):
+            self.restore()
 
     def settle(self):
         """Zero the views of parameters whose ``.grad`` is None, copy in every ``.grad`` that is a
@@ -156,8 +166,9 @@ class GradLanding:
             for _, view, g in copy:
                 if g is not None:
                     view.copy_(g)
-        for p, view in zero:
-            p.grad = view
+        if not self.keep_none:
+            for p, view in zero:
+                p.grad = view
         for p, view, _ in copy:
             p.grad = view
 

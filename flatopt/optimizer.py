@@ -561,7 +561,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             for i in idx:
                 p = buf.params[i]
                 checked.append(p)
-                data_ptr = buf.expected[i][0]  # the gradient was settled above
+                data_ptr = buf.expected[i][0]  # the gradients are settled afterwards
                 if p.data_ptr() != data_ptr or p.dtype != buf.dtype or p.device != buf.device:
                     raise RuntimeError(
                         f"{cls}: parameter {self._name(p)} no longer lives in the optimizer's flat buffer: its data "
@@ -625,8 +625,13 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._check_bindings(not self._unused_reported or self._checked_steps % FULL_CHECK_EVERY == 0, settle=False)
         return self._landing.plan() if self._landing is not None else None
 
-    def _report_unused(self):
-        unused = [p for b in self._buffers for p in b.params if p not in self._seen]
+    def _report_unused(self, grads):
+        """The first step's warning: parameters whose .grad was None at the step, and those whose view
+        no backward pass wrote into (zero_grad(set_to_none=False), or no zero_grad() yet)."""
+        without = {p for p, _ in grads[0]}
+        given = {p for p, _, g in grads[1] if g is not None}  # a tensor of its own: set by hand, or by DDP
+        params = [p for b in self._buffers for p in b.params]
+        unused = [p for p in params if p in without or (p not in self._seen and p not in given)]
         self._unused_reported = True
         for h in self._hooks:
             h.remove()
@@ -689,7 +694,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 buf.meta.active = mask.to(buf.device, non_blocking=True)
         self._landing.apply(grads)  # see flatopt.grads
         if not self._unused_reported:
-            self._report_unused()
+            self._report_unused(grads)
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
 

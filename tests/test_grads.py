@@ -9,6 +9,7 @@ no gradient outlives its hook; the hooks neither pile up nor outlive their optim
 
 import copy
 import gc
+import re
 import warnings
 import weakref
 
@@ -296,6 +297,7 @@ def test_a_nan_gradient_does_not_poison_later_steps():
         torch.testing.assert_close(norms[step], ref_norms[step], **TOL, msg=lambda m: f"step {step}: {m}")
 
 
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
 @pytest.mark.parametrize("how", ["replaced", "set to None"])
 def test_a_grad_changed_after_backward_in_the_middle_of_a_buffer_is_seen_at_once(how):
     """zero_grad(set_to_none=False), backward, then the middle parameter's .grad replaced or set to None: the
@@ -319,36 +321,72 @@ def test_a_grad_changed_after_backward_in_the_middle_of_a_buffer_is_seen_at_once
             o.step()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
-        assert_view(model[1].weight, opt, f"step {step}, after step()")
+        if how == "replaced":
+            assert_view(model[1].weight, opt, f"step {step}, after step()")
+        else:  # skip_unused leaves a .grad that is None as None, as torch does
+            assert model[1].weight.grad is None and ref[1].weight.grad is None
 
 
-def test_skip_unused_decides_from_grad_as_torch_does():
+@pytest.mark.parametrize("between", ["nothing", "clip_grad_norm_", "check_bindings", "set_to_none=False", "scaler"])
+def test_skip_unused_decides_from_grad_as_torch_does(between):
     """skip_unused=True steps exactly the parameters whose .grad is not None at step(), as torch.optim: one
     whose gradient was set by hand (no backward reached it) is stepped, one whose .grad was set to None
-    after backward is not."""
+    after backward is not, one never used is not, also when clipping, check_bindings(), zero_grad(
+    set_to_none=False) or GradScaler's unscale_ came between (they see the views zeroed, .grad stays None)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(4, 4))  # [3]: never used
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt = flatopt.AdamW(model, lr=0.1, weight_decay=0.1, skip_unused=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    scalers = {id(o): torch.amp.GradScaler("cpu", init_scale=4.0) for o in (opt, ref_opt)}
     g = torch.Generator().manual_seed(0)
     for step in range(4):
         x = torch.randn(3, 4, generator=g)
         for m, o in ((model, opt), (ref, ref_opt)):
-            o.zero_grad()
-            m[2](x).sum().backward()  # only the last layer
+            o.zero_grad(set_to_none=between != "set_to_none=False")
+            loss = m[2](x).sum()  # only the last layer
+            (scalers[id(o)].scale(loss) if between == "scaler" else loss).backward()
             if step % 2 == 0:
                 m[1].weight.grad = torch.full_like(m[1].weight, 0.5)  # no backward reached it
             else:
                 m[2].bias.grad = None  # backward reached it, then it was dropped
+            if between == "clip_grad_norm_":
+                (o.clip_grad_norm_ if o is opt else lambda n: nn.utils.clip_grad_norm_(m.parameters(), n))(0.3)
+            elif between == "check_bindings" and o is opt:
+                o.check_bindings()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                o.step()
+                if between == "scaler":
+                    scalers[id(o)].unscale_(o)
+                    nn.utils.clip_grad_norm_(m.parameters(), 0.3)
+                    scalers[id(o)].step(o)
+                    scalers[id(o)].update()
+                else:
+                    o.step()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
+            assert (p.grad is None) == (q.grad is None), f"step {step}, {name}: .grad None or not as in torch"
         assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
+        for i, state in ref_opt.state_dict()["state"].items():
+            assert float(opt.state_dict()["state"][i]["step"]) == float(state["step"]), f"step {step}, param {i}"
+
+
+def test_first_step_warning_names_the_parameters_stepped_without_a_gradient():
+    """The warning names the parameters whose .grad is None at the first step (and those no backward wrote
+    into): not one whose .grad was set by hand, and one whose .grad was dropped after backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = flatopt.AdamW(model, skip_unused=True)
+    model[2](torch.randn(3, 4)).sum().backward()
+    model[1].weight.grad = torch.ones_like(model[1].weight)
+    model[2].bias.grad = None
+    with pytest.warns(UserWarning, match="received no gradient") as record:
+        opt.step()
+    (message,) = [str(w.message) for w in record]
+    named = set(re.findall(r"'([\w.]+)'", message.split(":", 1)[1].split(". flatopt")[0]))
+    assert named == {"0.weight", "0.bias", "1.bias", "2.bias"}, message
 
 
 def test_a_sparse_grad_set_by_hand_is_refused_by_name():
