@@ -109,7 +109,7 @@ def _hooked_step(step):
     # Under torch.compile, ``step`` is left out of the graph: one fused launch (or graph replay) already, and
     # dynamo cannot trace Triton's launcher under the interpreter. Called only while compiling: the disabled
     # wrapper costs about 0.5 us of host time per call, checking costs 0.07 us. (Every supported torch has the
-    # hook tables, so the early return below is not exercised by the tests.)
+    # hook tables; tests/test_torch_compat_extras.py takes the early return below by pretending otherwise.)
     uncompiled = torch._disable_dynamo(step)  # as torch.optim does: dynamo is imported at the first call only
 
     def run(*args, **kwargs):

@@ -711,3 +711,34 @@ def test_a_compiled_training_step_runs_the_optimizer_step_as_it_is(backend):
         assert calls == ["pre"] * step
     opt.check_bindings(full=True)
     torch._dynamo.reset()
+
+
+def test_step_without_torchs_hook_tables_is_left_for_torch_to_wrap(monkeypatch):
+    """Where torch lacks the global hook tables flatopt's step() wrapper relies on, the wrapper is not
+    marked as hooked, and torch.optim wraps step() itself when the optimizer is created: step hooks run
+    once each, and the step is the same as with flatopt's own wrapper."""
+    import flatopt.optimizer as fo
+
+    monkeypatch.setattr(fo, "_HOOK_TABLES", ("_a_table_this_torch_lacks",))
+
+    class Fallback(flatopt.AdamW):
+        step = fo._hooked_step(flatopt.AdamW.step.__wrapped__)
+
+    assert not getattr(Fallback.step, "hooked", False)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref = copy.deepcopy(model)
+    opt, opt_ref = Fallback(model, lr=0.1), flatopt.AdamW(ref, lr=0.1)
+    assert getattr(Fallback.step, "hooked", False), "torch.optim did not wrap step()"
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    for _ in range(2):
+        x = torch.randn(2, 4)
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad()
+            m(x).sum().backward()
+            o.step()
+    assert calls == ["pre", "post", "pre", "post"]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
