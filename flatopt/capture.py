@@ -17,9 +17,10 @@ bias corrections) advance on the device inside the graph.
 Warm-up runs ``train_step`` ``warmup`` times on a side stream (compiling every kernel); the last
 warm-up iteration runs with CUDA's sync debug mode set to error, so a host synchronisation
 (``.item()``, printing a tensor, ``.cpu()``, a data-dependent shape) is reported before capture.
-Warm-up and recording leave parameters, gradients, optimizer states, step counters, the
+Warm-up and recording leave parameters, gradient values, optimizer states, step counters, the
 GradScaler passed as ``scaler`` and, when the optimizer was built from a module, the module's
-buffers exactly as they were: the first replay is the first training step.
+buffers exactly as they were (a ``.grad`` that was None is afterwards its zeroed view): the first
+replay is the first training step.
 """
 
 import torch

@@ -57,6 +57,10 @@ class GradLanding:
         self.opt = weakref.ref(opt)  # the hooks live on the parameters: no reference back to the optimizer
         self.views = {p: view for buf in opt._buffers for p, view in zip(buf.params, buf.grad_views)}
         self.firsts = [(buf.params[0], buf.grad_views[0]) for buf in opt._buffers]
+        self.ends = self.firsts + [(buf.params[-1], buf.grad_views[-1]) for buf in opt._buffers]
+        # a .grad may be None or a tensor of its own: set by zero_grad() (either kind) and by the hooks' copies,
+        # cleared by settling. While it is False, only the ends of each buffer are looked at (see needs_settling)
+        self.dirty = True
         # skip_unused: a .grad that is None stays None (its view is zeroed all the same), as torch leaves it
         self.keep_none = opt.skip_unused
         self.handles = []
@@ -75,8 +79,12 @@ class GradLanding:
             parameter per backward pass, so it is kept short (no no_grad(): autograd runs hooks with grad
             mode off, and a gradient with history is left alone)."""
             g, view = p.grad, views[p]
-            if g is view or g is None or ref() is None:  # accumulated into the view, or the optimizer is gone
+            if g is view or g is None:  # accumulated into the view: nothing to do
                 return
+            self_ = ref()
+            if self_ is None:  # the optimizer is gone
+                return
+            self_.dirty = True  # after model.zero_grad(): others may still be None
             if (
                 g.requires_grad  # backward(create_graph=True): settle() refuses it, naming the parameter
                 or g.layout is not strided
@@ -114,14 +122,24 @@ class GradLanding:
         """``zero_grad()``: every ``.grad`` to None; the next gradients are copied in."""
         for p in self.views:
             p.grad = None
+        self.dirty = True
 
     def restore(self):
-        """Every view back in ``.grad``, launching nothing (its values are stale until the buffer is
-        zeroed): after a failed capture, and before ``zero_grad(set_to_none=False)`` zeroes them."""
+        """Every view back in ``.grad`` (a None ``.grad`` stays None with ``skip_unused=True``),
+        launching nothing (its values are stale until the buffer is zeroed): after a failed capture,
+        and before ``zero_grad(set_to_none=False)`` zeroes them."""
         for p, view in self.views.items():
             g = p.grad
             if g is not view and self._fits(p, None, view) and not (g is None and self.keep_none):
                 p.grad = view
+        self.dirty = True  # zero_grad(set_to_none=False): a .grad replaced after the next backward is still seen
+
+    def needs_settling(self, full=False):
+        """Whether settle() has anything to look at: after a zero_grad() of either kind or a hook's copy since
+        the last settling, at a full check, under skip_unused (a None .grad stays None), or when the first or
+        last parameter of a buffer has lost its view (model.zero_grad() with no backward since). Otherwise
+        nothing has touched the .grads since they were settled but the caller itself: O(1) host work."""
+        return full or self.dirty or self.keep_none or any(p.grad is not view for p, view in self.ends)
 
     def restore_if_released(self):
         """restore() when the first parameter of a buffer has lost its view (zero_grad() between two
@@ -131,7 +149,8 @@ class GradLanding:
 
     def settle(self):
         """Zero the views of parameters whose ``.grad`` is None, copy in every ``.grad`` that is a
-        tensor of its own, and put the views back in ``.grad``. Raises, changing nothing, for a
+        tensor of its own, and put the views back in ``.grad`` (a None ``.grad`` stays None with
+        ``skip_unused=True``). Raises, changing nothing, for a
         gradient the buffer cannot hold (sparse, or with autograd history)."""
         self.apply(self.plan())
 
@@ -158,6 +177,7 @@ class GradLanding:
 
     def apply(self, plan):
         zero, copy = plan
+        self.dirty = False
         if not zero and not copy:
             return
         with torch.no_grad():

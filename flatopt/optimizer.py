@@ -530,19 +530,22 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         return ", ".join(self._name(p) for p in params[:most]) + (", ..." if len(params) > most else "")
 
     def check_bindings(self, full=True):
-        """Raise if a parameter's data or gradient no longer lives in the flat buffers, or (with
-        ``full=True``) if a parameter that was frozen when the optimizer laid out its buffers
-        requires grad now (it has no place in them and would never be stepped), or one that was
-        trainable is frozen now (it would still be stepped, unless ``skip_unused=True``).
+        """Raise if a parameter's data no longer lives in the flat buffers, or (with ``full=True``) if
+        a parameter that was frozen when the optimizer laid out its buffers requires grad now (it has
+        no place in them and would never be stepped), or one that was trainable is frozen now (it
+        would still be stepped, unless ``skip_unused=True``); then settle the gradients.
 
         ``step()`` checks every parameter at the first step and at every ``FULL_CHECK_EVERY``-th
         (256th) step after it, and otherwise only the first and last parameter of each buffer
         (``full=False``, O(1) host work), which catches ``model.to(...)`` at once. Call this
         (``full=True``) to check every parameter now.
 
-        First, with ``flat=True`` in step mode, the gradients are settled into the flat gradient
-        buffer (see :mod:`flatopt.grads`): a ``.grad`` that is None is zeroed in its view, one that
-        is a tensor of its own is copied in, and the views are put back in ``.grad``.
+        Settling, with ``flat=True`` in step mode (see :mod:`flatopt.grads`): a ``.grad`` that is
+        None gets its view zeroed and put back (with ``skip_unused=True`` it stays None), one that is
+        a tensor of its own is copied into its view, which is put back; a sparse ``.grad`` or one
+        with autograd history raises. Every ``.grad`` is looked at after a ``zero_grad()`` of either
+        kind or a hook's copy since the last settling, and at a full check; otherwise the first and
+        last of each buffer.
         """
         self._check_bindings(full)
 
@@ -550,7 +553,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         """check_bindings(), then (``settle``) the gradients settled into the flat buffers."""
         if full or not self._ends_bound():
             self._check_data_bindings(full)
-        if settle and self._landing is not None:
+        if settle and self._landing is not None and self._landing.needs_settling(full):
             self._landing.settle()
 
     def _check_data_bindings(self, full):
@@ -622,8 +625,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         the step's checks pass (step() advances it), so a full check that raised runs again at the next
         step. Returns the gradients' settling plan (checked, not done: step() applies it last, once the
         hyper-parameters are validated too), or None."""
-        self._check_bindings(not self._unused_reported or self._checked_steps % FULL_CHECK_EVERY == 0, settle=False)
-        return self._landing.plan() if self._landing is not None else None
+        full = not self._unused_reported or self._checked_steps % FULL_CHECK_EVERY == 0
+        self._check_bindings(full, settle=False)
+        return self._landing.plan() if self._landing.needs_settling(full) else ([], [])
 
     def _report_unused(self, grads):
         """The first step's warning: parameters whose .grad was None at the step, and those whose view
@@ -891,9 +895,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         sets every ``.grad`` to None; the next backward pass copies each new gradient into the
         parameter's view of the buffer and puts the view back in ``.grad`` (a read and a write of
         its bytes), and ``step()`` zeroes the views of parameters that received none. With
-        ``set_to_none=False`` the buffers are zeroed (one operation each) and the views kept, and
-        autograd adds each gradient into its view (a write, then two reads and a write). See
-        :mod:`flatopt.grads`.
+        ``set_to_none=False`` the views are put back in ``.grad`` (a None ``.grad`` stays None with
+        ``skip_unused=True``) and each buffer is zeroed (one operation each), and autograd adds each
+        gradient into its view (a write, then two reads and a write). See :mod:`flatopt.grads`.
         """
         if self.in_backward:
             self._in_backward.abandon()
