@@ -491,3 +491,24 @@ def test_step_looks_at_every_grad_only_after_something_may_have_changed_them(mon
     opt.check_bindings()  # a full check looks at every .grad, and settles this one
     assert len(plans) == 5
     assert_view(model[2].weight, opt, "after check_bindings()")
+
+
+def test_the_hooks_stay_out_of_saved_and_copied_models():
+    """torch.save(model) and copy.deepcopy(model) work while the optimizer's hooks are on the parameters,
+    and neither the loaded model nor the copy carries them (a copy trains on its own)."""
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = flatopt.AdamW(model)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    for other in (torch.load(saved, weights_only=False), copy.deepcopy(model)):
+        assert hooks(other) == [0, 0, 0, 0]
+        other(torch.randn(2, 4)).sum().backward()
+        assert all(p.grad is not None for p in other.parameters())
+        assert all(p.grad is None for p in model.parameters()), "a copy's backward reached the optimizer's hooks"
