@@ -150,14 +150,14 @@ class GradLanding:
     def settle(self):
         """Zero the views of parameters whose ``.grad`` is None, copy in every ``.grad`` that is a
         tensor of its own, and put the views back in ``.grad`` (a None ``.grad`` stays None with
-        ``skip_unused=True``). Raises, changing nothing, for a
-        gradient the buffer cannot hold (sparse, or with autograd history)."""
+        ``skip_unused=True``). Raises, changing nothing, for a gradient the buffer cannot hold
+        (sparse, or with autograd history)."""
         self.apply(self.plan())
 
     def plan(self):
         """What settle() does, checked but not done: ((param, view) to zero, (param, view, tensor or None)
-        to copy). One identity test per parameter when every ``.grad`` is its view (step() runs it at
-        every step: a ``.grad`` replaced in the middle of a buffer is seen at once)."""
+        to copy). One identity test per parameter when every ``.grad`` is its view (step() runs it
+        when needs_settling() says so)."""
         zero, copy = [], []
         for p, view in self.views.items():
             g = p.grad
