@@ -4,8 +4,9 @@ Parameters, gradients and optimizer states live in flat buffers that never move,
 gradients, ``train_step`` (forward and backward) and the optimizer step can be recorded once and
 replayed. What the graph records:
 
-* ``opt.zero_grad()``, as ``.grad`` set to None and each first gradient copied into its view
-  (see :mod:`flatopt.grads`; the ``.grad`` views are back before the optimizer steps);
+* ``opt.zero_grad()``, as ``.grad`` set to None, and after backward one batched copy of the new
+  gradients into their views (see :mod:`flatopt.grads`; the ``.grad`` views are back before the
+  optimizer steps or clips);
 * ``train_step(*static_inputs)``: its CUDA work, with the inputs read from static tensors;
 * optional ``opt.clip_grad_norm_(max_grad_norm)``, then ``opt.step()``, unless ``train_step``
   steps the optimizer itself (for example through ``scaler.step(opt)``).
@@ -171,8 +172,10 @@ class CapturedStep:
         opt._graph_steps = 0
         grads = opt._landing
         try:
-            grads.release()  # zero_grad(): the first gradients are copied in (see flatopt.grads)
+            grads.release()  # zero_grad(): the gradients are copied in after backward (see flatopt.grads)
+            grads.deferred = True
             out = self.fn(*self.static)
+            grads.deferred = False
             grads.settle()
             if not opt._graph_steps:
                 if self.max_grad_norm is not None:
@@ -181,6 +184,8 @@ class CapturedStep:
         except BaseException:
             grads.restore()  # launching nothing: a failed recording leaves the stream unusable until it ends
             raise
+        finally:
+            grads.deferred = False
         return out
 
     def _run(self, graph_mode, check_sync=False):

@@ -20,8 +20,10 @@ over the gradient it computed. flatopt does the same and then copies it in, a re
   left.
 
 Between ``zero_grad()`` and ``step()`` a ``.grad`` is therefore None (no gradient yet) or the
-parameter's view holding its gradient, as torch.optim users expect. Inside ``capture()`` the same
-copies are recorded into the graph: the new gradients come from the graph's memory pool.
+parameter's view holding its gradient, as torch.optim users expect. Inside ``capture()``
+(``deferred``) the hooks leave the new gradients in the graph's memory pool and settle() copies
+them all in after backward, one batched copy per (dtype, device): fewer kernels in the graph, for
+all the gradients alive at once in the pool.
 """
 
 import weakref
@@ -63,6 +65,10 @@ class GradLanding:
         self.dirty = True
         # skip_unused: a .grad that is None stays None (its view is zeroed all the same), as torch leaves it
         self.keep_none = opt.skip_unused
+        # inside capture(): the hooks leave each new gradient where autograd put it (the graph's pool), and
+        # settle() copies them all into the views with one batched copy after backward, recorded as a few
+        # kernels instead of one per parameter
+        self.deferred = False
         self.handles = []
         self._finalizer = None
 
@@ -86,7 +92,8 @@ class GradLanding:
                 return
             self_.dirty = True  # after model.zero_grad(): others may still be None
             if (
-                g.requires_grad  # backward(create_graph=True): settle() refuses it, naming the parameter
+                self_.deferred  # capture(): settle() copies them all at once
+                or g.requires_grad  # backward(create_graph=True): settle() refuses it, naming the parameter
                 or g.layout is not strided
                 or g.dtype is not view.dtype  # the parameter was cast or moved: check_bindings() says so
                 or g.get_device() != view.get_device()
@@ -183,9 +190,14 @@ class GradLanding:
         with torch.no_grad():
             if zero:
                 torch._foreach_zero_([view for _, view in zero])
+            groups = {}  # one batched copy (a few kernels) per dtype and device rather than one per parameter
             for _, view, g in copy:
                 if g is not None:
-                    view.copy_(g)
+                    dst, src = groups.setdefault((view.dtype, view.device), ([], []))
+                    dst.append(view)
+                    src.append(g)
+            for dst, src in groups.values():
+                torch._foreach_copy_(dst, src)
         if not self.keep_none:
             for p, view in zero:
                 p.grad = view

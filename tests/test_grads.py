@@ -71,7 +71,7 @@ def three(seed=0, **hp):
 
 
 def assert_view(p, opt, what):
-    buf = opt._buffers[0]
+    buf = next(b for b in opt._buffers if p in b.index)
     start = buf.index[p][0]
     assert p.grad is not None, f"{what}: .grad is None"
     assert p.grad.untyped_storage().data_ptr() == buf.grad.untyped_storage().data_ptr(), f"{what}: not in the buffer"
@@ -512,3 +512,38 @@ def test_the_hooks_stay_out_of_saved_and_copied_models():
         other(torch.randn(2, 4)).sum().backward()
         assert all(p.grad is not None for p in other.parameters())
         assert all(p.grad is None for p in model.parameters()), "a copy's backward reached the optimizer's hooks"
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+def test_deferred_landing_copies_every_gradient_at_settle():
+    """What a captured step records: the hooks leave each new gradient where autograd put it, and settle()
+    copies them all in with one batched copy per (dtype, device) after backward; the buffers end as with
+    the hooks' copies, for a model with a float32 and a bfloat16 buffer and two backward passes."""
+    torch.manual_seed(0)
+    models = []
+    for _ in range(2):
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 1))
+        models.append(m)
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [flatopt.AdamW(m, lr=1e-2) for m in models]
+    assert len(opts[0]._buffers) == 2
+
+    def loss(m, x):
+        return m[2](m[1](m[0](x).to(torch.bfloat16)).float()).sum()
+
+    x = [torch.randn(3, 4) for _ in range(2)]
+    for m, o, deferred in ((models[0], opts[0], True), (models[1], opts[1], False)):
+        o.zero_grad()
+        o._landing.deferred = deferred
+        for xi in x:
+            loss(m, xi).backward()
+        if deferred:
+            assert not any(p.grad.untyped_storage().data_ptr() == b.grad.untyped_storage().data_ptr()
+                           for p in m.parameters() for b in o._buffers), "a hook copied while deferred"  # fmt: skip
+        o._landing.deferred = False
+        o.step()
+    for b, c in zip(opts[0]._buffers, opts[1]._buffers):
+        assert torch.equal(b.grad, c.grad)
+        assert torch.equal(b.data, c.data)
+    for p in models[0].parameters():
+        assert_view(p, opts[0], "after settle")
