@@ -69,6 +69,7 @@ class GradLanding:
         # settle() copies them all into the views with one batched copy after backward, recorded as a few
         # kernels instead of one per parameter
         self.deferred = False
+        self.pooled = {}  # while deferred: storage address of each gradient left in the pool -> its parameter
         self.handles = []
         self._finalizer = None
 
@@ -92,8 +93,15 @@ class GradLanding:
                 return
             self_.dirty = True  # after model.zero_grad(): others may still be None
             if (
-                self_.deferred  # capture(): settle() copies them all at once
-                or g.requires_grad  # backward(create_graph=True): settle() refuses it, naming the parameter
+                self_.deferred
+                and g.layout is strided
+                and self_.pooled.setdefault(g.untyped_storage().data_ptr(), p) is p
+            ):
+                return  # capture(): settle() copies them all at once; but a gradient that shares its storage
+                # with another parameter's (autograd hands views of one tensor to both branches of an add) is
+                # copied now, or in-place changes before settle() (accumulation, unscale_) would apply twice
+            if (
+                g.requires_grad  # backward(create_graph=True): settle() refuses it, naming the parameter
                 or g.layout is not strided
                 or g.dtype is not view.dtype  # the parameter was cast or moved: check_bindings() says so
                 or g.get_device() != view.get_device()
@@ -129,6 +137,7 @@ class GradLanding:
         """``zero_grad()``: every ``.grad`` to None; the next gradients are copied in."""
         for p in self.views:
             p.grad = None
+        self.pooled.clear()
         self.dirty = True
 
     def restore(self):
@@ -154,12 +163,16 @@ class GradLanding:
         if any(p.grad is not view for p, view in self.firsts):
             self.restore()
 
-    def settle(self):
+    def settle(self, keep_dirty=False):
         """Zero the views of parameters whose ``.grad`` is None, copy in every ``.grad`` that is a
         tensor of its own, and put the views back in ``.grad`` (a None ``.grad`` stays None with
         ``skip_unused=True``). Raises, changing nothing, for a gradient the buffer cannot hold
-        (sparse, or with autograd history)."""
+        (sparse, or with autograd history). ``keep_dirty``: for clip_grad_norm_() and
+        check_bindings() between zero_grad() and step(), so that step() still looks at every
+        ``.grad`` (one replaced after the clip, say)."""
+        dirty = self.dirty
         self.apply(self.plan())
+        self.dirty = dirty and keep_dirty
 
     def plan(self):
         """What settle() does, checked but not done: ((param, view) to zero, (param, view, tensor or None)
@@ -185,6 +198,7 @@ class GradLanding:
     def apply(self, plan):
         zero, copy = plan
         self.dirty = False
+        self.pooled.clear()
         if not zero and not copy:
             return
         with torch.no_grad():

@@ -554,7 +554,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if full or not self._ends_bound():
             self._check_data_bindings(full)
         if settle and self._landing is not None and self._landing.needs_settling(full):
-            self._landing.settle()
+            self._landing.settle(keep_dirty=True)  # step() clears it, after its own look
 
     def _check_data_bindings(self, full):
         cls = type(self).__name__

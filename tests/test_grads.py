@@ -547,3 +547,58 @@ def test_deferred_landing_copies_every_gradient_at_settle():
         assert torch.equal(b.data, c.data)
     for p in models[0].parameters():
         assert_view(p, opts[0], "after settle")
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+def test_deferred_landing_copies_gradients_that_share_storage_at_once():
+    """Autograd hands both branches of an add views of one tensor: two parameters' .grad share storage. Left
+    in the pool together, an in-place change (a second micro-batch, unscale_) would reach both twice; the
+    second one is copied at once, so the captured body matches eager flatopt."""
+    from flatopt.capture import CapturedStep
+
+    torch.manual_seed(0)
+    w = torch.randn(12)
+    ps = [[nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 4))] for _ in range(2)]
+    ps[1][0].data.copy_(ps[0][0])
+    ps[1][1].data.copy_(ps[0][1])
+    opts = [flatopt.SGD(pair, lr=0.1) for pair in ps]
+
+    def train_step(a, b):
+        for _ in range(2):
+            (w * (a.view(-1) + b.view(-1))).sum().backward()
+
+    body = object.__new__(CapturedStep)
+    body.opt, body.fn, body.max_grad_norm, body.static = opts[0], lambda: train_step(*ps[0]), None, []
+    for _ in range(2):
+        opts[0]._refresh_hparams(opts[0]._devices)  # as each replay's call does before the graph runs
+        body._body()
+        opts[0]._graph_mode = False
+        opts[1].zero_grad()
+        train_step(*ps[1])
+        opts[1].step()
+        for p, q in zip(ps[0], ps[1]):
+            torch.testing.assert_close(p.grad, 2 * w.view(3, 4), **SAME)
+            torch.testing.assert_close(p, q, **SAME)
+
+
+def test_a_grad_replaced_after_clipping_is_seen_by_step():
+    """clip_grad_norm_() settles the gradients between zero_grad() and step(); a .grad replaced after it is
+    still seen by step(), as torch.optim sees it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    ref = copy.deepcopy(model)
+    opt, ref_opt = flatopt.SGD(model, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x = torch.randn(3, 4, generator=g)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).sum().backward()
+            if o is opt:
+                o.clip_grad_norm_(1.0)
+            else:
+                nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            m[1].weight.grad = torch.full_like(m[1].weight, 0.25 * step)
+            o.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
