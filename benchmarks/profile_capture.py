@@ -48,6 +48,7 @@ MINE, THEIRS = "flatopt-capture", "torch-fused-graph"
 CATEGORIES = (  # rough, by lower-cased kernel name: the first match wins
     ("optimizer", ("adam",)),  # torch's FusedAdamMathFunctor, flatopt's adamw_kernel
     ("zeroing", ("memset", "fill", "zero")),  # zero_grad: flatopt's fill, torch's foreach ZeroFunctor
+    ("gradcopy", ("copyfunctor",)),  # flatopt's batched gradient copy in a captured step (torch._foreach_copy_)
     ("optimizer", ("multi_tensor",)),  # torch's foreach step-count increment
     ("memcpy", ("memcpy",)),  # the static-input copies
     ("attention", ("flash", "fmha", "attention", "sdpa")),
