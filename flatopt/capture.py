@@ -175,7 +175,6 @@ class CapturedStep:
             grads.release()  # zero_grad(): the gradients are copied in after backward (see flatopt.grads)
             grads.deferred = True
             out = self.fn(*self.static)
-            grads.deferred = False
             grads.settle()
             if not opt._graph_steps:
                 if self.max_grad_norm is not None:

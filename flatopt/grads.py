@@ -61,7 +61,7 @@ class GradLanding:
         self.firsts = [(buf.params[0], buf.grad_views[0]) for buf in opt._buffers]
         self.ends = self.firsts + [(buf.params[-1], buf.grad_views[-1]) for buf in opt._buffers]
         # a .grad may be None or a tensor of its own: set by zero_grad() (either kind) and by the hooks' copies,
-        # cleared by settling. While it is False, only the ends of each buffer are looked at (see needs_settling)
+        # cleared by step() (apply). While it is False, only the ends of each buffer are looked at (needs_settling)
         self.dirty = True
         # skip_unused: a .grad that is None stays None (its view is zeroed all the same), as torch leaves it
         self.keep_none = opt.skip_unused
@@ -152,7 +152,7 @@ class GradLanding:
 
     def needs_settling(self, full=False):
         """Whether settle() has anything to look at: after a zero_grad() of either kind or a hook's copy since
-        the last settling, at a full check, under skip_unused (a None .grad stays None), or when the first or
+        the last step, at a full check, under skip_unused (a None .grad stays None), or when the first or
         last parameter of a buffer has lost its view (model.zero_grad() with no backward since). Otherwise
         nothing has touched the .grads since they were settled but the caller itself: O(1) host work."""
         return full or self.dirty or self.keep_none or any(p.grad is not view for p, view in self.ends)

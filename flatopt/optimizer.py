@@ -383,7 +383,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self._in_backward.remove()
         if self._landing is not None:
             self._landing.detach()
-        no_grad = [p for ps, _ in members.values() for p in ps if p.grad is None]  # skip_unused keeps them None
+        no_grad = [p for ps, _ in members.values() for p in ps if p.grad is None] if self.skip_unused else []
         buffers = []
         for key in keys:
             params, groups = members[key]
@@ -419,9 +419,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if not self.in_backward:
             self._landing = GradLanding(self)
             self._landing.attach()  # for good: also after model.zero_grad() or zero_grad(set_to_none=False)
-            if self.skip_unused:  # a parameter steps only once it has a .grad, as in torch.optim
-                for p in no_grad:
-                    p.grad = None
+            for p in no_grad:  # skip_unused: a parameter steps only once it has a .grad, as in torch.optim
+                p.grad = None
 
     def _sparse_grad_hook(self, p):
         """A hook on ``p``'s incoming gradient, registered until the first step with the hooks that
@@ -544,8 +543,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         None gets its view zeroed and put back (with ``skip_unused=True`` it stays None), one that is
         a tensor of its own is copied into its view, which is put back; a sparse ``.grad`` or one
         with autograd history raises. Every ``.grad`` is looked at after a ``zero_grad()`` of either
-        kind or a hook's copy since the last settling, and at a full check; otherwise the first and
-        last of each buffer.
+        kind or a hook's copy since the last step, with ``skip_unused=True``, and at a full check;
+        otherwise the first and last of each buffer.
         """
         self._check_bindings(full)
 
