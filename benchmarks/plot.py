@@ -128,8 +128,10 @@ def markdown(record):
             "",
         ]
     same = any(r.get("pct_of_same_bytes_copy") is not None for r in record["results"])  # not in older results
+    loop = any(r.get("host_after_zero_grad_us") is not None for r in record["results"])  # nor in these
     head = ["optimizer", "set", "dtype", "implementation", "median ms (p20-p80)", "GB/s", "% of floor"]
     head += ["% of same-bytes copy", "host us"] if same else ["host us"]
+    head += ["host us after zero_grad()", "host us, new lr"] if loop else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in _order(record["results"], record):
         if r["status"] != "ok":
@@ -138,7 +140,9 @@ def markdown(record):
         title = OPTIMIZER_TITLES.get(r["optimizer"], r["optimizer"])
         cells = [_num(r.get("gbps"), ".0f"), _num(r.get("pct_floor"), ".1f")]
         cells += [_num(r.get("pct_of_same_bytes_copy"), ".1f")] if same else []
-        numbers = " | ".join(cells + [_num(r.get("host_us"), ".1f")])
+        cells += [_num(r.get("host_us"), ".1f")]
+        cells += [_num(r.get("host_after_zero_grad_us"), ".1f"), _num(r.get("host_new_lr_us"), ".1f")] if loop else []
+        numbers = " | ".join(cells)
         lines.append(f"| {title} | {r['set']} | {r['dtype']} | {r['impl']} | {spread} | {numbers} |")
     if record.get("targets"):
         lines += [

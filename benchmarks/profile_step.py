@@ -15,6 +15,7 @@ Writes ``profile-STAMP.json`` (and prints everything). It explains results; benc
 
 import argparse
 import cProfile
+import functools
 import io
 import pstats
 import sys
@@ -52,8 +53,8 @@ def build(set_name, dtype, optimizer, device, **kw):
     return params, opt
 
 
-def host_us(fn, device, settings):
-    med, q20, q80, n = harness.host_time(fn, device, settings)
+def host_us(fn, device, settings, before=None):
+    med, q20, q80, n = harness.host_time(fn, device, settings, before=before)
     return dict(median_us=med, q20_us=q20, q80_us=q80, calls=n)
 
 
@@ -90,6 +91,10 @@ def host_rows(set_name, device, settings):
         kernel(buf.data, buf.grad, buf.states["exp_avg"], buf.states["exp_avg_sq"], hparams=hp, meta=buf.meta)
 
     rows["one Triton launch (adamw_step)"] = host_us(bare, device, settings)
+    zero = functools.partial(opt.zero_grad, set_to_none=False)  # untimed: step() then compares every .grad
+    rows["step after zero_grad() (untimed)"] = host_us(opt.step, device, settings, before=zero)
+    rows["zero_grad() (set_to_none=True)"] = host_us(opt.zero_grad, device, settings)
+    zero()  # the views back in .grad for what follows
     amp = amp_rows(opt, device, settings)
     rows.update(amp.pop("host"))
     opt.use_step_graph = False

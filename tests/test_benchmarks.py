@@ -229,6 +229,9 @@ def test_smoke_run_on_cpu_then_plot(bench, plot, tmp_path, capsys):
                     r["median_ms"] > 0 and r["pct_floor"] > 0 and r["bytes"] == r["elements"] * r["bytes_per_element"]
                 )
                 assert (r.get("host_us") is not None) == (s in bench.HOST_SETS)
+                for k in ("host_after_zero_grad_us", "host_new_lr_us"):  # the loop's host costs, flatopt's row only
+                    assert (r.get(k) is not None) == (s in bench.HOST_SETS)
+                    assert k not in rows[(s, dt, opt, "flatopt-launch")]
                 assert rows[(s, dt, opt, "flatopt-graph")]["status"] == "skipped"
                 # the copy of the same bytes: timed once per case, on every row of the case
                 c = rows[(s, dt, opt, "copy-same-bytes")]
@@ -789,3 +792,20 @@ def test_profile_scripts_say_they_need_a_gpu(name, capsys, tmp_path):
     assert import_benchmark(name).main(["--out", str(tmp_path)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_host_time_calls_before_untimed_before_every_call(harness):
+    """host_time(before=...) runs ``before`` ahead of each call, the untimed first call of a burst included, and
+    leaves it out of the times: a slow ``before`` does not show."""
+    calls = []
+
+    def before():
+        calls.append("before")
+        time.sleep(0.002)
+
+    settings = harness.TimerSettings(host_calls=20, host_budget_s=10.0)
+    med, q20, q80, n = harness.host_time(lambda: calls.append("fn"), torch.device("cpu"), settings, before=before)
+    assert n == 20 and calls[0] == "before"
+    assert all(a == "before" and b == "fn" for a, b in zip(calls[::2], calls[1::2])) and len(calls) % 2 == 0
+    assert calls.count("fn") > n  # one untimed call per burst
+    assert q80 < 1000.0  # microseconds: the 2 ms sleeps are not in them
