@@ -32,6 +32,7 @@ from flatopt.kernels import common
 import flatopt
 from benchmarks import harness
 from flatopt import kernels
+from flatopt.layout import GradSources
 from flatopt.step_graph import StepGraph
 
 OPTS = {"adamw": flatopt.AdamW, "sgd": flatopt.SGD, "lion": flatopt.Lion}
@@ -158,6 +159,54 @@ def profile(fn, calls=200):
     return text.getvalue()
 
 
+def gather_section(device, settings, copy_gbps):
+    """Device time of landing the gradients and stepping, two ways, AdamW: a batched copy of gradients lying
+    elsewhere (one tensor each, as autograd leaves them in a captured step's pool) into the flat buffer and then
+    the step (what capture() records now), against one launch that reads them where they lie and stores them
+    into the flat buffer as it steps (GradSources): a read of every gradient's bytes less. Also the step alone,
+    gradients already in the buffer. Floors: 7 reads and writes per element for the step, 9 for the copy and
+    step, 8 for the gathering step."""
+    out = []
+    for set_name, dtype_name in (("gpt2", "fp32"), ("gpt2", "bf16"), ("many-small", "bf16")):
+        out += gather_rows(set_name, dtype_name, device, settings, copy_gbps)
+        harness.free_memory(device)
+    return out
+
+
+def gather_rows(set_name, dtype_name, device, settings, copy_gbps):
+    dtype = harness.DTYPES[dtype_name]
+    _, opt = build(set_name, dtype, "adamw", device)
+    buf = opt._buffers[0]
+    grads = [torch.randn_like(v) for v in buf.grad_views]
+    sources = GradSources.of(buf, grads)
+    hp = opt._hp[buf.device]
+    args = (buf.data, buf.grad, buf.states["exp_avg"], buf.states["exp_avg_sq"])
+
+    def step(gather=None):
+        kernels.adamw_step(*args, hparams=hp, meta=buf.meta, sources=gather)
+
+    def copy_then_step():
+        torch._foreach_copy_(buf.grad_views, grads)
+        step()
+
+    elements = sum(v.numel() for v in buf.grad_views)
+    rows = []
+    for variant, fn, accesses in (
+        ("step alone", step, 7),
+        ("foreach copy + step", copy_then_step, 9),
+        ("gathering step (sources=)", lambda: step(sources), 8),
+    ):
+        for _ in range(3):
+            fn()
+        t = harness.device_time(fn, device, settings).median_ms
+        floor = harness.floor_ms(elements, accesses * dtype.itemsize, copy_gbps)
+        rows.append(
+            dict(set=set_name, dtype=dtype_name, variant=variant, ms=t, floor_ms=floor, pct_of_floor=100 * floor / t)
+        )
+        print(f"gather {set_name:10s} {dtype_name} {variant:26s} {t:.4f} ms {100 * floor / t:5.1f} % of its floor")
+    return rows
+
+
 def device_section(device, settings, copy_gbps):
     out = []
     for set_name, dtype_name in (("many-small", "bf16"), ("many-small", "fp32"), ("gpt2", "bf16")):
@@ -224,6 +273,11 @@ def main(argv=None):
     t0 = time.time()
     record["host"] = host_section(device, settings)
     record["device"] = device_section(device, settings, copy["gbps"])
+    try:
+        record["gather"] = gather_section(device, settings, copy["gbps"])
+    except Exception as e:  # a new kernel mode: its failure is a result, and the rest is kept
+        record["gather"] = dict(status="failed", reason=f"{type(e).__name__}: {e}"[:2000])
+        print(f"gather section failed: {record['gather']['reason']}")
     record["seconds"] = time.time() - t0
     path = Path(args.out) / f"profile-{harness.timestamp()}.json"
     harness.write_json(path, record)

@@ -16,22 +16,31 @@ def _impl(name, backend):
     raise ValueError(f"Invalid backend: {backend!r}; expected one of {BACKENDS}")
 
 
-def adamw(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, backend="triton"):
-    """One AdamW step over flat buffers; see :mod:`flatopt.kernels.adamw`."""
+def adamw(
+    param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, backend="triton", sources=None
+):
+    """One AdamW step over flat buffers; see :mod:`flatopt.kernels.adamw`. ``sources``: a
+    :class:`flatopt.layout.GradSources`, to read the gradients from where they lie and store them
+    into ``grad`` while stepping."""
     _impl("adamw_step", backend)(
-        param, grad, exp_avg, exp_avg_sq, hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf
-    )
+        param, grad, exp_avg, exp_avg_sq, hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf,
+        sources=sources,
+    )  # fmt: skip
 
 
-def sgd(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, backend="triton"):
-    """One SGD step over flat buffers; see :mod:`flatopt.kernels.sgd`."""
+def sgd(
+    param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, backend="triton", sources=None
+):
+    """One SGD step over flat buffers; see :mod:`flatopt.kernels.sgd` (``sources``: as for adamw)."""
     _impl("sgd_step", backend)(
-        param, grad, momentum_buffer, hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf
-    )
+        param, grad, momentum_buffer, hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf,
+        sources=sources,
+    )  # fmt: skip
 
 
-def lion(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, backend="triton"):
-    """One Lion step over flat buffers; see :mod:`flatopt.kernels.lion`."""
+def lion(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, backend="triton", sources=None):
+    """One Lion step over flat buffers; see :mod:`flatopt.kernels.lion` (``sources``: as for adamw)."""
     _impl("lion_step", backend)(
-        param, grad, exp_avg, hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf
-    )
+        param, grad, exp_avg, hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf,
+        sources=sources,
+    )  # fmt: skip

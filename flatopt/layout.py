@@ -139,3 +139,61 @@ class FlatBuffer:
         self.expected = [
             (dv.data_ptr(), None if gv is None else gv.data_ptr()) for dv, gv in zip(self.data_views, grad_views)
         ]
+
+
+@dataclass
+class GradSources:
+    """Where each parameter's gradient of one flat buffer lies, for a kernel that reads the gradients
+    from there and stores them into the flat gradient buffer as it steps (``sources=`` of the
+    kernels; see ``flatopt.kernels.common.gather_grad``) instead of a copy into the buffer first and
+    a read back: a read of every gradient's bytes less.
+
+    ``src``, ``start``, ``numel``: int64 ``[params]`` on the buffer's device (the address of each
+    gradient, each parameter's offset in the buffer, its number of elements); ``tensors``: the
+    gradients the addresses point at, kept alive here (None where the source is the parameter's own
+    view, whose value the kernel then keeps).
+    """
+
+    src: torch.Tensor
+    start: torch.Tensor
+    numel: torch.Tensor
+    tensors: list
+    vec: int = 1  # every numel is a multiple of it (16 bytes of elements, or 1): the kernel's load width
+
+    @staticmethod
+    def fits(view, g):
+        """Whether the kernel can read ``g`` in place of ``view``: same shape, strides, dtype and device
+        (so element k of its memory is element k of the view's), and 16-byte aligned."""
+        return (
+            g.shape == view.shape
+            and g.stride() == view.stride()
+            and g.dtype == view.dtype
+            and g.device == view.device
+            and g.layout == torch.strided
+            and g.data_ptr() % 16 == 0
+        )
+
+    @classmethod
+    def of(cls, buf, grads):
+        """The sources of ``buf`` from ``grads`` (one tensor or None per parameter of ``buf``: None
+        reads the parameter's own view). Raises ValueError for a gradient that does not fit."""
+        if len(grads) != len(buf.params):
+            raise ValueError(f"expected {len(buf.params)} gradients, got {len(grads)}")
+        src = []
+        for i, (view, g) in enumerate(zip(buf.grad_views, grads)):
+            if g is not None and not cls.fits(view, g):
+                raise ValueError(
+                    f"the gradient of parameter {i} cannot be read in place: shape {tuple(g.shape)}, strides "
+                    f"{g.stride()}, {g.dtype} on {g.device} at {g.data_ptr():#x}; the kernel needs shape "
+                    f"{tuple(view.shape)}, strides {view.stride()}, {view.dtype} on {view.device}, 16-byte aligned"
+                )
+            src.append((view if g is None else g).data_ptr())
+        numel = [p.numel() for p in buf.params]
+
+        def table(values):
+            return torch.tensor(values, dtype=torch.int64).to(buf.device)
+
+        vec = 16 // buf.grad.element_size()
+        if any(n % vec for n in numel):
+            vec = 1
+        return cls(table(src), table(buf.starts), table(numel), list(grads), vec)

@@ -102,6 +102,16 @@ def _run(meta, hparams, numel, found_inf, update):
     steps.add_(inc)
 
 
+def gather(grad, sources):
+    """``sources`` (a :class:`flatopt.layout.GradSources`, or None): copy each gradient into its place
+    in the flat ``grad``, as the kernels' GATHER mode reads them."""
+    if sources is None:
+        return
+    for start, n, g in zip(sources.start.tolist(), sources.numel.tolist(), sources.tensors):
+        if g is not None:
+            grad[start : start + n].copy_(g.as_strided((n,), (1,)))  # memory order, as the kernel reads it
+
+
 def _unscale(grad, grad_scale):
     """The float32 gradient divided by ``grad_scale``, and the (buffer, value) pair to store back:
     torch's fused kernels leave the unscaled gradient in ``.grad`` when they step."""
@@ -112,7 +122,10 @@ def _unscale(grad, grad_scale):
     return g, [(grad, g)]
 
 
-def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
+def adamw_step(
+    param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None
+):
+    gather(grad, sources)
     assert hparams.shape[1] == ADAMW_HP
 
     def update(s, e, h, steps):
@@ -127,7 +140,10 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=No
     _run(meta, hparams, param.numel(), found_inf, update)
 
 
-def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
+def sgd_step(
+    param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None
+):
+    gather(grad, sources)
     assert hparams.shape[1] == SGD_HP
 
     def update(s, e, h, steps):
@@ -145,7 +161,8 @@ def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, fo
     _run(meta, hparams, param.numel(), found_inf, update)
 
 
-def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
+def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None):
+    gather(grad, sources)
     assert hparams.shape[1] == LION_HP
 
     def update(s, e, h, steps):

@@ -37,6 +37,9 @@ def adamw_kernel(
     grad_scale_ptr,
     found_inf_ptr,
     counter_ptr,
+    src_ptr,  # GATHER: int64 [params], the address of each parameter's gradient (see common.gather_grad)
+    start_ptr,  # GATHER: int64 [params], where each parameter starts in the flat buffers
+    numel_ptr,  # GATHER: int64 [params], each parameter's number of elements
     n_elements,  # length of the flat buffers
     param_lo,  # the launch steps parameters [param_lo, param_hi) of the buffer
     param_hi,
@@ -48,10 +51,12 @@ def adamw_kernel(
     HAS_FOUND_INF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     STEP_BLOCK: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     offsets, row, steps, active, inv_scale, skipped = begin_step(
         n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
         found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
+        GATHER,
     )  # fmt: skip
     lr = tl.load(row + LR)
     omb1 = tl.load(row + ONE_MINUS_BETA1)
@@ -64,7 +69,10 @@ def adamw_kernel(
     grad_sign = tl.load(row + GRAD_SIGN)
 
     p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
-    g = load_grad(g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE)
+    g = load_grad(
+        g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr,
+        n_elements, GRANULE, BLOCK_SIZE,
+    )  # fmt: skip
     m = tl.load(m_ptr + offsets, mask=active).to(tl.float32)
     v = tl.load(v_ptr + offsets, mask=active).to(tl.float32)
     g = g * grad_sign
@@ -84,7 +92,9 @@ def adamw_kernel(
     finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)
 
 
-def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
+def adamw_step(
+    param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None
+):
     """One AdamW step over a flat buffer; ``meta`` is the buffer's :class:`flatopt.layout.StepMeta`."""
     launch(
         adamw_kernel,
@@ -95,4 +105,5 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=No
         found_inf=found_inf,
         block_size=block_size,
         num_hparams=NUM_HPARAMS,
+        sources=sources,
     )

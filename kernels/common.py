@@ -18,8 +18,15 @@ Every kernel steps one flat buffer in one launch. Besides the buffers it receive
 
 ``UNIFORM`` buffers (one param group, equal steps, no ``active`` mask) read those scalars once
 per program instead of per element.
+
+* ``src``, ``start``, ``numel`` (``GATHER``, a launch's ``sources=``, a
+  :class:`flatopt.layout.GradSources`): int64 ``[params]``; the gradients are read from each
+  parameter's own gradient tensor at ``src`` instead of from the flat gradient buffer, and stored
+  into it as the kernel steps (see gather_grad). This saves the read back of a copy into the buffer
+  before the step; nothing in flatopt launches it yet (``benchmarks/profile_step.py`` times it).
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -109,13 +116,20 @@ def begin_step(
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     """What every kernel starts with. Returns this program's element offsets, the pointer to each
     element's row of the hyper-parameter table, its completed steps, where the step applies
     (``active``: in bounds, parameter active, no inf found), the inverse grad scale and whether
-    found_inf skips the step."""
+    found_inf skips the step. With GATHER (non-zero: the gradients are gathered, in loads of GATHER
+    elements; see gather_grad) the offsets are a [BLOCK_SIZE // GRANULE, GRANULE] block, one granule
+    per row; the kernels' elementwise code is the same for both."""
     pid = tl.program_id(0).to(tl.int64)
-    offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    if GATHER:
+        granules = pid * (BLOCK_SIZE // GRANULE) + tl.arange(0, BLOCK_SIZE // GRANULE)
+        offsets = granules[:, None] * GRANULE + tl.arange(0, GRANULE)[None, :]
+    else:
+        offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
     group, steps, active = load_param_meta(
         offsets, mask, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, param_lo, GRANULE, UNIFORM,
@@ -129,14 +143,61 @@ def begin_step(
 
 
 @triton.jit
-def load_grad(g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE: tl.constexpr):
+def load_grad(
+    g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE: tl.constexpr, GATHER: tl.constexpr, src_ptr, start_ptr,
+    numel_ptr, param_of_granule_ptr, n_elements, GRANULE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
     """The gradient in float32, divided by the grad scale and stored back unscaled (as torch's fused
-    kernels leave it) when HAS_GRAD_SCALE."""
-    g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)
-    if HAS_GRAD_SCALE:
-        g = g * inv_scale
-        tl.store(g_ptr + offsets, g.to(g_ptr.dtype.element_ty), mask=active)
+    kernels leave it) when HAS_GRAD_SCALE. With GATHER it is read from each parameter's own
+    gradient tensor (gather_grad) and stored into the flat gradient buffer: every element, also
+    where the step does not apply (an inactive parameter, a step skipped by found_inf), which gets
+    the gradient as read, as a copy into the buffer before the step would have left it."""
+    if GATHER:
+        in_bounds = offsets < n_elements
+        g = gather_grad(
+            offsets, in_bounds, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr, n_elements, GRANULE, BLOCK_SIZE,
+            g_ptr.dtype.element_ty, GATHER,
+        )  # fmt: skip
+        stored = g
+        if HAS_GRAD_SCALE:
+            g = g * inv_scale
+            stored = tl.where(active, g, stored)
+        tl.store(g_ptr + offsets, stored.to(g_ptr.dtype.element_ty), mask=in_bounds)
+    else:
+        g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)
+        if HAS_GRAD_SCALE:
+            g = g * inv_scale
+            tl.store(g_ptr + offsets, g.to(g_ptr.dtype.element_ty), mask=active)
     return g
+
+
+@triton.jit
+def gather_grad(
+    offsets, in_bounds, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr, n_elements, GRANULE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    """The gradient of each element of a GATHER block ([BLOCK_SIZE // GRANULE, GRANULE], one granule
+    per row; a granule belongs to one parameter) in float32, read from where the parameter's
+    gradient lies instead of from the flat buffer: ``src[i]``, the address of parameter i's
+    gradient (contiguous, of the buffer's dtype, 16-byte aligned), whose element k is the buffer's
+    element ``start[i] + k`` for k < ``numel[i]``. Lanes past the parameter's end (the alignment
+    padding) read 0. ``VEC`` > 1 promises that every ``numel[i]`` is a multiple of it (16 bytes'
+    worth of elements): the compiler then loads 16 bytes at a time (checked in the sm_90 PTX: 4 x
+    fp32 or 8 x bf16 per load, where an element-exact mask gives single-element loads)."""
+    pid = tl.program_id(0).to(tl.int64)
+    granules = pid * (BLOCK_SIZE // GRANULE) + tl.arange(0, BLOCK_SIZE // GRANULE)
+    in_buffer = granules * GRANULE < n_elements
+    param = tl.load(param_of_granule_ptr + granules, mask=in_buffer, other=0)
+    src = tl.load(src_ptr + param, mask=in_buffer, other=0).to(tl.pointer_type(DTYPE))
+    start = tl.load(start_ptr + param, mask=in_buffer, other=0)
+    numel = tl.load(numel_ptr + param, mask=in_buffer, other=0)
+    into = tl.multiple_of(granules * GRANULE - start, GRANULE)  # where the row starts in the gradient
+    lane = tl.arange(0, GRANULE)[None, :]
+    limit = numel - into  # lanes of the row inside the parameter
+    if VEC > 1:  # every numel is a multiple of VEC, so the mask is constant over VEC lanes: vector loads
+        limit = tl.multiple_of(limit, VEC)
+    inside = in_bounds & (lane < limit[:, None])
+    return tl.load(tl.multiple_of(src + into, 16)[:, None] + lane, mask=inside, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -234,18 +295,44 @@ def check_flat(meta, *tensors):
         raise ValueError(f"flat buffer length {first.numel()} is not a multiple of GRANULE={GRANULE}")
 
 
-def launch(kernel, buffers, *, hparams, meta, grad_scale, found_inf, block_size, num_hparams, **constexprs):
-    """Check and launch one optimizer kernel over the flat ``buffers`` (parameter first; None for a
-    state buffer the kernel does not read), with the arguments every kernel takes after them."""
+def check_sources(meta, grad, sources):
+    """What a GATHER launch needs of ``sources`` (a :class:`flatopt.layout.GradSources`): int64
+    tables of one entry per parameter of the buffer on its device, and a launch over the whole
+    buffer (the kernel looks parameters up by granule)."""
+    n = meta.param_group.numel()
+    for name in ("src", "start", "numel"):
+        t = getattr(sources, name)
+        if t.dtype != torch.int64 or t.shape != (n,) or t.device != grad.device:
+            raise ValueError(
+                f"GradSources.{name} must be int64 of shape ({n},) on {grad.device}, got {t.dtype} {tuple(t.shape)} "
+                f"on {t.device}"
+            )
+    if meta.first != 0 or meta.stop != n or grad.numel() % GRANULE:
+        raise ValueError("a launch that gathers its gradients steps a whole flat buffer")
+
+
+def launch(
+    kernel, buffers, *, hparams, meta, grad_scale, found_inf, block_size, num_hparams, sources=None, **constexprs
+):
+    """Check and launch one optimizer kernel over the flat ``buffers`` (parameter first, gradient
+    second; None for a state buffer the kernel does not read), with the arguments every kernel takes
+    after them. ``sources``: read each parameter's gradient from where it lies instead (GATHER; see
+    gather_grad), storing it into the flat gradient buffer."""
     param = buffers[0]
     check_flat(meta, *(b for b in buffers if b is not None))
+    if sources is not None:
+        check_sources(meta, buffers[1], sources)
+        if (block_size or BLOCK_SIZE) % GRANULE:
+            raise ValueError(f"a launch that gathers its gradients needs a block size that is a multiple of {GRANULE}")
     grid, opts = launch_meta(param.numel(), block_size)
     kernel[grid](
         *buffers, hparams,
         meta.param_of_granule, meta.param_group, meta.steps, meta.active,
         grad_scale, found_inf, meta.counter,
+        *((sources.src, sources.start, sources.numel) if sources is not None else (None, None, None)),
         param.numel(), meta.first, meta.stop,
         NUM_HP=num_hparams, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
         HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+        GATHER=0 if sources is None else sources.vec,
         **constexprs, **opts,
     )  # fmt: skip

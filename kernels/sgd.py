@@ -31,6 +31,9 @@ def sgd_kernel(
     grad_scale_ptr,
     found_inf_ptr,
     counter_ptr,
+    src_ptr,  # GATHER: int64 [params], the address of each parameter's gradient (see common.gather_grad)
+    start_ptr,  # GATHER: int64 [params], where each parameter starts in the flat buffers
+    numel_ptr,  # GATHER: int64 [params], each parameter's number of elements
     n_elements,  # length of the flat buffers
     param_lo,  # the launch steps parameters [param_lo, param_hi) of the buffer
     param_hi,
@@ -43,17 +46,22 @@ def sgd_kernel(
     HAS_MOMENTUM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     STEP_BLOCK: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     offsets, row, steps, active, inv_scale, skipped = begin_step(
         n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
         found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
+        GATHER,
     )  # fmt: skip
     lr = tl.load(row + LR)
     weight_decay = tl.load(row + WEIGHT_DECAY)
     grad_sign = tl.load(row + GRAD_SIGN)
 
     p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
-    g = load_grad(g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE)
+    g = load_grad(
+        g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr,
+        n_elements, GRANULE, BLOCK_SIZE,
+    )  # fmt: skip
     d = g * grad_sign + weight_decay * p
     if HAS_MOMENTUM:
         momentum = tl.load(row + MOMENTUM)
@@ -71,7 +79,9 @@ def sgd_kernel(
     finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)
 
 
-def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None):
+def sgd_step(
+    param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None
+):
     """One SGD step over a flat buffer; ``momentum_buffer`` is None when no group uses momentum."""
     launch(
         sgd_kernel,
@@ -82,5 +92,6 @@ def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, fo
         found_inf=found_inf,
         block_size=block_size,
         num_hparams=NUM_HPARAMS,
+        sources=sources,
         HAS_MOMENTUM=momentum_buffer is not None,
     )

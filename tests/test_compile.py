@@ -27,17 +27,20 @@ except ImportError:  # pragma: no cover - very old triton
     GPUTarget = ASTSource = None
 
 KERNELS = {"adamw": (adamw_kernel, ADAMW_HP), "sgd": (sgd_kernel, SGD_HP), "lion": (lion_kernel, LION_HP)}
-INT_POINTERS = {"param_of_granule_ptr": "*i32", "param_group_ptr": "*i32", "counter_ptr": "*i32", "active_ptr": "*u8"}
+INT_POINTERS = {
+    "param_of_granule_ptr": "*i32", "param_group_ptr": "*i32", "counter_ptr": "*i32", "active_ptr": "*u8",
+    "src_ptr": "*i64", "start_ptr": "*i64", "numel_ptr": "*i64",
+}  # fmt: skip
 F32_POINTERS = {"hp_ptr", "step_ptr", "grad_scale_ptr", "found_inf_ptr"}
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 
 
-def compile_for_sm90(kernel, num_hp, dtype, uniform, flags):
+def compile_for_sm90(kernel, num_hp, dtype, uniform, flags, gather=0):
     fn = getattr(kernel, "fn", kernel)  # the interpreter wraps the function
     names = list(inspect.signature(fn).parameters)
     constexprs = dict(
         NUM_HP=num_hp, GRANULE=GRANULE, UNIFORM=uniform, BLOCK_SIZE=BLOCK_SIZE, STEP_BLOCK=STEP_BLOCK,
-        HAS_ACTIVE=flags, HAS_GRAD_SCALE=flags, HAS_FOUND_INF=flags, HAS_MOMENTUM=True,
+        HAS_ACTIVE=flags, HAS_GRAD_SCALE=flags, HAS_FOUND_INF=flags, HAS_MOMENTUM=True, GATHER=gather,
     )  # fmt: skip
     signature = {}
     for name in names:
@@ -59,19 +62,23 @@ def compile_for_sm90(kernel, num_hp, dtype, uniform, flags):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS))
 
 
-VARIANTS = [("fp32", True, False), ("bf16", False, True), ("fp16", False, False)]
+# (dtype, UNIFORM, HAS_ACTIVE/GRAD_SCALE/FOUND_INF, GATHER: 0, or the gathered loads' width)
+VARIANTS = [
+    ("fp32", True, False, 0), ("bf16", False, True, 0), ("fp16", False, False, 0),
+    ("fp32", True, False, 1), ("fp32", True, False, 4), ("bf16", False, True, 8), ("fp16", False, False, 1),
+]  # fmt: skip
 
 
 def main():
     """Compile every kernel in every variant; print one JSON line per result."""
     for name, (kernel, num_hp) in KERNELS.items():
-        for dtype, uniform, flags in VARIANTS:
+        for variant in VARIANTS:
             try:
-                ptx = compile_for_sm90(kernel, num_hp, dtype, uniform, flags).asm["ptx"]
+                ptx = compile_for_sm90(kernel, num_hp, *variant).asm["ptx"]
                 ok, detail = f".entry {name}_kernel" in ptx, f"{len(ptx)} bytes of PTX"
             except Exception as e:  # reported by the test, with the compiler's message
                 ok, detail = False, f"{type(e).__name__}: {e}"
-            print(json.dumps(dict(name=name, variant=[dtype, uniform, flags], ok=ok, detail=detail)))
+            print(json.dumps(dict(name=name, variant=list(variant), ok=ok, detail=detail)))
 
 
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")

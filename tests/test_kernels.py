@@ -11,13 +11,15 @@ so the comparison is one rounding per launch: under the interpreter a bfloat16 s
 where torch rounds to nearest, one bf16 ulp, which TOL[bfloat16] (two ulps) allows.
 """
 
+import math
+
 import pytest
 import torch
 from conftest import TOL, TRITON_SKIP, device_for
 
 import flatopt
 from flatopt import kernels, reference
-from flatopt.layout import FlatBuffer, StepMeta
+from flatopt.layout import FlatBuffer, GradSources, StepMeta
 
 pytestmark = [
     TRITON_SKIP,
@@ -339,3 +341,121 @@ def test_uniform_launch_over_a_slice_advances_exactly_its_steps(opt, skip):
         close(buf.meta.steps.cpu(), expected, f"launch {launch}, steps", atol=0, rtol=0)
         close(ref_meta.steps.cpu(), expected, f"launch {launch}, reference steps", atol=0, rtol=0)
         assert buf.meta.counter.tolist() == [0]
+
+
+def gradient_sources(case, dtype, seed=1):
+    """Gradients of their own for the parameters of ``case`` (None for two of them: read from their own
+    views), one of them a view at a 16-byte-aligned offset into a larger tensor, as GradSources takes them."""
+    gen = torch.Generator().manual_seed(seed)
+    grads = []
+    for i, shape in enumerate(SHAPES):
+        if i in (1, 4):
+            grads.append(None)
+        elif i == 2:
+            n = math.prod(shape)
+            big = torch.randn(n + 64, generator=gen).to(DEVICE, dtype)
+            grads.append(big[16 : 16 + n].view(shape))  # 16 elements in: 32 or 64 bytes, aligned
+        else:
+            grads.append(torch.randn(shape, generator=gen).to(DEVICE, dtype))
+    return grads
+
+
+@pytest.mark.parametrize("block_size", [128, None], ids=["block128", "default-block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", VARIANTS + ["found_inf"])
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_gathered_gradients_step_as_a_copy_into_the_buffer_then_a_step(opt, variant, dtype, block_size):
+    """sources=: the kernel reads each gradient where it lies and stores it into the flat gradient buffer as it
+    steps. Bit for bit what copying the gradients into the buffer and stepping leaves, in every buffer and step
+    counter, over three launches: also for inactive parameters and a step found_inf skips (their gradients
+    stored as read), and with GradScaler's unscaling (stored unscaled where the step applies)."""
+    kernel_fn, _ = launchers(opt)
+    gathered = Case(opt, dtype, "grad_scale" if variant == "found_inf" else variant)
+    copied = gathered.clone()
+    found_inf = torch.tensor([1.0], device=DEVICE) if variant == "found_inf" else None
+    pad = padding(gathered.buf)
+    for launch in (1, 2, 3):
+        grads = gradient_sources(gathered, dtype, seed=launch)
+        for (s, e), g in zip(gathered.buf.index.values(), grads):
+            if g is not None:
+                copied.buf.grad[s:e].copy_(g.reshape(-1))
+        kernel_fn(*gathered.tensors().values(), hparams=gathered.hparams, meta=gathered.meta,
+                  grad_scale=gathered.grad_scale, found_inf=found_inf if found_inf is not None else gathered.found_inf,
+                  block_size=block_size, sources=GradSources.of(gathered.buf, grads))  # fmt: skip
+        copied.launch(kernel_fn, block_size, found_inf=found_inf)
+        for name, t in gathered.tensors().items():
+            if t is not None:
+                close(t, copied.tensors()[name], f"launch {launch}, {name}", atol=0, rtol=0)
+                assert not t[pad].any(), f"launch {launch}: {name} padding is not zero"
+        close(gathered.meta.steps, copied.meta.steps, f"launch {launch}, steps", atol=0, rtol=0)
+        assert gathered.meta.counter.tolist() == [0]
+        s, e = gathered.buf.index[gathered.buf.params[0]]  # the source was read, not what the buffer held
+        if variant not in ("found_inf", "grad_scale"):
+            close(gathered.buf.grad[s:e], grads[0].reshape(-1), f"launch {launch}, gradient stored", atol=0, rtol=0)
+        elif variant == "found_inf":  # skipped: stored as read (still scaled)
+            close(gathered.buf.grad[s:e], grads[0].reshape(-1), f"launch {launch}, gradient stored", atol=0, rtol=0)
+
+
+def test_reference_backend_takes_gathered_gradients():
+    """The torch reference's sources= copies the gradients into the buffer before its step."""
+    _, ref_fn = launchers("adamw")
+    gathered = Case("adamw", torch.float32, "groups-and-steps")
+    copied = gathered.clone()
+    grads = gradient_sources(gathered, torch.float32)
+    for (s, e), g in zip(gathered.buf.index.values(), grads):
+        if g is not None:
+            copied.buf.grad[s:e].copy_(g.reshape(-1))
+    ref_fn(*gathered.tensors().values(), hparams=gathered.hparams, meta=gathered.meta, block_size=None,
+           sources=GradSources.of(gathered.buf, grads))  # fmt: skip
+    copied.launch(ref_fn, None)
+    for name, t in gathered.tensors().items():
+        close(t, copied.tensors()[name], name, atol=0, rtol=0)
+
+
+def test_grad_sources_refuse_a_gradient_the_kernel_cannot_read():
+    case = Case("adamw", torch.float32, "uniform")
+    grads = [None] * len(SHAPES)
+    grads[1] = torch.randn(13, 5, device=DEVICE).t()  # other strides
+    with pytest.raises(ValueError, match=r"parameter 1 cannot be read in place.*strides"):
+        GradSources.of(case.buf, grads)
+    grads[1] = torch.randn(70, device=DEVICE)[1:66].view(5, 13)  # 4 bytes in: not 16-byte aligned
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        GradSources.of(case.buf, grads)
+    with pytest.raises(ValueError, match="expected 7 gradients, got 2"):
+        GradSources.of(case.buf, grads[:2])
+    sources = GradSources.of(case.buf, [None] * len(SHAPES))
+    sources.src = sources.src.to(torch.int32)
+    whole = GradSources.of(case.buf, [None] * len(SHAPES))
+    with pytest.raises(ValueError, match="block size that is a multiple of 64"):
+        kernels.adamw_step(*case.tensors().values(), hparams=case.hparams, meta=case.meta, block_size=32,
+                           sources=whole)  # fmt: skip
+    with pytest.raises(ValueError, match=r"GradSources.src must be int64"):
+        case_launch = Case("adamw", torch.float32, "uniform")
+        kernels.adamw_step(*case_launch.tensors().values(), hparams=case_launch.hparams, meta=case_launch.meta,
+                           sources=sources)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, vec", [(torch.float32, 4), (torch.bfloat16, 8)], ids=str)
+def test_gathered_loads_are_16_bytes_wide_when_every_size_allows(dtype, vec):
+    """GradSources.vec: 16 bytes of elements when every parameter's size is a multiple of it (the kernel then
+    loads that many at a time), else 1; and such a buffer steps as a copy and a step does."""
+    shapes = [(8, 4), (64,), (3, 8), (16, 1)]
+    params = [torch.randn(s, device=DEVICE).to(dtype) for s in shapes]
+    buf = FlatBuffer(params, [0] * len(params), ("exp_avg", "exp_avg_sq"))
+    grads = [torch.randn(s, device=DEVICE).to(dtype) for s in shapes]
+    sources = GradSources.of(buf, grads)
+    assert sources.vec == vec
+    assert GradSources.of(FlatBuffer([torch.zeros(5, device=DEVICE, dtype=dtype)], [0]), [None]).vec == 1
+    other = FlatBuffer([p.clone() for p in params], [0] * len(params), ("exp_avg", "exp_avg_sq"))
+    for (s, e), g in zip(other.index.values(), grads):
+        other.grad[s:e].copy_(g.reshape(-1))
+    hp = torch.tensor([flatopt.AdamW._hparam_row(dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+                                                     maximize=False))], device=DEVICE)  # fmt: skip
+    for b, src in ((buf, sources), (other, None)):
+        b.meta.uniform = True
+        kernels.adamw_step(b.data, b.grad, b.states["exp_avg"], b.states["exp_avg_sq"], hparams=hp, meta=b.meta,
+                           block_size=128, sources=src)  # fmt: skip
+    for name in ("data", "grad"):
+        close(getattr(buf, name), getattr(other, name), name, atol=0, rtol=0)
+    for name in ("exp_avg", "exp_avg_sq"):
+        close(buf.states[name], other.states[name], name, atol=0, rtol=0)
