@@ -165,7 +165,9 @@ def gather_section(device, settings, copy_gbps):
     the step (what capture() records now), against one launch that reads them where they lie and stores them
     into the flat buffer as it steps (GradSources): a read of every gradient's bytes less. Also the step alone,
     gradients already in the buffer. Floors: 7 reads and writes per element for the step, 9 for the copy and
-    step, 8 for the gathering step."""
+    step, 8 for the gathering step (of the parameters' elements, padding left out). The GPT-2 shapes allow
+    16-byte gathered loads (GradSources.vec 4 or 8); the 3000 random sizes do not (vec 1, one element per load),
+    so the two sets differ in that too."""
     out = []
     for set_name, dtype_name in (("gpt2", "fp32"), ("gpt2", "bf16"), ("many-small", "bf16")):
         out += gather_rows(set_name, dtype_name, device, settings, copy_gbps)

@@ -158,7 +158,45 @@ class GradSources:
     start: torch.Tensor
     numel: torch.Tensor
     tensors: list
-    vec: int = 1  # every numel is a multiple of it (16 bytes of elements, or 1): the kernel's load width
+    vec: int  # every numel is a multiple of it (16 bytes of elements, or 1): the kernel's load width
+    sizes: tuple  # the numels, on the host
+    length: int  # the flat buffer's length and dtype: sources are for that buffer only
+    dtype: torch.dtype
+
+    def check(self, meta, grad):
+        """Raise unless a launch over ``grad`` (a flat gradient buffer) with ``meta`` can gather from
+        these sources: built for this buffer (length, dtype, one entry per parameter), a launch over
+        the whole buffer, and a load width the sizes allow. Called before anything is changed."""
+        n = meta.param_group.numel()
+        if grad.numel() != self.length or grad.dtype != self.dtype or len(self.sizes) != n:
+            raise ValueError(
+                f"these GradSources were built for a flat buffer of {self.length} {self.dtype} elements and "
+                f"{len(self.sizes)} parameters, not {grad.numel()} {grad.dtype} and {n}: build them with "
+                "GradSources.of(buffer, grads) for the buffer launched"
+            )
+        for name in ("src", "start", "numel"):
+            t = getattr(self, name)
+            if t.dtype != torch.int64 or t.shape != (n,) or t.device != grad.device:
+                raise ValueError(
+                    f"GradSources.{name} must be int64 of shape ({n},) on {grad.device}, got {t.dtype} "
+                    f"{tuple(t.shape)} on {t.device}"
+                )
+        if meta.first != 0 or meta.stop != n:
+            raise ValueError(
+                f"a launch that gathers its gradients steps a whole flat buffer, not parameters [{meta.first}, "
+                f"{meta.stop}) of {n}: launch without sources= over a slice"
+            )
+        if meta.param_of_granule.numel() * ALIGN != grad.numel():
+            raise ValueError(
+                f"a launch that gathers its gradients needs a flat buffer laid out by FlatBuffer (a length that is a "
+                f"multiple of {ALIGN}, one param_of_granule entry per {ALIGN} elements); got {grad.numel()} elements "
+                f"and {meta.param_of_granule.numel()} entries"
+            )
+        if self.vec not in (1, 16 // grad.element_size()) or any(size % self.vec for size in self.sizes):
+            raise ValueError(
+                f"GradSources.vec={self.vec} is not a load width these sizes allow: 1, or "
+                f"{16 // grad.element_size()} when every parameter's size is a multiple of it"
+            )
 
     @staticmethod
     def fits(view, g):
@@ -177,6 +215,8 @@ class GradSources:
     def of(cls, buf, grads):
         """The sources of ``buf`` from ``grads`` (one tensor or None per parameter of ``buf``: None
         reads the parameter's own view). Raises ValueError for a gradient that does not fit."""
+        if buf.grad is None:
+            raise ValueError("GradSources need a flat gradient buffer to store into; this FlatBuffer has none")
         if len(grads) != len(buf.params):
             raise ValueError(f"expected {len(buf.params)} gradients, got {len(grads)}")
         src = []
@@ -196,4 +236,4 @@ class GradSources:
         vec = 16 // buf.grad.element_size()
         if any(n % vec for n in numel):
             vec = 1
-        return cls(table(src), table(buf.starts), table(numel), list(grads), vec)
+        return cls(table(src), table(buf.starts), table(numel), list(grads), vec, tuple(numel), buf.numel, buf.dtype)

@@ -102,11 +102,12 @@ def _run(meta, hparams, numel, found_inf, update):
     steps.add_(inc)
 
 
-def gather(grad, sources):
-    """``sources`` (a :class:`flatopt.layout.GradSources`, or None): copy each gradient into its place
-    in the flat ``grad``, as the kernels' GATHER mode reads them."""
+def gather(grad, sources, meta):
+    """``sources`` (a :class:`flatopt.layout.GradSources`, or None): checked as the kernels check them,
+    then each gradient copied into its place in the flat ``grad``, as the kernels' GATHER mode reads them."""
     if sources is None:
         return
+    sources.check(meta, grad)
     for start, n, g in zip(sources.start.tolist(), sources.numel.tolist(), sources.tensors):
         if g is not None:
             grad[start : start + n].copy_(g.as_strided((n,), (1,)))  # memory order, as the kernel reads it
@@ -125,8 +126,8 @@ def _unscale(grad, grad_scale):
 def adamw_step(
     param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None
 ):
-    gather(grad, sources)
     assert hparams.shape[1] == ADAMW_HP
+    gather(grad, sources, meta)
 
     def update(s, e, h, steps):
         g, store_grad = _unscale(grad[s:e], grad_scale)
@@ -143,8 +144,8 @@ def adamw_step(
 def sgd_step(
     param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None
 ):
-    gather(grad, sources)
     assert hparams.shape[1] == SGD_HP
+    gather(grad, sources, meta)
 
     def update(s, e, h, steps):
         g, store_grad = _unscale(grad[s:e], grad_scale)
@@ -162,8 +163,8 @@ def sgd_step(
 
 
 def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None):
-    gather(grad, sources)
     assert hparams.shape[1] == LION_HP
+    gather(grad, sources, meta)
 
     def update(s, e, h, steps):
         g, store_grad = _unscale(grad[s:e], grad_scale)

@@ -26,7 +26,6 @@ per program instead of per element.
   before the step; nothing in flatopt launches it yet (``benchmarks/profile_step.py`` times it).
 """
 
-import torch
 import triton
 import triton.language as tl
 
@@ -295,22 +294,6 @@ def check_flat(meta, *tensors):
         raise ValueError(f"flat buffer length {first.numel()} is not a multiple of GRANULE={GRANULE}")
 
 
-def check_sources(meta, grad, sources):
-    """What a GATHER launch needs of ``sources`` (a :class:`flatopt.layout.GradSources`): int64
-    tables of one entry per parameter of the buffer on its device, and a launch over the whole
-    buffer (the kernel looks parameters up by granule)."""
-    n = meta.param_group.numel()
-    for name in ("src", "start", "numel"):
-        t = getattr(sources, name)
-        if t.dtype != torch.int64 or t.shape != (n,) or t.device != grad.device:
-            raise ValueError(
-                f"GradSources.{name} must be int64 of shape ({n},) on {grad.device}, got {t.dtype} {tuple(t.shape)} "
-                f"on {t.device}"
-            )
-    if meta.first != 0 or meta.stop != n or grad.numel() % GRANULE:
-        raise ValueError("a launch that gathers its gradients steps a whole flat buffer")
-
-
 def launch(
     kernel, buffers, *, hparams, meta, grad_scale, found_inf, block_size, num_hparams, sources=None, **constexprs
 ):
@@ -321,7 +304,7 @@ def launch(
     param = buffers[0]
     check_flat(meta, *(b for b in buffers if b is not None))
     if sources is not None:
-        check_sources(meta, buffers[1], sources)
+        sources.check(meta, buffers[1])
         if (block_size or BLOCK_SIZE) % GRANULE:
             raise ValueError(f"a launch that gathers its gradients needs a block size that is a multiple of {GRANULE}")
     grid, opts = launch_meta(param.numel(), block_size)

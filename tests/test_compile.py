@@ -54,10 +54,15 @@ def compile_for_sm90(kernel, num_hp, dtype, uniform, flags, gather=0):
             signature[name] = DTYPES[dtype]
         else:
             signature[name] = "i64"
+    # what the JIT specialises on in a real launch: 16-byte aligned buffers, a length divisible by 16
+    aligned = [
+        i for i, n in enumerate(names) if signature[n] != "constexpr" and (n.endswith("_ptr") or n == "n_elements")
+    ]
     src = ASTSource(
         fn=kernel,
         signature=signature,
         constexprs={(names.index(k),): v for k, v in constexprs.items() if k in names},
+        attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
     )
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS))
 
@@ -76,9 +81,10 @@ def main():
             try:
                 ptx = compile_for_sm90(kernel, num_hp, *variant).asm["ptx"]
                 ok, detail = f".entry {name}_kernel" in ptx, f"{len(ptx)} bytes of PTX"
+                wide = ptx.count("ld.global.v4.b32")  # 16-byte loads
             except Exception as e:  # reported by the test, with the compiler's message
-                ok, detail = False, f"{type(e).__name__}: {e}"
-            print(json.dumps(dict(name=name, variant=list(variant), ok=ok, detail=detail)))
+                ok, detail, wide = False, f"{type(e).__name__}: {e}", None
+            print(json.dumps(dict(name=name, variant=list(variant), ok=ok, detail=detail, wide_loads=wide)))
 
 
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
@@ -93,3 +99,10 @@ def test_every_kernel_compiles_for_sm90():
     assert len(results) == len(KERNELS) * len(VARIANTS), run.stdout + run.stderr[-4000:]
     failed = [r for r in results if not r["ok"]]
     assert not failed, "\n".join(f"{r['name']} {r['variant']}: {r['detail']}" for r in failed)
+    # a launch that gathers its gradients, when their sizes allow (GATHER > 1), loads them 16 bytes at a time, as
+    # the flat buffer's gradient is loaded: as many 16-byte loads as the same variant without GATHER
+    wide = {(r["name"], *r["variant"]): r["wide_loads"] for r in results}
+    for name, dtype, uniform, flags, gather in wide:
+        if gather > 1:
+            plain = wide[(name, dtype, uniform, flags, 0)]
+            assert plain > 0 and wide[(name, dtype, uniform, flags, gather)] == plain, (name, dtype, gather, wide)

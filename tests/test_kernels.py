@@ -345,11 +345,12 @@ def test_uniform_launch_over_a_slice_advances_exactly_its_steps(opt, skip):
 
 def gradient_sources(case, dtype, seed=1):
     """Gradients of their own for the parameters of ``case`` (None for two of them: read from their own
-    views), one of them a view at a 16-byte-aligned offset into a larger tensor, as GradSources takes them."""
+    views), one of them a view at a 16-byte-aligned offset into a larger tensor, as GradSources takes them.
+    Parameters 1 and 4 (inactive in the "active" variant) have gradients of their own."""
     gen = torch.Generator().manual_seed(seed)
     grads = []
     for i, shape in enumerate(SHAPES):
-        if i in (1, 4):
+        if i in (3, 5):
             grads.append(None)
         elif i == 2:
             n = math.prod(shape)
@@ -426,6 +427,26 @@ def test_grad_sources_refuse_a_gradient_the_kernel_cannot_read():
     sources = GradSources.of(case.buf, [None] * len(SHAPES))
     sources.src = sources.src.to(torch.int32)
     whole = GradSources.of(case.buf, [None] * len(SHAPES))
+    _, ref_fn = launchers("adamw")
+    grad_before = case.buf.grad.clone()
+    for fn in (kernels.adamw_step, ref_fn):  # checked alike, before anything changes
+        other = Case("adamw", torch.float32, "uniform")
+        other.meta.stop = 3  # a launch over a slice
+        with pytest.raises(ValueError, match=r"steps a whole flat buffer, not parameters \[0, 3\) of 7"):
+            fn(*other.tensors().values(), hparams=other.hparams, meta=other.meta, sources=whole)
+        short = FlatBuffer([torch.zeros(s, device=DEVICE) for s in SHAPES[:6]] + [torch.zeros(3, device=DEVICE)],
+                           [0] * 7)  # fmt: skip
+        with pytest.raises(ValueError, match="built for a flat buffer of 704 torch.float32 elements and 7 parameters"):
+            fn(short.data, short.grad, torch.zeros_like(short.data), torch.zeros_like(short.data),
+               hparams=case.hparams, meta=short.meta, sources=whole)  # fmt: skip
+        bad_vec = GradSources.of(case.buf, [None] * len(SHAPES))
+        for vec in (0, 3, 4):  # 4 is a width, but these sizes are not multiples of it
+            bad_vec.vec = vec
+            with pytest.raises(ValueError, match=f"GradSources.vec={vec} is not a load width"):
+                fn(*case.tensors().values(), hparams=case.hparams, meta=case.meta, sources=bad_vec)
+        assert torch.equal(case.buf.grad, grad_before)
+    with pytest.raises(ValueError, match="need a flat gradient buffer"):
+        GradSources.of(FlatBuffer([torch.zeros(3, device=DEVICE)], [0], grad=False), [None])
     with pytest.raises(ValueError, match="block size that is a multiple of 64"):
         kernels.adamw_step(*case.tensors().values(), hparams=case.hparams, meta=case.meta, block_size=32,
                            sources=whole)  # fmt: skip
