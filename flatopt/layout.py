@@ -160,6 +160,7 @@ class GradSources:
     tensors: list
     vec: int  # every numel is a multiple of it (16 bytes of elements, or 1): the kernel's load width
     sizes: tuple  # the numels, on the host
+    widest: int  # the widest load width the sizes allow (what vec is set to by of())
     length: int  # the flat buffer's length and dtype: sources are for that buffer only
     dtype: torch.dtype
 
@@ -192,7 +193,7 @@ class GradSources:
                 f"multiple of {ALIGN}, one param_of_granule entry per {ALIGN} elements); got {grad.numel()} elements "
                 f"and {meta.param_of_granule.numel()} entries"
             )
-        if self.vec not in (1, 16 // grad.element_size()) or any(size % self.vec for size in self.sizes):
+        if self.vec not in (1, self.widest):  # O(1): no walk over the parameters at every launch
             raise ValueError(
                 f"GradSources.vec={self.vec} is not a load width these sizes allow: 1, or "
                 f"{16 // grad.element_size()} when every parameter's size is a multiple of it"
@@ -236,4 +237,6 @@ class GradSources:
         vec = 16 // buf.grad.element_size()
         if any(n % vec for n in numel):
             vec = 1
-        return cls(table(src), table(buf.starts), table(numel), list(grads), vec, tuple(numel), buf.numel, buf.dtype)
+        return cls(
+            table(src), table(buf.starts), table(numel), list(grads), vec, tuple(numel), vec, buf.numel, buf.dtype
+        )
