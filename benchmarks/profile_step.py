@@ -8,7 +8,7 @@ against the floor from a large copy, for kernel block sizes and warp counts arou
 
 GPU run from the repository root (about one minute on an H100):
 
-    PYTHONPATH=. python3 benchmarks/profile_step.py [--out benchmarks/results/profiles]
+    PYTHONPATH=. python3 benchmarks/profile_step.py [--out benchmarks/results/profiles] [--sections gather]
 
 Writes ``profile-STAMP.json`` (and prints everything). It explains results; bench_step.py measures them.
 """
@@ -261,7 +261,16 @@ def device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/profiles")
+    ap.add_argument(
+        "--sections",
+        default="host,device,gather",
+        help="comma-separated, some of host,device,gather (default: all three)",
+    )
     args = ap.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = sorted(set(sections) - {"host", "device", "gather"})
+    if unknown:
+        ap.error(f"unknown section(s) {', '.join(unknown)}; expected some of host,device,gather")
     if not torch.cuda.is_available():
         print(
             "profile_step.py profiles Triton launches and CUDA graphs and needs a CUDA GPU; none here", file=sys.stderr
@@ -273,13 +282,16 @@ def main(argv=None):
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
     record = dict(environment=harness.environment(device), copy=copy)
     t0 = time.time()
-    record["host"] = host_section(device, settings)
-    record["device"] = device_section(device, settings, copy["gbps"])
-    try:
-        record["gather"] = gather_section(device, settings, copy["gbps"])
-    except Exception as e:  # a new kernel mode: its failure is a result, and the rest is kept
-        record["gather"] = dict(status="failed", reason=f"{type(e).__name__}: {e}"[:2000])
-        print(f"gather section failed: {record['gather']['reason']}")
+    if "host" in sections:
+        record["host"] = host_section(device, settings)
+    if "device" in sections:
+        record["device"] = device_section(device, settings, copy["gbps"])
+    if "gather" in sections:
+        try:
+            record["gather"] = gather_section(device, settings, copy["gbps"])
+        except Exception as e:  # a new kernel mode: its failure is a result, and the rest is kept
+            record["gather"] = dict(status="failed", reason=f"{type(e).__name__}: {e}"[:2000])
+            print(f"gather section failed: {record['gather']['reason']}")
     record["seconds"] = time.time() - t0
     path = Path(args.out) / f"profile-{harness.timestamp()}.json"
     harness.write_json(path, record)
