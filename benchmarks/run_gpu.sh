@@ -157,7 +157,7 @@ for s in $SECTIONS; do
       run_section tests "$secs" env TRITON_INTERPRET=1 $PY -m pytest -q -rfEs tests/test_benchmarks.py \
         --junitxml="$DEST/junit-$STAMP.xml"
     else
-      run_section tests "$secs" $PY -m pytest -q -rfEs tests/ --junitxml="$DEST/junit-$STAMP.xml"
+      run_section tests "$secs" $PY -m pytest -q -rfEs --durations=25 tests/ --junitxml="$DEST/junit-$STAMP.xml"
     fi
     ;;
   step)

@@ -4,12 +4,16 @@ Parameters, gradients and optimizer states live in flat buffers that never move,
 gradients, ``train_step`` (forward and backward) and the optimizer step can be recorded once and
 replayed. What the graph records:
 
-* ``opt.zero_grad()``, as ``.grad`` set to None, and after backward one batched copy of the new
-  gradients into their views (see :mod:`flatopt.grads`; the ``.grad`` views are back before the
-  optimizer steps or clips);
+* ``opt.zero_grad()``, as ``.grad`` set to None (see :mod:`flatopt.grads`);
 * ``train_step(*static_inputs)``: its CUDA work, with the inputs read from static tensors;
-* optional ``opt.clip_grad_norm_(max_grad_norm)``, then ``opt.step()``, unless ``train_step``
-  steps the optimizer itself (for example through ``scaler.step(opt)``).
+* ``opt.step()``, unless ``train_step`` steps the optimizer itself (for example through
+  ``scaler.step(opt)``). Its kernel reads each new gradient where backward left it in the graph's
+  memory pool and stores it into the parameter's ``.grad`` view as it steps (``sources=``, see
+  :class:`flatopt.layout.GradSources`): no copy into the flat buffer first, a read and a write of
+  every gradient's bytes less. Gradients the kernel cannot read in place (other strides, a
+  misaligned view) are copied in first, and so are all of them when ``train_step`` steps itself
+  or with ``max_grad_norm``, where ``opt.clip_grad_norm_(max_grad_norm)`` runs before the step:
+  one batched copy after backward, after which the ``.grad`` views hold them.
 
 Every replay reads the hyper-parameters from a device table that is refreshed from
 ``param_groups`` before the replay (so LR schedulers work), and the step counters (and so the
@@ -25,6 +29,8 @@ replay is the first training step.
 """
 
 import torch
+
+from flatopt.layout import GradSources
 
 _SYNC_HINT = (
     "train_step synchronised the host with the GPU ({cause}), which a CUDA graph cannot record. Remove "
@@ -102,6 +108,9 @@ class Snapshot:
 class CapturedStep:
     """A recorded training step; call it with new inputs to replay. See :mod:`flatopt.capture`."""
 
+    sources = None  # {FlatBuffer: GradSources} when the step gathers its gradients (see _gather_sources)
+    recorded = None  # {FlatBuffer: [address]} the gathered gradients' addresses while recording
+
     def __init__(self, opt, train_step, example_inputs, *, warmup=3, max_grad_norm=None, scaler=None):
         cls = type(opt).__name__
         check_capturable(opt)
@@ -136,6 +145,7 @@ class CapturedStep:
                         f"the step: call opt.clip_grad_norm_({max_grad_norm}) in train_step before stepping (after "
                         "scaler.unscale_(opt) when a GradScaler is used)"
                     )
+                self.sources = self._gather_sources()
                 for i in range(1, warmup):
                     self._run(graph_mode=True, check_sync=i == warmup - 1)
         finally:
@@ -149,9 +159,12 @@ class CapturedStep:
         self.layout = self._layout()
 
         self.graph = torch.cuda.CUDAGraph()
+        self.recorded = {}  # buffer -> the addresses its step gathered the gradients from, while recording
         try:
             with torch.cuda.graph(self.graph):
-                self.outputs = self._body()
+                self.outputs = self._body(gather=True)
+            for buf, addresses in self.recorded.items():
+                self.sources[buf].point_at(addresses)  # the graph's pool puts the gradients there at each replay
         except RuntimeError as e:
             self.graph = None
             text = str(e)
@@ -166,7 +179,23 @@ class CapturedStep:
         """What the recorded kernels were specialised on, per buffer."""
         return [(tuple(b.states), b.meta.uniform) for b in self.opt._buffers]
 
-    def _body(self):
+    def _gather_sources(self):
+        """{buffer: GradSources} for the recorded step to read the gradients where backward left them
+        (in the graph's pool) instead of a copy into the flat buffer before it: a read and a write of every
+        gradient's bytes less. Their addresses are set after recording; until then they point at the
+        views, so that warm-up (which copies the gradients in) compiles and runs the same kernels. None
+        when the step cannot: train_step steps the optimizer itself, the gradients are clipped first
+        (max_grad_norm), or the optimizer does not launch Triton kernels."""
+        opt = self.opt
+        if self.steps_in_fn or self.max_grad_norm is not None or opt.backend != "triton":
+            return None
+        return {buf: GradSources.of(buf, [None] * len(buf.params)) for buf in opt._buffers}
+
+    def _body(self, gather=False):
+        """What the graph records. ``gather``: the step reads the gradients left in the graph's pool where
+        they lie (self.sources); their addresses are kept in self.recorded, for after capture (nothing runs
+        while recording), or set now when this runs eagerly. Otherwise the gradients are copied in first
+        and the step reads them from the views (through the same sources: warm-up compiles its kernels)."""
         opt = self.opt
         opt._graph_mode = True
         opt._graph_steps = 0
@@ -175,7 +204,19 @@ class CapturedStep:
             grads.release()  # zero_grad(): the gradients are copied in after backward (see flatopt.grads)
             grads.deferred = True
             out = self.fn(*self.static)
-            grads.settle()
+            if opt._graph_steps or not (gather and self.sources):
+                grads.settle()
+                opt._sources = self.sources if not opt._graph_steps else None
+            else:
+                taken = grads.settle_gathering(GradSources.fits)  # alive until the step is launched
+                capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+                for buf in opt._buffers:
+                    addresses = GradSources.addresses(buf, [taken.get(p) for p in buf.params])
+                    if capturing:
+                        self.recorded[buf] = addresses
+                    else:
+                        self.sources[buf].point_at(addresses)
+                opt._sources = self.sources
             if not opt._graph_steps:
                 if self.max_grad_norm is not None:
                     opt.clip_grad_norm_(self.max_grad_norm)
@@ -185,6 +226,7 @@ class CapturedStep:
             raise
         finally:
             grads.deferred = False
+            opt._sources = None
         return out
 
     def _run(self, graph_mode, check_sync=False):
@@ -252,3 +294,4 @@ class CapturedStep:
         self.graph = None
         self.outputs = None
         self.static = None
+        self.sources = None

@@ -21,9 +21,12 @@ over the gradient it computed. flatopt does the same and then copies it in, a re
 
 Between ``zero_grad()`` and ``step()`` a ``.grad`` is therefore None (no gradient yet) or the
 parameter's view holding its gradient, as torch.optim users expect. Inside ``capture()``
-(``deferred``) the hooks leave the new gradients in the graph's memory pool and settle() copies
-them all in after backward, one batched copy per (dtype, device): fewer kernels in the graph, for
-all the gradients alive at once in the pool.
+(``deferred``) the hooks leave the new gradients in the graph's memory pool; after backward the
+optimizer's kernel reads them there and stores them into the views as it steps
+(:meth:`GradLanding.settle_gathering`), and those it cannot read in place, or all of them when
+something reads the views before the step (clipping, a train_step that steps itself), are copied in
+by settle(), one batched copy per (dtype, device): fewer kernels in the graph, for all the gradients
+alive at once in the pool.
 """
 
 import weakref
@@ -173,6 +176,23 @@ class GradLanding:
         dirty = self.dirty
         self.apply(self.plan())
         self.dirty = dirty and keep_dirty
+
+    def settle_gathering(self, fits):
+        """settle() inside capture(), except for the gradients left in the graph's pool that ``fits(view,
+        grad)`` accepts: those are not copied, and are returned ({parameter: gradient}) for the optimizer's
+        kernel to read where they lie and store into the views as it steps (see GradSources). Their
+        ``.grad`` is the view all the same, holding its old values until that kernel has run."""
+        zero, copy = self.plan()
+        taken, rest = {}, []
+        for p, view, g in copy:
+            if g is not None and self.pooled.get(g.untyped_storage().data_ptr()) is p and fits(view, g):
+                taken[p] = g
+            else:
+                rest.append((p, view, g))
+        self.apply((zero, rest))
+        for p in taken:
+            p.grad = self.views[p]
+        return taken
 
     def plan(self):
         """What settle() does, checked but not done: ((param, view) to zero, (param, view, tensor or None)

@@ -213,9 +213,9 @@ class GradSources:
         )
 
     @classmethod
-    def of(cls, buf, grads):
-        """The sources of ``buf`` from ``grads`` (one tensor or None per parameter of ``buf``: None
-        reads the parameter's own view). Raises ValueError for a gradient that does not fit."""
+    def addresses(cls, buf, grads):
+        """The address of each parameter's gradient of ``buf`` in ``grads`` (one tensor or None per
+        parameter: None is the parameter's own view). Raises ValueError for a gradient that does not fit."""
         if buf.grad is None:
             raise ValueError("GradSources need a flat gradient buffer to store into; this FlatBuffer has none")
         if len(grads) != len(buf.params):
@@ -229,6 +229,14 @@ class GradSources:
                     f"{tuple(view.shape)}, strides {view.stride()}, {view.dtype} on {view.device}, 16-byte aligned"
                 )
             src.append((view if g is None else g).data_ptr())
+        return src
+
+    @classmethod
+    def of(cls, buf, grads):
+        """The sources of ``buf`` from ``grads`` (one tensor or None per parameter of ``buf``: None
+        reads the parameter's own view). Raises ValueError for a gradient that does not fit. Copies
+        its tables to the device (not inside a CUDA graph capture: see :meth:`point_at`)."""
+        src = cls.addresses(buf, grads)
         numel = [p.numel() for p in buf.params]
 
         def table(values):
@@ -240,3 +248,13 @@ class GradSources:
         return cls(
             table(src), table(buf.starts), table(numel), list(grads), vec, tuple(numel), vec, buf.numel, buf.dtype
         )
+
+    def point_at(self, addresses):
+        """Make ``src`` hold ``addresses`` (one per parameter, from :meth:`addresses`): for a CUDA graph
+        that recorded a launch with these sources while the gradients lay there (its memory pool puts
+        them there again at every replay). ``tensors`` is left as it is (the gradients are the graph's
+        to keep), so such sources are for the Triton kernels, which read ``src``; the torch reference
+        reads ``tensors``. A blocking copy: call it outside capture."""
+        if len(addresses) != len(self.sizes):
+            raise ValueError(f"expected {len(self.sizes)} addresses, got {len(addresses)}")
+        self.src.copy_(torch.tensor(addresses, dtype=torch.int64))

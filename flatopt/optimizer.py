@@ -204,6 +204,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._module = None  # weak reference to the module, when given one (capture restores its buffers)
         self._graph_mode = False  # True while capture() warms up or records: step() skips host work
         self._graph_steps = 0  # step() calls since capture() last reset it
+        self._sources = None  # capture(): {FlatBuffer: GradSources} the next step() gathers its gradients from
         self._landing = None  # GradLanding: gradients copied into the flat buffers (flat=True, step mode)
         self._step_graph = StepGraph()
         self.use_step_graph = True  # replay step()'s launches from a CUDA graph (see flatopt.step_graph)
@@ -700,6 +701,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self._report_unused(grads)
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        sources, self._sources = self._sources or {}, None  # for this step only
 
         def launch():
             with torch.no_grad():  # for the torch backend's in-place updates (a replayed graph needs none)
@@ -709,9 +711,10 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                         hparams=self._hp[buf.device], meta=buf.meta, backend=self.backend,
                         grad_scale=None if grad_scale is None else grad_scale.to(buf.device),
                         found_inf=None if found_inf is None else found_inf.to(buf.device),
+                        sources=sources.get(buf),
                     )  # fmt: skip
 
-        if StepGraph.usable(self):
+        if StepGraph.usable(self) and not sources:  # the step graph's key does not cover sources
             self._step_graph.run(self, launch, grad_scale, found_inf)
         else:
             launch()

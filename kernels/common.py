@@ -23,7 +23,7 @@ per program instead of per element.
   :class:`flatopt.layout.GradSources`): int64 ``[params]``; the gradients are read from each
   parameter's own gradient tensor at ``src`` instead of from the flat gradient buffer, and stored
   into it as the kernel steps (see gather_grad). This saves the read back of a copy into the buffer
-  before the step; nothing in flatopt launches it yet (``benchmarks/profile_step.py`` times it).
+  before the step: ``capture()`` steps this way (``benchmarks/profile_step.py`` times it alone).
 """
 
 import triton

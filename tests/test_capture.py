@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, TRITON_SKIP
 from torch import nn
 
 import flatopt
@@ -116,9 +116,9 @@ def test_snapshot_restores_parameters_grads_states_steps_and_module_buffers():
 # ---------------------------------------------------------------------------------------- GPU
 
 OPTS = {
-    "adamw": lambda ps: flatopt.AdamW(ps, lr=3e-3, weight_decay=0.1),
-    "sgd": lambda ps: flatopt.SGD(ps, lr=3e-2, momentum=0.9, nesterov=True, weight_decay=1e-3),
-    "lion": lambda ps: flatopt.Lion(ps, lr=3e-4, weight_decay=0.1),
+    "adamw": lambda ps, **kw: flatopt.AdamW(ps, lr=3e-3, weight_decay=0.1, **kw),
+    "sgd": lambda ps, **kw: flatopt.SGD(ps, lr=3e-2, momentum=0.9, nesterov=True, weight_decay=1e-3, **kw),
+    "lion": lambda ps, **kw: flatopt.Lion(ps, lr=3e-4, weight_decay=0.1, **kw),
 }
 TORCH_OPTS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),
@@ -181,6 +181,9 @@ def test_captured_matches_eager_and_torch_over_20_replays(name):
 
     data = batches(21)
     step = opt_c.capture(train_step, *data[0])
+    buf = opt_c._buffers[0]  # the step reads the gradients where backward left them in the graph's pool
+    assert all(a != v.data_ptr() for a, v in zip(step.recorded[buf], buf.grad_views))
+    assert step.sources[buf].src.tolist() == step.recorded[buf]
     for i, (tokens, target) in enumerate(data[1:], start=1):
         lr = lr_at(i) * scale
         for o in (opt_c, opt_e):
@@ -210,7 +213,6 @@ def test_captured_matches_eager_and_torch_over_20_replays(name):
             for key, value in opt_e.state[q].items():
                 torch.testing.assert_close(opt_c.state[p][key], value, **SAME, msg=lambda m: f"replay {i}, {key}: {m}")
     opt_c.check_bindings(full=True)  # every .grad and parameter still a view into its buffer
-    buf = opt_c._buffers[0]
     for p, (data_ptr, grad_ptr) in zip(buf.params, buf.expected):
         assert p.data_ptr() == data_ptr and p.grad.data_ptr() == grad_ptr
 
@@ -277,6 +279,7 @@ def test_max_grad_norm_matches_torch_clip_grad_norm():
 
     data = batches(6)
     step = opt.capture(train_step, *data[0], max_grad_norm=0.05)
+    assert step.sources is None  # clipped before the step: the gradients are copied into the buffer first
     for i, (tokens, target) in enumerate(data[1:], start=1):
         step(tokens, target)
         opt_ref.zero_grad()
@@ -358,6 +361,72 @@ def test_recorded_body_run_eagerly_matches_eager_flatopt():
                 torch.testing.assert_close(b.states[key], value, **SAME, msg=lambda m: f"step {i}, {key}: {m}")
     assert not model.unused.weight.grad.any()
     assert float(opt.state[model.late.weight]["step"]) == 5.0  # 6 steps, one skipped for the inf
+    opt.check_bindings(full=True)
+
+
+def gathering_step(m, poison=None):
+    """Two micro-batches (the second also through ``m.late``), nothing stepped: capture() steps after it.
+    With ``poison``, mid.weight's gradient is replaced by the same values in column-major order, which
+    the step cannot read in place (other strides): it is copied in instead."""
+
+    def train_step(tokens, target):
+        for k in range(2):
+            (F.cross_entropy(m(tokens[k], late=k == 1), target[k]) / 2).backward()
+        if poison is not None:
+            m.mid.weight.grad = m.mid.weight.grad.t().contiguous().t()
+
+    return train_step
+
+
+@TRITON_SKIP
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+@pytest.mark.parametrize("name", list(OPTS))
+def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
+    """What capture() records when train_step does not step (CapturedStep._body(gather=True): the
+    kernel reads each new gradient where backward left it and stores it into its view as it steps),
+    run eagerly with the Triton kernels on the CPU (interpreter), against eager flatopt: bit for bit the
+    same parameters, gradients and states over 4 steps, with a tied head, a parameter whose first
+    gradient comes in the second micro-batch, one never used (its stale view must be zeroed) and one
+    gradient that cannot be read in place (copied in instead)."""
+    from flatopt.capture import CapturedStep
+
+    torch.manual_seed(0)
+    model = TiedLate()
+    ref = copy.deepcopy(model)
+    opt, opt_ref = OPTS[name](model, backend="triton"), OPTS[name](ref, backend="triton")
+    for m in (model, ref):
+        m.unused.weight.grad.fill_(1.0)
+    body = object.__new__(CapturedStep)
+    body.opt, body.fn, body.max_grad_norm, body.steps_in_fn = opt, gathering_step(model, poison=True), None, 0
+    body.sources, body.recorded = body._gather_sources(), {}
+    assert body.sources is not None
+    eager = gathering_step(ref, poison=True)
+    buf = opt._buffers[0]
+    g = torch.Generator().manual_seed(0)
+    for i in range(1, 5):
+        tokens, target = torch.randint(0, 50, (2, 16, 7), generator=g), torch.randint(0, 50, (2, 16), generator=g)
+        body.static = [tokens, target]
+        opt._refresh_hparams(opt._devices)  # as each replay's call does before the graph runs
+        body._body(gather=True)
+        opt._graph_mode = False
+        opt_ref.zero_grad()
+        eager(tokens, target)
+        opt_ref.step()
+        src = dict(zip(buf.params, buf.grad_views))
+        read = dict(zip(buf.params, body.sources[buf].src.tolist()))
+        for p in (model.emb.weight, model.late.weight, model.mid.bias):  # gathered from where backward left them
+            assert read[p] != src[p].data_ptr()
+        for p in (model.unused.weight, model.mid.weight):  # zeroed, or copied in: read from the view
+            assert read[p] == src[p].data_ptr()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is src[p], f"step {i}, {n}: .grad is not its view"
+            torch.testing.assert_close(p, q, atol=0, rtol=0, msg=lambda m: f"step {i}, {n}: {m}")
+            torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=lambda m: f"step {i}, {n}.grad: {m}")
+        for b, c in zip(opt._buffers, opt_ref._buffers):
+            for key, value in c.states.items():
+                torch.testing.assert_close(b.states[key], value, atol=0, rtol=0, msg=lambda m: f"step {i}, {key}: {m}")
+            torch.testing.assert_close(b.meta.steps, c.meta.steps, atol=0, rtol=0)
+    assert not model.unused.weight.grad.any()
     opt.check_bindings(full=True)
 
 
