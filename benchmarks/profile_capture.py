@@ -5,8 +5,9 @@ hand-captured CUDA graph (``flatopt-capture`` vs ``torch-fused-graph`` of bench_
 Each implementation is made by bench_capture.py's builders on its model, seed and batches (the launch-bound "small" GPT;
 ``--models small,gpt2`` adds GPT-2 small). After a warm-up: the median ms per step from CUDA events around back-to-back
 steps (harness.device_time) and around single steps with a synchronisation after each, as bench_capture.py times them
-(host work before a step's first launch then counts); the host us of one step call; for the CUDA-graph cases the ms of
-``graph.replay()`` alone; and a torch.profiler trace (CPU + CUDA) of ``--steps`` steps: kernels and kernel us per step,
+(host work before a step's first launch then counts); the host us of one step call; for the CUDA-graph cases the ms
+and host us of ``graph.replay()`` alone (the call's host time less that: its Python and input copies); and a
+torch.profiler trace (CPU + CUDA) of ``--steps`` steps: kernels and kernel us per step,
 memset and memcpy us per step, device busy time and span per step, the top kernels, and the us per step of rough kernel
 categories side by side, with flatopt-capture minus torch-fused-graph. CUPTI traces the kernels inside CUDA graph
 replays on recent CUDA; a trace without kernels is recorded as such (``kernels_traced: false``).
@@ -128,6 +129,8 @@ def run_impl(model_name, impl, device, args):
         graph = getattr(step, "graph", None) or next((k for k in keep if isinstance(k, torch.cuda.CUDAGraph)), None)
         if graph is not None:
             row["replay_ms"] = harness.device_time(graph.replay, device, settings).as_dict()
+            med, q20, q80, n = harness.host_time(graph.replay, device, settings)  # the call's host time less this:
+            row["replay_host_us"] = dict(median_us=med, q20_us=q20, q80_us=q80, calls=n)  # its Python and copies
         row["profile"] = profile_steps(one, args.steps, args.top)
     except Exception as e:  # recorded; the run goes on
         row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
@@ -144,7 +147,12 @@ def print_row(r):
     if r["status"] != "ok":
         print(f"  FAILED: {r['reason']}")
         return
-    replay = f", replay alone {r['replay_ms']['median_ms']:.4f} ms" if "replay_ms" in r else ""
+    replay = ""
+    if "replay_ms" in r:
+        replay = (
+            f", replay alone {r['replay_ms']['median_ms']:.4f} ms (host {r['replay_host_us']['median_us']:.1f} us, "
+            f"the call's other host work {r['host_us']['median_us'] - r['replay_host_us']['median_us']:.1f} us)"
+        )
     print(
         f"  events {r['event_ms']['median_ms']:.4f} ms back-to-back, {r['synced_ms']['median_ms']:.4f} ms synchronised "
         f"per step (as bench_capture){replay}; host {r['host_us']['median_us']:.1f} us per call"
@@ -171,6 +179,7 @@ def _get(r, *keys):
 METRICS = [
     ("events ms, back-to-back", ("event_ms", "median_ms")), ("events ms, synchronised", ("synced_ms", "median_ms")),
     ("graph.replay() alone ms", ("replay_ms", "median_ms")), ("host us per call", ("host_us", "median_us")),
+    ("graph.replay() alone host us", ("replay_host_us", "median_us")),
 ] + [(f"{k.replace('_', ' ')}", ("profile", k)) for k in ("kernels_per_step", "kernel_us_per_step",
      "memset_us_per_step", "memcpy_us_per_step", "busy_us_per_step", "span_us_per_step")
 ] + [(f"{c} us", ("profile", "categories", c)) for c in CATEGORY_NAMES]  # fmt: skip

@@ -92,6 +92,19 @@ TOL = {
 }
 
 
+def variant_tol(dtype, device):
+    """Tolerances between two compiled variants of one kernel (another block shape, the gathering mode):
+    none under the Triton interpreter, which runs each operation as written; on a GPU, ptxas may fuse a
+    multiply and an add into one FMA in one variant and not in the other (PTX ``mul.f32``/``add.f32``
+    without a rounding mode allow it), a rounding or a few apart: 1e-6 for float32 (capture's criterion
+    against eager), one unit in the last place for bfloat16 and float16."""
+    if torch.device(device).type != "cuda":
+        return dict(atol=0, rtol=0)
+    return {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.bfloat16: dict(atol=1e-6, rtol=2**-7)}.get(
+        dtype, dict(atol=1e-6, rtol=2**-10)
+    )
+
+
 def assert_same(ours, theirs, step, what, dtype=torch.float32):
     torch.testing.assert_close(ours, theirs, **TOL[dtype], msg=lambda m: f"step {step}, {what}: {m}")
 

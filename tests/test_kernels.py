@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import TOL, TRITON_SKIP, device_for
+from conftest import TOL, TRITON_SKIP, device_for, variant_tol
 
 import flatopt
 from flatopt import kernels, reference
@@ -367,9 +367,11 @@ def gradient_sources(case, dtype, seed=1):
 @pytest.mark.parametrize("opt", list(OPTS))
 def test_gathered_gradients_step_as_a_copy_into_the_buffer_then_a_step(opt, variant, dtype, block_size):
     """sources=: the kernel reads each gradient where it lies and stores it into the flat gradient buffer as it
-    steps. Bit for bit what copying the gradients into the buffer and stepping leaves, in every buffer and step
-    counter, over three launches: also for inactive parameters and a step found_inf skips (their gradients
-    stored as read), and with GradScaler's unscaling (stored unscaled where the step applies)."""
+    steps. What copying the gradients into the buffer and stepping leaves, in every buffer and step counter,
+    over three launches (bit for bit under the interpreter; within variant_tol on a GPU, whose compiler may
+    fuse operations differently in the two variants; the stored gradients and the counters bit for bit
+    everywhere): also for inactive parameters and a step found_inf skips (their gradients stored as read),
+    and with GradScaler's unscaling (stored unscaled where the step applies)."""
     kernel_fn, _ = launchers(opt)
     gathered = Case(opt, dtype, "grad_scale" if variant == "found_inf" else variant)
     copied = gathered.clone()
@@ -386,7 +388,9 @@ def test_gathered_gradients_step_as_a_copy_into_the_buffer_then_a_step(opt, vari
         copied.launch(kernel_fn, block_size, found_inf=found_inf)
         for name, t in gathered.tensors().items():
             if t is not None:
-                close(t, copied.tensors()[name], f"launch {launch}, {name}", atol=0, rtol=0)
+                exact = name == "grad" and variant != "grad_scale"  # stored as read: a copy, no arithmetic
+                tol = dict(atol=0, rtol=0) if exact else variant_tol(dtype, DEVICE)
+                close(t, copied.tensors()[name], f"launch {launch}, {name}", **tol)
                 assert not t[pad].any(), f"launch {launch}: {name} padding is not zero"
         close(gathered.meta.steps, copied.meta.steps, f"launch {launch}, steps", atol=0, rtol=0)
         assert gathered.meta.counter.tolist() == [0]
