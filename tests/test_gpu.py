@@ -382,7 +382,7 @@ def test_lr_changed_every_step_while_the_host_runs_ahead():
     ours = flatopt.AdamW(ours_p, lr=1e-2, weight_decay=0.1)
     ref = torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.1, fused=True)
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # about 0.1 s of device time: every step below is queued behind it
+    torch.cuda._sleep(2_000_000_000)  # about 1 s of device time: every step below (and a first compile) waits
     for step, gs in enumerate(grads):
         lr = 1e-2 * 0.8**step
         for opt, ps in ((ours, ours_p), (ref, ref_p)):
