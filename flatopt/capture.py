@@ -132,6 +132,7 @@ class CapturedStep:
         if scaler is not None and getattr(scaler, "_scale", None) is None and scaler.is_enabled():
             scaler._lazy_init_scale_growth_tracker(opt._buffers[0].device)  # as its first scale() would
         snapshot = Snapshot(opt, scaler, module)
+        self.sources = self._gather_sources()  # on the caller's stream, where the replays read them
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
@@ -148,7 +149,8 @@ class CapturedStep:
                         f"the step: call opt.clip_grad_norm_({max_grad_norm}) in train_step before stepping (after "
                         "scaler.unscale_(opt) when a GradScaler is used)"
                     )
-                self.sources = self._gather_sources()
+                if self.steps_in_fn:
+                    self.sources = None  # the step is train_step's: nothing to gather into
                 for i in range(1, warmup):
                     self._run(graph_mode=True, check_sync=i == warmup - 1)
         finally:
@@ -200,18 +202,21 @@ class CapturedStep:
         (in the graph's pool) instead of a copy into the flat buffer before it: a read and a write of every
         gradient's bytes less. Their addresses are set after recording; until then they point at the
         views, so that warm-up (which copies the gradients in) compiles and runs the same kernels. None
-        when the step cannot: train_step steps the optimizer itself, the gradients are clipped first
-        (max_grad_norm), or the optimizer does not launch Triton kernels."""
+        when the step cannot: the gradients are clipped first (max_grad_norm), or the optimizer does not
+        launch Triton kernels (and dropped after the first warm-up iteration when train_step steps the
+        optimizer itself; a step pre-hook makes the recording copy them in instead: see _body)."""
         opt = self.opt
-        if self.steps_in_fn or self.max_grad_norm is not None or opt.backend != "triton":
+        if self.max_grad_norm is not None or opt.backend != "triton":
             return None
         return {buf: GradSources.of(buf, [None] * len(buf.params)) for buf in opt._buffers}
 
     def _body(self, gather=False):
         """What the graph records. ``gather``: the step reads the gradients left in the graph's pool where
         they lie (self.sources); their addresses are kept in self.recorded, for after capture (nothing runs
-        while recording), or set now when this runs eagerly. Otherwise the gradients are copied in first
-        and the step reads them from the views (through the same sources: warm-up compiles its kernels)."""
+        while recording), or set now when this runs eagerly. Otherwise, and when a step pre-hook is
+        registered (it reads the .grad views before the kernel runs), the gradients are copied in first
+        and the step reads them from the views (in warm-up through the same sources, pointing at the views:
+        that compiles the gathering kernel)."""
         opt = self.opt
         opt._graph_mode = True
         opt._graph_steps = 0
@@ -220,9 +225,9 @@ class CapturedStep:
             grads.release()  # zero_grad(): the gradients are copied in after backward (see flatopt.grads)
             grads.deferred = True
             out = self.fn(*self.static)
-            if opt._graph_steps or not (gather and self.sources):
+            if opt._graph_steps or not (gather and self.sources) or opt._has_step_pre_hooks():
                 grads.settle()
-                opt._sources = self.sources if not opt._graph_steps else None
+                opt._sources = None if opt._graph_steps or gather else self.sources
             else:
                 taken = grads.settle_gathering(GradSources.fits)  # alive until the step is launched
                 capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -669,6 +669,10 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             stacklevel=_outside_stacklevel(),
         )
 
+    def _has_step_pre_hooks(self):
+        """Whether step() runs a pre-hook (global or this optimizer's) before it launches anything."""
+        return bool(self._optimizer_step_pre_hooks) or bool(_TORCH_OPTIM._global_optimizer_pre_hooks)
+
     @_hooked_step
     def step(self, closure=None):
         """Performs a single optimization step.

@@ -364,18 +364,29 @@ def test_recorded_body_run_eagerly_matches_eager_flatopt():
     opt.check_bindings(full=True)
 
 
-def gathering_step(m, poison=None):
+def gathering_step(m, transpose=None):
     """Two micro-batches (the second also through ``m.late``), nothing stepped: capture() steps after it.
-    With ``poison``, mid.weight's gradient is replaced by the same values in column-major order, which
-    the step cannot read in place (other strides): it is copied in instead."""
+    ``transpose="view"``: mid.weight's gradient is replaced by its transpose as a view of the same
+    memory (the gradient backward left in the pool, with other strides: the step cannot read it in place
+    and it is copied in instead); ``"copy"``: by the same values in a tensor of their own (the reference)."""
 
     def train_step(tokens, target):
         for k in range(2):
             (F.cross_entropy(m(tokens[k], late=k == 1), target[k]) / 2).backward()
-        if poison is not None:
-            m.mid.weight.grad = m.mid.weight.grad.t().contiguous().t()
+        if transpose == "view":
+            m.mid.weight.grad = m.mid.weight.grad.t()
+        elif transpose == "copy":
+            m.mid.weight.grad = m.mid.weight.grad.t().contiguous()
 
     return train_step
+
+
+def halve_grads(opt, args, kwargs):
+    """A step pre-hook that changes the gradients the step reads."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.mul_(0.5)
 
 
 @TRITON_SKIP
@@ -400,10 +411,10 @@ def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
     for m in (model, ref):
         m.unused.weight.grad.fill_(1.0)
     body = object.__new__(CapturedStep)
-    body.opt, body.fn, body.max_grad_norm, body.steps_in_fn = opt, gathering_step(model, poison=True), None, 0
+    body.opt, body.fn, body.max_grad_norm, body.steps_in_fn = opt, gathering_step(model, "view"), None, 0
     body.sources, body.recorded = body._gather_sources(), {}
     assert body.sources is not None
-    eager = gathering_step(ref, poison=True)
+    eager = gathering_step(ref, "copy")
     buf = opt._buffers[0]
     g = torch.Generator().manual_seed(0)
     for i in range(1, 5):
@@ -430,6 +441,87 @@ def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
             for key, value in c.states.items():
                 torch.testing.assert_close(b.states[key], value, **tol, msg=lambda m: f"step {i}, {key}: {m}")
             torch.testing.assert_close(b.meta.steps, c.meta.steps, atol=0, rtol=0)
+    assert not model.unused.weight.grad.any()
+    opt.check_bindings(full=True)
+
+
+@TRITON_SKIP
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+def test_a_step_pre_hook_sees_the_gradients_in_a_recorded_step():
+    """A step pre-hook reads (here: halves) the .grad views before the kernel runs, so a recorded step
+    with one copies the gradients in instead of gathering them: the same as eager flatopt with the hook."""
+    from flatopt.capture import CapturedStep
+
+    device = device_for("triton")
+    torch.manual_seed(0)
+    model = TiedLate().to(device)
+    ref = copy.deepcopy(model)
+    opt, opt_ref = flatopt.SGD(model, lr=0.1, backend="triton"), flatopt.SGD(ref, lr=0.1, backend="triton")
+    for o in (opt, opt_ref):
+        o.register_step_pre_hook(halve_grads)
+    body = object.__new__(CapturedStep)
+    body.opt, body.fn, body.max_grad_norm, body.steps_in_fn = opt, gathering_step(model), None, 0
+    body.sources, body.recorded = body._gather_sources(), {}
+    buf = opt._buffers[0]
+    views = [v.data_ptr() for v in buf.grad_views]
+    g = torch.Generator().manual_seed(0)
+    for i in range(1, 4):
+        tokens = torch.randint(0, 50, (2, 16, 7), generator=g).to(device)
+        target = torch.randint(0, 50, (2, 16), generator=g).to(device)
+        body.static = [tokens, target]
+        opt._refresh_hparams(opt._devices)
+        body._body(gather=True)
+        opt._graph_mode = False
+        opt_ref.zero_grad()
+        gathering_step(ref)(tokens, target)
+        opt_ref.step()
+        assert body.sources[buf].src.tolist() == views, "with a step pre-hook nothing may be gathered"
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=0, rtol=0, msg=lambda m: f"step {i}, {n}: {m}")
+            torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=lambda m: f"step {i}, {n}.grad: {m}")
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.filterwarnings("ignore:.*received no gradient")
+@pytest.mark.parametrize("name", list(OPTS))
+def test_captured_gathering_step_with_tied_late_and_unused_parameters(name):
+    """The captured step that reads the gradients where backward left them, replayed 8 times with the lr
+    changed at every replay, against eager flatopt: a tied head, a parameter whose first gradient comes in
+    the second micro-batch, one never used, one whose gradient is left in the pool with other strides
+    (copied in instead). Parameters, gradients and states within SAME (the kernels differ by a rounding)."""
+    torch.manual_seed(0)
+    model = TiedLate().cuda()
+    ref = copy.deepcopy(model)
+    opt, opt_ref = OPTS[name](model), OPTS[name](ref)
+    for m in (model, ref):
+        m.unused.weight.grad.fill_(1.0)
+    data = [(torch.stack([a[0], b[0]]), torch.stack([a[1], b[1]])) for a, b in zip(batches(9), batches(9, seed=1))]
+    step = opt.capture(gathering_step(model, "view"), *data[0])
+    buf = opt._buffers[0]
+    index = {p: i for i, p in enumerate(buf.params)}
+    views = [v.data_ptr() for v in buf.grad_views]
+    recorded = step.recorded[buf]
+    for p in (model.emb.weight, model.late.weight, model.mid.bias):  # read where backward left them
+        assert recorded[index[p]] != views[index[p]]
+    for p in (model.unused.weight, model.mid.weight):  # zeroed, or copied in: read from the view
+        assert recorded[index[p]] == views[index[p]]
+    eager = gathering_step(ref, "copy")
+    scale = {"adamw": 1.0, "sgd": 10.0, "lion": 0.1}[name]
+    for i, (tokens, target) in enumerate(data[1:], start=1):
+        for o in (opt, opt_ref):
+            for group in o.param_groups:
+                group["lr"] = lr_at(i) * scale
+        step(tokens, target)
+        opt_ref.zero_grad()
+        eager(tokens, target)
+        opt_ref.step()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"replay {i}, {n}: {m}")
+            torch.testing.assert_close(p.grad, q.grad, **SAME, msg=lambda m: f"replay {i}, {n}.grad: {m}")
+        for b, c in zip(opt._buffers, opt_ref._buffers):
+            for key, value in c.states.items():
+                torch.testing.assert_close(b.states[key], value, **SAME, msg=lambda m: f"replay {i}, {key}: {m}")
+            assert torch.equal(b.meta.steps, c.meta.steps)
     assert not model.unused.weight.grad.any()
     opt.check_bindings(full=True)
 
