@@ -227,6 +227,8 @@ class GradLanding:
             groups = {}  # one batched copy (a few kernels) per dtype and device rather than one per parameter
             for _, view, g in copy:
                 if g is not None:
+                    if g.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+                        g = g.clone()  # a view into the buffer itself (p.grad = p.grad.t()): may overlap a dst
                     dst, src = groups.setdefault((view.dtype, view.device), ([], []))
                     dst.append(view)
                     src.append(g)
