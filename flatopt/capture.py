@@ -11,9 +11,10 @@ replayed. What the graph records:
   memory pool and stores it into the parameter's ``.grad`` view as it steps (``sources=``, see
   :class:`flatopt.layout.GradSources`): no copy into the flat buffer first, a read and a write of
   every gradient's bytes less. Gradients the kernel cannot read in place (other strides, a
-  misaligned view) are copied in first, and so are all of them when ``train_step`` steps itself
-  or with ``max_grad_norm``, where ``opt.clip_grad_norm_(max_grad_norm)`` runs before the step:
-  one batched copy after backward, after which the ``.grad`` views hold them.
+  misaligned view) are copied in first, and so are all of them when ``train_step`` steps itself,
+  when a step pre-hook is registered, with ``backend="torch"``, or with ``max_grad_norm``, where
+  ``opt.clip_grad_norm_(max_grad_norm)`` runs before the step: one batched copy after backward,
+  after which the ``.grad`` views hold them.
 
 Every replay reads the hyper-parameters from a device table that is refreshed from
 ``param_groups`` before the replay (so LR schedulers work), and the step counters (and so the

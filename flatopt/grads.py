@@ -24,7 +24,8 @@ parameter's view holding its gradient, as torch.optim users expect. Inside ``cap
 (``deferred``) the hooks leave the new gradients in the graph's memory pool; after backward the
 optimizer's kernel reads them there and stores them into the views as it steps
 (:meth:`GradLanding.settle_gathering`), and those it cannot read in place, or all of them when
-something reads the views before the step (clipping, a train_step that steps itself), are copied in
+something reads the views before the step (max_grad_norm, a train_step that steps itself, a step
+pre-hook), are copied in
 by settle(), one batched copy per (dtype, device): fewer kernels in the graph, for all the gradients
 alive at once in the pool.
 """
