@@ -581,46 +581,47 @@ def test_deferred_landing_copies_gradients_that_share_storage_at_once():
             torch.testing.assert_close(p, q, **SAME)
 
 
-def test_a_grad_replaced_by_a_view_of_the_buffer_is_copied_from_a_copy():
-    """``p.grad = p.grad.t()`` (a square weight) and another parameter's .grad swapped in: each new .grad is
-    a view into the flat gradient buffer that overlaps what settling writes. Stepped as torch.optim steps
-    the same .grads."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+def steps_like_torch_sgd(model, edit, steps=3):
+    """flatopt.SGD and torch.optim.SGD on copies of ``model`` (4 inputs); ``edit(model, opt, step)`` runs
+    between backward and step on both. Parameters compared after every step; returns flatopt's SGD."""
     ref = copy.deepcopy(model)
     opt, ref_opt = flatopt.SGD(model, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(0)
-    for step in range(3):
+    for step in range(steps):
         x = torch.randn(3, 4, generator=g)
         for m, o in ((model, opt), (ref, ref_opt)):
             o.zero_grad()
             m(x).sum().backward()
-            m[0].weight.grad = m[0].weight.grad.t()
-            m[1].weight.grad, m[0].bias.grad = m[0].weight.grad * 1.0, m[1].bias.grad
+            edit(m, o, step)
             o.step()
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step}, {n}: {m}")
-    opt.check_bindings(full=True)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
+    return opt
+
+
+def test_a_grad_replaced_by_a_view_of_the_buffer_is_copied_from_a_copy():
+    """``p.grad = p.grad.t()`` (a square weight) and another parameter's .grad swapped in: each new .grad is
+    a view into the flat gradient buffer that overlaps what settling writes. Stepped as torch.optim steps
+    the same .grads."""
+
+    def edit(m, o, step):
+        m[0].weight.grad = m[0].weight.grad.t()
+        m[1].weight.grad, m[0].bias.grad = m[0].weight.grad * 1.0, m[1].bias.grad
+
+    torch.manual_seed(0)
+    steps_like_torch_sgd(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), edit).check_bindings(full=True)
 
 
 def test_a_grad_replaced_after_clipping_is_seen_by_step():
     """clip_grad_norm_() settles the gradients between zero_grad() and step(); a .grad replaced after it is
     still seen by step(), as torch.optim sees it."""
+
+    def edit(m, o, step):
+        if isinstance(o, flatopt.SGD):
+            o.clip_grad_norm_(1.0)
+        else:
+            nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        m[1].weight.grad = torch.full_like(m[1].weight, 0.25 * step)
+
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
-    ref = copy.deepcopy(model)
-    opt, ref_opt = flatopt.SGD(model, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(0)
-    for step in range(3):
-        x = torch.randn(3, 4, generator=g)
-        for m, o in ((model, opt), (ref, ref_opt)):
-            o.zero_grad()
-            m(x).sum().backward()
-            if o is opt:
-                o.clip_grad_norm_(1.0)
-            else:
-                nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            m[1].weight.grad = torch.full_like(m[1].weight, 0.25 * step)
-            o.step()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
+    steps_like_torch_sgd(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)), edit)
