@@ -7,7 +7,7 @@
 * ``bench_capture.py``: a whole training step captured with ``optimizer.capture`` against torch's
   eager, hand-captured and ``torch.compile(mode="reduce-overhead")`` steps.
 * ``plot.py``: draws a PNG and prints a markdown table from a stored step-result JSON.
-* ``run_gpu.sh``: the one command for a GPU machine (tests, the three benchmarks, plot, summary).
+* ``run_gpu.sh``: the command for a GPU machine (the tests and the three benchmarks in two calls, plot, summary).
 
 The scripts run as ``python3 benchmarks/<script>.py`` or ``python3 -m benchmarks.<script>`` from the
 repository root; tests import them as ``benchmarks.<script>``.
