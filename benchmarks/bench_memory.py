@@ -239,7 +239,7 @@ def _torch_states(opts):
 
 
 def _flatopt_states(opt):
-    return sum(t.numel() * t.element_size() for b in opt._buffers for t in b.states.values())
+    return sum(t.numel() * t.element_size() for b in flatopt.inspect(opt).buffers for t in b.states.values())
 
 
 def count_device_events(events):
@@ -301,7 +301,7 @@ def run_case(case, dtype_name, sizes, device, args):
     """Build, measure and free one case; never raises (failures and OOMs are recorded in the row)."""
     row = dict(case=case.name, dtype=dtype_name, ours=case.ours, status=None)
     if case.bucket is not None:
-        row["bucket_size"] = sizes.small_bucket if case.bucket == "small" else flatopt.in_backward.DEFAULT_BUCKET_SIZE
+        row["bucket_size"] = sizes.small_bucket if case.bucket == "small" else flatopt.options.DEFAULT_BUCKET_SIZE
     dtype = harness.DTYPES[dtype_name]
     t0 = time.perf_counter()
     model = x = step = keep = states = opt = None
@@ -320,15 +320,15 @@ def run_case(case, dtype_name, sizes, device, args):
         step, keep, states, opt = build(case, model, x, device, sizes)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        launches0 = opt._in_backward.launches if opt is not None and opt._in_backward is not None else None
+        launches0 = flatopt.inspect(opt).engine.launches if opt is not None and opt.in_backward else None
         if launches0 is not None:
-            spans = [b.end - b.start for b in opt._in_backward.buckets]
+            spans = [b.end - b.start for b in flatopt.inspect(opt).engine.buckets]
             row.update(buckets=len(spans), largest_bucket_elements=max(spans))
         for _ in range(args.warmup):
             step()
         _sync(device)
         if launches0 is not None:
-            row["flatopt_launches_per_step"] = (opt._in_backward.launches - launches0) / args.warmup
+            row["flatopt_launches_per_step"] = (flatopt.inspect(opt).engine.launches - launches0) / args.warmup
         row["states_bytes"] = states() if states else 0
         if cuda:
             row["warmup_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
@@ -340,7 +340,7 @@ def run_case(case, dtype_name, sizes, device, args):
         med, q20, q80 = harness.quantiles(times)
         row.update(median_ms=med, q20_ms=q20, q80_ms=q80, iters=len(times))
         if launches0 is not None:  # how the buckets' launches went: replayed from their CUDA graphs, or not
-            graphs = [b.graph for b in opt._in_backward.buckets]
+            graphs = [b.graph for b in flatopt.inspect(opt).engine.buckets]
             row.update(bucket_graph_replays=sum(g.reused for g in graphs),
                        bucket_graphs_recorded=sum(g.recorded for g in graphs),
                        buckets_launching_directly=sum(g.failed for g in graphs))  # fmt: skip
@@ -569,7 +569,7 @@ def main(argv=None):
         sizes=asdict(sizes),
         params=sizes.numel,
         expected_bytes={dt: dict(params=param_bytes(sizes.numel, dt), states=adamw_state_bytes(sizes.numel, dt),
-                                 default_bucket=bucket_bytes(flatopt.in_backward.DEFAULT_BUCKET_SIZE, dt),
+                                 default_bucket=bucket_bytes(flatopt.options.DEFAULT_BUCKET_SIZE, dt),
                                  small_bucket=bucket_bytes(sizes.small_bucket, dt)) for dt in args.dtypes},
         cases={c.name: c.note for c in CASES},
         targets_definition=dict(time_ratio=TARGET_TIME_RATIO, launch_fraction=TARGET_LAUNCH_FRACTION),

@@ -69,7 +69,7 @@ def host_section(device, settings):
 
 def host_rows(set_name, device, settings):
     params, opt = build(set_name, torch.float32, "adamw", device)
-    buf = opt._buffers[0]
+    buf = flatopt.inspect(opt).buffers[0]
     rows = {}
     rows["step (internal graph)"] = host_us(opt.step, device, settings)
 
@@ -80,13 +80,14 @@ def host_rows(set_name, device, settings):
         opt.step()
 
     rows["step, lr changed every call"] = host_us(step_new_lr, device, settings)
-    rows["check_bindings (amortised)"] = host_us(opt._check_bindings_at_step, device, settings)
-    rows["refresh_hparams (unchanged)"] = host_us(lambda: opt._refresh_hparams(opt._devices), device, settings)
-    rows["step graph key"] = host_us(lambda: opt._step_graph.key_of(opt), device, settings)
-    if opt._step_graph.graph is not None:
-        rows["graph.replay()"] = host_us(opt._step_graph.graph.replay, device, settings)
+    rows["check_bindings (amortised)"] = host_us(lambda: opt.check_bindings(full=False), device, settings)
+    rows["refresh_hparams (unchanged)"] = host_us(opt.engine.refresh_hparams, device, settings)
+    table = opt.hparams.on(buf.device)
+    rows["step graph key"] = host_us(lambda: StepGraph.key_of(flatopt.inspect(opt).buffers, table), device, settings)
+    if opt.engine.step_graph.graph is not None:
+        rows["graph.replay()"] = host_us(opt.engine.step_graph.graph.replay, device, settings)
     kernel = kernels.adamw_step
-    hp = opt._hp[buf.device]
+    hp = opt.hparams.on(buf.device)
 
     def bare():
         kernel(buf.data, buf.grad, buf.states["exp_avg"], buf.states["exp_avg_sq"], hparams=hp, meta=buf.meta)
@@ -116,7 +117,7 @@ def amp_rows(opt, device, settings):
     Also how often the step graph replayed, and how many graphs it recorded, under the real scaler."""
     scaler = torch.amp.GradScaler(device.type)
     scaler.scale(torch.ones((), device=device))  # creates the scale tensor, as the first scale(loss) does
-    graph = opt._step_graph = StepGraph()
+    graph = opt.engine.step_graph = StepGraph()
     calls = [0]
 
     def scaler_step():
@@ -178,10 +179,10 @@ def gather_section(device, settings, copy_gbps):
 def gather_rows(set_name, dtype_name, device, settings, copy_gbps):
     dtype = harness.DTYPES[dtype_name]
     _, opt = build(set_name, dtype, "adamw", device)
-    buf = opt._buffers[0]
+    buf = flatopt.inspect(opt).buffers[0]
     grads = [torch.randn_like(v) for v in buf.grad_views]
     sources = GradSources.of(buf, grads)
-    hp = opt._hp[buf.device]
+    hp = opt.hparams.on(buf.device)
     args = (buf.data, buf.grad, buf.states["exp_avg"], buf.states["exp_avg_sq"])
 
     def step(gather=None):
@@ -223,7 +224,7 @@ def device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps):
     dtype = harness.DTYPES[dtype_name]
     _, opt = build(set_name, dtype, optimizer, device)
     defaults = common.BLOCK_SIZE, common.NUM_WARPS
-    numel = opt._buffers[0].numel
+    numel = flatopt.inspect(opt).buffers[0].numel
     bpe = harness.bytes_per_element(optimizer, dtype)
     nbytes = numel * bpe
     floor = harness.floor_ms(numel, bpe, copy_gbps)
@@ -244,7 +245,7 @@ def device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps):
         for graph, block, warps in configs:
             opt.use_step_graph = graph
             common.BLOCK_SIZE, common.NUM_WARPS = block, warps
-            opt._step_graph = StepGraph()  # its key does not cover the block size: record again
+            opt.engine.step_graph = StepGraph()  # its key does not cover the block size: record again
             for _ in range(3):  # compile, record, replay
                 opt.step()
             t = harness.device_time(opt.step, device, settings).median_ms

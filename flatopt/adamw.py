@@ -1,11 +1,13 @@
 """flatopt.AdamW."""
 
 import math
+from types import SimpleNamespace
 
 import torch
 
 from flatopt import _docs, functional
-from flatopt.optimizer import FlatOptimizer, reject_kwargs
+from flatopt.optimizer import FlatOptimizer
+from flatopt.options import check_torch_options
 
 
 class AdamW(FlatOptimizer):
@@ -27,16 +29,10 @@ class AdamW(FlatOptimizer):
         capturable=False,
         differentiable=False,
         fused=None,
-        flat=True,
-        backend=None,
-        skip_unused=False,
-        in_backward=False,
-        bucket_size=None,
-        **kwargs,
+        **options,
     ):
-        reject_kwargs(
+        check_torch_options(
             "AdamW",
-            kwargs,
             amsgrad=amsgrad,
             foreach=foreach,
             capturable=capturable,
@@ -44,15 +40,7 @@ class AdamW(FlatOptimizer):
             fused=fused,
         )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
-        super().__init__(
-            params,
-            defaults,
-            flat=flat,
-            backend=backend,
-            skip_unused=skip_unused,
-            in_backward=in_backward,
-            bucket_size=bucket_size,
-        )
+        super().__init__(params, defaults, **options)
 
     @staticmethod
     def _check_hparams(group):
@@ -117,3 +105,15 @@ AdamW.__doc__ = rf"""Implements AdamW (Loshchilov & Hutter, "Decoupled Weight De
         {_docs.FUSED}
         {_docs.FLAT}
 {_docs.NOTES}"""
+
+
+# The rule of AdamW as the base class reads it (see flatopt.optimizer.FlatOptimizer.rule).
+AdamW.rule = SimpleNamespace(
+    name="AdamW",
+    state_names=AdamW._state_names,
+    exported_step=AdamW._exported_step,
+    row=AdamW._hparam_row,
+    check=AdamW._check_hparams,
+    uses_state=lambda name, group: True,
+    functional=AdamW._functional,
+)

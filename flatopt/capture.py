@@ -29,6 +29,8 @@ buffers exactly as they were (a ``.grad`` that was None is afterwards its zeroed
 replay is the first training step.
 """
 
+from contextlib import contextmanager
+
 import torch
 
 from flatopt.layout import GradSources
@@ -55,7 +57,7 @@ def check_capturable(opt):
         )
     if not torch.cuda.is_available():
         raise RuntimeError(f"{cls}.capture() records a CUDA graph and needs a CUDA GPU; this machine has none")
-    if not opt._buffers or any(b.device.type != "cuda" for b in opt._buffers):
+    if not opt.engine.buffers or any(b.device.type != "cuda" for b in opt.engine.buffers):
         raise RuntimeError(f"{cls}.capture() needs every trainable parameter on a CUDA device")
 
 
@@ -90,7 +92,7 @@ class Snapshot:
 
     def __init__(self, opt, scaler=None, module=None):
         self.pairs = []
-        for buf in opt._buffers:
+        for buf in opt.engine.buffers:
             self._keep(buf.data, buf.grad, *buf.states.values(), buf.meta.steps, buf.meta.counter)
         if scaler is not None and getattr(scaler, "_scale", None) is not None:
             self._keep(scaler._scale, scaler._growth_tracker)
@@ -127,11 +129,12 @@ class CapturedStep:
         self.static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
         if all(isinstance(s, torch.Tensor) and s.is_cuda for s in self.static):
             self.signature = [(s.shape, s.dtype, s.get_device()) for s in self.static]
-        module = opt._module() if opt._module is not None else None
+        module = opt.module() if opt.module is not None else None
+        engine = opt.engine
 
-        opt._refresh_hparams(opt._devices)  # may allocate a state buffer (SGD momentum): before the snapshot
+        engine.refresh_hparams()  # may allocate a state buffer (SGD momentum): before the snapshot
         if scaler is not None and getattr(scaler, "_scale", None) is None and scaler.is_enabled():
-            scaler._lazy_init_scale_growth_tracker(opt._buffers[0].device)  # as its first scale() would
+            scaler._lazy_init_scale_growth_tracker(engine.buffers[0].device)  # as its first scale() would
         snapshot = Snapshot(opt, scaler, module)
         self.sources = self._gather_sources()  # on the caller's stream, where the replays read them
         side = torch.cuda.Stream()
@@ -159,9 +162,9 @@ class CapturedStep:
             torch.cuda.synchronize()
             snapshot.restore()
         del snapshot
-        opt._refresh_hparams(opt._devices)
-        self.buffers = list(opt._buffers)
-        self.tables = dict(opt._hp)
+        engine.refresh_hparams()
+        self.buffers = list(engine.buffers)
+        self.tables = dict(opt.hparams.tables)
         self.layout = self._layout()
 
         self.graph = torch.cuda.CUDAGraph()
@@ -177,8 +180,6 @@ class CapturedStep:
             if "captur" in text or "synchroniz" in text or "not permitted" in text:
                 raise RuntimeError(_SYNC_HINT.format(cause=text.splitlines()[0]) + " (failed during capture)") from e
             raise
-        finally:
-            opt._graph_mode = False
         # Recording runs nothing: parameters, states and counters are as the snapshot put them back.
 
     def _inputs_fit(self, inputs):
@@ -196,7 +197,7 @@ class CapturedStep:
 
     def _layout(self):
         """What the recorded kernels were specialised on, per buffer."""
-        return [(tuple(b.states), b.meta.uniform) for b in self.opt._buffers]
+        return [(tuple(b.states), b.meta.uniform) for b in self.opt.engine.buffers]
 
     def _gather_sources(self):
         """{buffer: GradSources} for the recorded step to read the gradients where backward left them
@@ -209,7 +210,18 @@ class CapturedStep:
         opt = self.opt
         if self.max_grad_norm is not None or opt.backend != "triton":
             return None
-        return {buf: GradSources.of(buf, [None] * len(buf.params)) for buf in opt._buffers}
+        return {buf: GradSources.of(buf, [None] * len(buf.params)) for buf in opt.engine.buffers}
+
+    @contextmanager
+    def _counting_steps(self):
+        """Count the optimizer's steps inside (train_step's own and the body's), with torch's public step
+        post-hook; yields a list whose length is the count."""
+        steps = []
+        handle = self.opt.register_step_post_hook(lambda *args: steps.append(1))
+        try:
+            yield steps
+        finally:
+            handle.remove()
 
     def _body(self, gather=False):
         """What the graph records. ``gather``: the step reads the gradients left in the graph's pool where
@@ -219,36 +231,37 @@ class CapturedStep:
         and the step reads them from the views (in warm-up through the same sources, pointing at the views:
         that compiles the gathering kernel)."""
         opt = self.opt
-        opt._graph_mode = True
-        opt._graph_steps = 0
-        grads = opt._landing
-        try:
-            grads.release()  # zero_grad(): the gradients are copied in after backward (see flatopt.grads)
-            grads.deferred = True
-            out = self.fn(*self.static)
-            if opt._graph_steps or not (gather and self.sources) or opt._has_step_pre_hooks():
-                grads.settle()
-                opt._sources = None if opt._graph_steps or gather else self.sources
-            else:
-                taken = grads.settle_gathering(GradSources.fits)  # alive until the step is launched
-                capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-                for buf in opt._buffers:
-                    addresses = GradSources.addresses(buf, [taken.get(p) for p in buf.params])
-                    if capturing:
-                        self.recorded[buf] = addresses
-                    else:
-                        self.sources[buf].point_at(addresses)
-                opt._sources = self.sources
-            if not opt._graph_steps:
-                if self.max_grad_norm is not None:
-                    opt.clip_grad_norm_(self.max_grad_norm)
-                opt.step()
-        except BaseException:
-            grads.restore()  # launching nothing: a failed recording leaves the stream unusable until it ends
-            raise
-        finally:
-            grads.deferred = False
-            opt._sources = None
+        engine = opt.engine
+        grads = engine.landing
+        with self._counting_steps() as steps, engine.recorded():
+            try:
+                grads.release()  # zero_grad(): the gradients are copied in after backward (see flatopt.grads)
+                grads.deferred = True
+                out = self.fn(*self.static)
+                sources = None
+                if steps or not (gather and self.sources) or not engine.gathers():
+                    grads.settle()
+                    sources = None if steps or gather else self.sources
+                else:
+                    taken = grads.settle_gathering(GradSources.fits)  # alive until the step is launched
+                    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+                    for buf in engine.buffers:
+                        addresses = GradSources.addresses(buf, [taken.get(p) for p in buf.params])
+                        if capturing:
+                            self.recorded[buf] = addresses
+                        else:
+                            self.sources[buf].point_at(addresses)
+                    sources = self.sources
+                if not steps:
+                    if self.max_grad_norm is not None:
+                        opt.clip_grad_norm_(self.max_grad_norm)
+                    engine.gather_from(sources)
+                    opt.step()
+            except BaseException:
+                grads.restore()  # launching nothing: a failed recording leaves the stream unusable until it ends
+                raise
+            finally:
+                grads.deferred = False
         return out
 
     def _run(self, graph_mode, check_sync=False):
@@ -260,15 +273,15 @@ class CapturedStep:
             if graph_mode:
                 self._body()
             else:
-                opt._graph_steps = 0
-                opt.zero_grad()
-                self.fn(*self.static)
-                steps = opt._graph_steps
-                if not steps:
+                with self._counting_steps() as steps:
+                    opt.zero_grad()
+                    self.fn(*self.static)
+                n = len(steps)
+                if not n:
                     if self.max_grad_norm is not None:
                         opt.clip_grad_norm_(self.max_grad_norm)
                     opt.step()
-                return steps
+                return n
         except RuntimeError as e:
             if check_sync and "synchroniz" in str(e):
                 raise RuntimeError(_SYNC_HINT.format(cause=str(e).splitlines()[0])) from e
@@ -276,7 +289,6 @@ class CapturedStep:
         finally:
             if check_sync:
                 torch.cuda.set_sync_debug_mode("default")
-            opt._graph_mode = False
         return 0
 
     def __call__(self, *inputs):
@@ -287,16 +299,17 @@ class CapturedStep:
         opt = self.opt
         if not self._inputs_fit(inputs):
             check_inputs(self.static, inputs)  # says what differs, or passes (equal constants)
-        if opt._buffers != self.buffers:
+        engine = opt.engine
+        if engine.buffers != self.buffers:
             raise RuntimeError(
                 f"the parameters of {type(opt).__name__} were laid out again since capture (add_param_group); "
                 "capture again"
             )
-        if not opt._ends_bound():  # as step() checks; the graph lands the gradients itself
-            opt._check_data_bindings(full=False)
-        opt._landing.restore_if_released()  # so .grad shows them after the replay, also after zero_grad()
-        opt._refresh_hparams(opt._devices)
-        if any(opt._hp[d] is not t for d, t in self.tables.items()):
+        if not engine.ends_bound():  # as step() checks; the graph lands the gradients itself
+            engine.check_data_bindings(full=False)
+        engine.landing.restore_if_released()  # so .grad shows them after the replay, also after zero_grad()
+        engine.refresh_hparams()
+        if any(opt.hparams.tables.get(d) is not t for d, t in self.tables.items()):
             raise RuntimeError("the number of param groups changed since capture; capture again")
         if self._layout() != self.layout:
             raise RuntimeError(

@@ -13,17 +13,11 @@ import torch
 
 
 class CheckpointMixin:
-    def _host_steps(self):
-        """Completed steps of every stepped parameter, read with one copy per buffer."""
-        steps = {}
-        for buf in self._buffers:
-            steps.update(zip(buf.params, buf.meta.steps.tolist()))
-        for p, meta in self._unflat_meta.items():
-            steps[p] = float(meta.steps[0])
-        return steps
+    """state_dict() and load_state_dict() of :class:`flatopt.optimizer.FlatOptimizer`: torch.optim's format,
+    through the optimizer's ``rule`` (which states it keeps) and ``engine`` (where they live)."""
 
     def _exported_names(self, group):
-        return [n for n in self._state_names if self._uses_state(n, group)]
+        return [n for n in self.rule.state_names if self.rule.uses_state(n, group)]
 
     def state_dict(self):
         """Returns the state of the optimizer as a dict, in torch.optim's format.
@@ -39,7 +33,7 @@ class CheckpointMixin:
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = [index.setdefault(p, len(index)) for p in group["params"]]
             groups.append(packed)
-        steps = self._host_steps()
+        steps = self.engine.host_steps()
         state = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -51,7 +45,7 @@ class CheckpointMixin:
                 if steps[p] == 0:
                     continue
                 entry = {n: own[n] for n in self._exported_names(group) if own.get(n) is not None}
-                if self._exported_step:
+                if self.rule.exported_step:
                     entry = {"step": torch.tensor(steps[p], dtype=torch.float32), **entry}
                 if entry:
                     state[index[p]] = entry
@@ -65,8 +59,9 @@ class CheckpointMixin:
     def _parse_state(self, k, p, saved, group, saved_group):
         """Check one parameter's saved state against the parameter; returns (step, {name: tensor})."""
         cls = type(self).__name__
-        names = [n for n in self._state_names if self._uses_state(n, {**group, **saved_group})]
-        allowed = set(self._state_names) | ({"step"} if self._exported_step else set())
+        rule = self.rule
+        names = [n for n in rule.state_names if rule.uses_state(n, {**group, **saved_group})]
+        allowed = set(rule.state_names) | ({"step"} if rule.exported_step else set())
         if not isinstance(saved, dict):
             raise ValueError(f"loaded state dict has state {type(saved).__name__} for parameter {k}; expected a dict")
         extra = sorted(set(saved) - allowed)
@@ -81,17 +76,17 @@ class CheckpointMixin:
             if t is None:
                 if name == "momentum_buffer":
                     continue  # torch.optim.SGD before its first momentum step
-                raise ValueError(f"loaded state dict has no '{name}' for parameter {k} ({self._name(p)})")
+                raise ValueError(f"loaded state dict has no '{name}' for parameter {k} ({self.names(p)})")
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
-                    f"loaded state dict has '{name}' of shape {shape} for parameter {k} ({self._name(p)}), "
+                    f"loaded state dict has '{name}' of shape {shape} for parameter {k} ({self.names(p)}), "
                     f"whose shape is {tuple(p.shape)}; the state dict belongs to another model"
                 )
             tensors[name] = t
-        if self._exported_step:
+        if rule.exported_step:
             if "step" not in saved:
-                raise ValueError(f"loaded state dict has no 'step' for parameter {k} ({self._name(p)})")
+                raise ValueError(f"loaded state dict has no 'step' for parameter {k} ({self.names(p)})")
             step = float(saved["step"])
             if not step >= 0:
                 raise ValueError(f"loaded state dict has step {step} for parameter {k}; it must be >= 0")
@@ -132,7 +127,7 @@ class CheckpointMixin:
                 id_map[k] = p
                 group_of[k] = (group, saved)
         for group, saved in zip(groups, saved_groups):
-            self._check_hparams({**group, **{k: v for k, v in saved.items() if k != "params"}})
+            self.rule.check({**group, **{k: v for k, v in saved.items() if k != "params"}})
         parsed = {}
         for k, saved in state_dict["state"].items():
             if k not in id_map:
@@ -144,33 +139,15 @@ class CheckpointMixin:
         # Checked: now change things.
         for group, saved in zip(groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
-        self._hp_rows = None
-        flat_params = set()
-        with torch.no_grad():
-            self._ensure_states()
-            for buf in self._buffers:
-                steps = []
-                for i, p in enumerate(buf.params):
-                    flat_params.add(p)
-                    step, tensors = parsed.get(p, (0.0, {}))
-                    for name, views in buf.state_views.items():
-                        if name in tensors:
-                            views[i].copy_(tensors[name])
-                        else:
-                            views[i].zero_()
-                    steps.append(step)
-                buf.meta.steps.copy_(torch.tensor(steps, dtype=torch.float32))
-                self._refresh_uniform(buf)
-            self._unflat_meta.clear()
-            for p in list(self.state):
-                if p not in flat_params:
-                    del self.state[p]
-            for p, (step, tensors) in parsed.items():
-                if p in flat_params:
-                    continue
-                own = {
-                    n: t.to(p.device, p.dtype).clone(memory_format=torch.preserve_format) for n, t in tensors.items()
-                }
-                if self._exported_step:
-                    own["step"] = torch.tensor(step, dtype=torch.float32)
-                self.state[p] = own
+        self.hparams.invalidate()
+        placed = self.engine.load(parsed)
+        for p in list(self.state):
+            if p not in placed:
+                del self.state[p]
+        for p, (step, tensors) in parsed.items():
+            if p in placed:
+                continue
+            own = {n: t.to(p.device, p.dtype).clone(memory_format=torch.preserve_format) for n, t in tensors.items()}
+            if self.rule.exported_step:
+                own["step"] = torch.tensor(step, dtype=torch.float32)
+            self.state[p] = own

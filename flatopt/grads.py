@@ -34,41 +34,36 @@ import weakref
 
 import torch
 
-# id(parameter) -> (weak reference to the parameter, weak reference to the GradLanding whose hook copies into
-# it). Keyed by id: a WeakKeyDictionary would compare tensors with ==, elementwise.
-_OWNER = {}
 
-
-def _owner(p):
-    entry = _OWNER.get(id(p))
-    if entry is None or entry[0]() is not p:
-        return None
-    return entry[1]()
-
-
-def _forget(handles, ids):
-    """A GradLanding is gone: remove its hooks and its entries in _OWNER."""
+def _remove(handles):
     for h in handles:
         h.remove()
-    for i in ids:
-        entry = _OWNER.get(i)
-        if entry is not None and entry[1]() is None:
-            del _OWNER[i]
 
 
 class GradLanding:
-    """The gradient views of one optimizer's flat buffers and the hooks that copy gradients into them."""
+    """The gradient views of one optimizer's flat buffers and the hooks that copy gradients into them.
 
-    def __init__(self, opt):
-        self.opt = weakref.ref(opt)  # the hooks live on the parameters: no reference back to the optimizer
-        self.views = {p: view for buf in opt._buffers for p, view in zip(buf.params, buf.grad_views)}
-        self.firsts = [(buf.params[0], buf.grad_views[0]) for buf in opt._buffers]
-        self.ends = self.firsts + [(buf.params[-1], buf.grad_views[-1]) for buf in opt._buffers]
+    Args:
+        buffers (list[FlatBuffer]): the buffers, each with a gradient buffer.
+        keep_none (bool): a ``.grad`` that is None stays None (``skip_unused=True``).
+        names (flatopt.naming.Names): how messages name parameters.
+        cls (str): the optimizer's class name, for messages.
+    """
+
+    def __init__(self, buffers, *, keep_none=False, names=None, cls="flatopt"):
+        self.views = {p: view for buf in buffers for p, view in zip(buf.params, buf.grad_views)}
+        # where each parameter's data lives in these buffers: a hook does nothing for a parameter that another
+        # optimizer (or a re-layout) has moved into buffers of its own since
+        self.homes = {p: buf.expected[i][0] for buf in buffers for i, p in enumerate(buf.params)}
+        self.firsts = [(buf.params[0], buf.grad_views[0]) for buf in buffers]
+        self.ends = self.firsts + [(buf.params[-1], buf.grad_views[-1]) for buf in buffers]
+        self.names = names if names is not None else (lambda p: f"a parameter of shape {tuple(p.shape)}")
+        self.cls = cls
         # a .grad may be None or a tensor of its own: set by zero_grad() (either kind) and by the hooks' copies,
         # cleared by step() (apply). While it is False, only the ends of each buffer are looked at (needs_settling)
         self.dirty = True
         # skip_unused: a .grad that is None stays None (its view is zeroed all the same), as torch leaves it
-        self.keep_none = opt.skip_unused
+        self.keep_none = keep_none
         # inside capture(): the hooks leave each new gradient where autograd put it (the graph's pool), and
         # settle() copies them all into the views with one batched copy after backward, recorded as a few
         # kernels instead of one per parameter
@@ -78,12 +73,11 @@ class GradLanding:
         self._finalizer = None
 
     def attach(self):
-        """Register the hooks (once). A parameter that another optimizer's hooks copied into is taken
-        over, and that optimizer's hooks are removed (it would copy into buffers the parameter left)."""
+        """Register the hooks (once)."""
         if self.handles:
             return
-        ref = weakref.ref(self)
-        views, strided = self.views, torch.strided
+        ref = weakref.ref(self)  # the hooks live on the parameters: no reference back to the landing
+        views, homes, strided = self.views, self.homes, torch.strided
 
         def land(p):
             """Copy a gradient of its own into ``p``'s view and put the view back in ``.grad``. Runs once per
@@ -93,7 +87,7 @@ class GradLanding:
             if g is view or g is None:  # accumulated into the view: nothing to do
                 return
             self_ = ref()
-            if self_ is None:  # the optimizer is gone
+            if self_ is None or p.data_ptr() != homes[p]:  # the optimizer is gone, or p was laid out elsewhere
                 return
             self_.dirty = True  # after model.zero_grad(): others may still be None
             if (
@@ -114,18 +108,11 @@ class GradLanding:
             view.copy_(g)
             p.grad = view
 
-        for p in self.views:
-            other = _owner(p)
-            if other is not None and other is not self:
-                other.detach()
-            _OWNER[id(p)] = (weakref.ref(p), ref)
-            self.handles.append(p.register_post_accumulate_grad_hook(land))
-        self._finalizer = weakref.finalize(self, _forget, list(self.handles), [id(p) for p in self.views])
+        self.handles = [p.register_post_accumulate_grad_hook(land) for p in self.views]
+        # once the landing is gone, its hooks go too: they hold the views, and so the gradient buffer
+        self._finalizer = weakref.finalize(self, _remove, self.handles)
 
     def detach(self):
-        for p in self.views:
-            if _owner(p) is self:
-                del _OWNER[id(p)]
         if self._finalizer is not None:
             self._finalizer()  # removes the hooks, once
             self._finalizer = None
@@ -242,9 +229,7 @@ class GradLanding:
             p.grad = view
 
     def _check(self, p, g):
-        opt = self.opt()
-        cls = type(opt).__name__ if opt is not None else "flatopt"
-        name = opt._name(p) if opt is not None else "?"
+        cls, name = self.cls, self.names(p)
         if g.layout != torch.strided:
             raise RuntimeError(
                 f"{cls} does not support sparse gradients: parameter {name} has a {g.layout} .grad, which its dense "

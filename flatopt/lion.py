@@ -1,9 +1,12 @@
 """flatopt.Lion."""
 
+from types import SimpleNamespace
+
 import torch
 
 from flatopt import _docs, functional
-from flatopt.optimizer import FlatOptimizer, reject_kwargs
+from flatopt.optimizer import FlatOptimizer
+from flatopt.options import check_torch_options
 
 
 class Lion(FlatOptimizer):
@@ -18,25 +21,11 @@ class Lion(FlatOptimizer):
         weight_decay=0.0,
         use_triton=False,
         decoupled_weight_decay=False,
-        *,
-        flat=True,
-        backend=None,
-        skip_unused=False,
-        in_backward=False,
-        bucket_size=None,
-        **kwargs,
+        **options,
     ):
-        reject_kwargs("Lion", kwargs, use_triton=use_triton, decoupled_weight_decay=decoupled_weight_decay)
+        check_torch_options("Lion", use_triton=use_triton, decoupled_weight_decay=decoupled_weight_decay)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay)
-        super().__init__(
-            params,
-            defaults,
-            flat=flat,
-            backend=backend,
-            skip_unused=skip_unused,
-            in_backward=in_backward,
-            bucket_size=bucket_size,
-        )
+        super().__init__(params, defaults, **options)
 
     @staticmethod
     def _check_hparams(group):
@@ -88,3 +77,15 @@ Lion.__doc__ = rf"""Implements Lion (Chen et al. 2023, "Symbolic Discovery of Op
             which decays the same (default: False)
         {_docs.FLAT}
 {_docs.NOTES}"""
+
+
+# The rule of Lion as the base class reads it (see flatopt.optimizer.FlatOptimizer.rule).
+Lion.rule = SimpleNamespace(
+    name="Lion",
+    state_names=Lion._state_names,
+    exported_step=False,
+    row=Lion._hparam_row,
+    check=Lion._check_hparams,
+    uses_state=lambda name, group: True,
+    functional=Lion._functional,
+)

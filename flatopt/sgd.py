@@ -1,9 +1,12 @@
 """flatopt.SGD."""
 
+from types import SimpleNamespace
+
 import torch
 
 from flatopt import _docs, functional
-from flatopt.optimizer import FlatOptimizer, reject_kwargs
+from flatopt.optimizer import FlatOptimizer
+from flatopt.options import check_torch_options
 
 
 class SGD(FlatOptimizer):
@@ -23,14 +26,9 @@ class SGD(FlatOptimizer):
         foreach=None,
         differentiable=False,
         fused=None,
-        flat=True,
-        backend=None,
-        skip_unused=False,
-        in_backward=False,
-        bucket_size=None,
-        **kwargs,
+        **options,
     ):
-        reject_kwargs("SGD", kwargs, foreach=foreach, differentiable=differentiable, fused=fused)
+        check_torch_options("SGD", foreach=foreach, differentiable=differentiable, fused=fused)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -39,15 +37,7 @@ class SGD(FlatOptimizer):
             nesterov=nesterov,
             maximize=maximize,
         )
-        super().__init__(
-            params,
-            defaults,
-            flat=flat,
-            backend=backend,
-            skip_unused=skip_unused,
-            in_backward=in_backward,
-            bucket_size=bucket_size,
-        )
+        super().__init__(params, defaults, **options)
 
     @staticmethod
     def _check_hparams(group):
@@ -100,3 +90,15 @@ SGD.__doc__ = rf"""Implements stochastic gradient descent, optionally with momen
         {_docs.FUSED}
         {_docs.FLAT}
 {_docs.NOTES}"""
+
+
+# The rule of SGD as the base class reads it (see flatopt.optimizer.FlatOptimizer.rule).
+SGD.rule = SimpleNamespace(
+    name="SGD",
+    state_names=SGD._state_names,
+    exported_step=False,
+    row=SGD._hparam_row,
+    check=SGD._check_hparams,
+    uses_state=lambda name, group: group["momentum"] != 0,
+    functional=SGD._functional,
+)

@@ -47,14 +47,14 @@ class StepGraph:
         return self.graphs.get(self.key)
 
     @staticmethod
-    def key_of(opt, grad_scale=None, found_inf=None):
-        hp = opt._hp[opt._buffers[0].device]
+    def key_of(buffers, table, grad_scale=None, found_inf=None):
+        """The key of a step over flat ``buffers`` reading the hyper-parameter ``table``."""
         amp = None  # the usual step: no GradScaler tensors, nothing to build
         if grad_scale is not None or found_inf is not None:
             amp = tuple(
                 None if t is None else (t.data_ptr(), t.dtype, t.device, t.numel()) for t in (grad_scale, found_inf)
             )
-        return (hp.data_ptr(), amp) + tuple(
+        return (table.data_ptr(), amp) + tuple(
             (
                 buf.data.data_ptr(),
                 buf.grad.data_ptr(),
@@ -62,24 +62,21 @@ class StepGraph:
                 buf.meta.steps.data_ptr(),
                 buf.meta.uniform,
             )
-            for buf in opt._buffers
+            for buf in buffers
         )
 
     @staticmethod
-    def usable(opt):
+    def usable(enabled, backend, skip_unused, devices):
+        """Whether launches may go through graphs: ``enabled`` (the optimizer's ``use_step_graph``), Triton
+        kernels on one CUDA device, no per-step mask, and not inside the caller's own stream capture."""
         return (
-            opt.use_step_graph
-            and opt.backend == "triton"
-            and not opt.skip_unused
-            and len(opt._devices) == 1
-            and opt._devices[0].type == "cuda"
+            enabled
+            and backend == "triton"
+            and not skip_unused
+            and len(devices) == 1
+            and devices[0].type == "cuda"
             and not torch.cuda.is_current_stream_capturing()
         )
-
-    def run(self, opt, launch, grad_scale=None, found_inf=None):
-        """Run ``launch()`` (which launches every buffer's kernel on the current stream, reading
-        ``grad_scale`` and ``found_inf`` when given) through a graph."""
-        self.run_keyed(self.key_of(opt, grad_scale, found_inf), launch)
 
     def run_keyed(self, key, launch):
         """Replay the graph recorded for ``key``; without one, launch directly the first time ``key`` is

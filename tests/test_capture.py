@@ -75,7 +75,11 @@ def test_replay_copies_inputs_without_autograd_history():
     step.opt, step.outputs = opt, "outputs"
     step.graph = type("Graph", (), {"replay": lambda self: replays.append(1)})()
     step.static = [torch.zeros(2, 4), 3]
-    step.buffers, step.tables, step.layout = list(opt._buffers), dict(opt._hp), step._layout()
+    step.buffers, step.tables, step.layout = (
+        list(flatopt.inspect(opt).buffers),
+        dict(flatopt.inspect(opt).tables),
+        step._layout(),
+    )
     x = torch.randn(2, 4, requires_grad=True)
     assert step(x * 2, 3) == "outputs" and replays == [1]
     assert torch.equal(step.static[0], (x * 2).detach())
@@ -95,9 +99,10 @@ def test_snapshot_restores_parameters_grads_states_steps_and_module_buffers():
     opt.step()
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(torch.ones(()))
+    bufs = flatopt.inspect(opt).buffers
     tracked = lambda: [t.clone() for t in (  # noqa: E731
-        *[b.data for b in opt._buffers], *[b.grad for b in opt._buffers],
-        *[s for b in opt._buffers for s in b.states.values()], *[b.meta.steps for b in opt._buffers],
+        *[b.data for b in bufs], *[b.grad for b in bufs],
+        *[s for b in bufs for s in b.states.values()], *[b.meta.steps for b in bufs],
         *model.buffers(), scaler._scale, scaler._growth_tracker,
     )]  # fmt: skip
     before = tracked()
@@ -181,7 +186,7 @@ def test_captured_matches_eager_and_torch_over_20_replays(name):
 
     data = batches(21)
     step = opt_c.capture(train_step, *data[0])
-    buf = opt_c._buffers[0]  # the step reads the gradients where backward left them in the graph's pool
+    buf = flatopt.inspect(opt_c).buffers[0]  # the step reads the gradients where backward left them in the graph's pool
     assert all(a != v.data_ptr() for a, v in zip(step.recorded[buf], buf.grad_views))
     assert step.sources[buf].src.tolist() == step.recorded[buf]
     for i, (tokens, target) in enumerate(data[1:], start=1):
@@ -225,13 +230,15 @@ def test_capture_leaves_everything_as_it_was():
     data = batches(2)
     model(data[0][0]).sum().backward()
     opt.step()
-    before = [t.clone() for b in opt._buffers for t in (b.data, b.grad, *b.states.values(), b.meta.steps)]
+    before = [
+        t.clone() for b in flatopt.inspect(opt).buffers for t in (b.data, b.grad, *b.states.values(), b.meta.steps)
+    ]
 
     def train_step(tokens, target):
         F.cross_entropy(model(tokens), target).backward()
 
     opt.capture(train_step, *data[1], warmup=4)
-    after = [t for b in opt._buffers for t in (b.data, b.grad, *b.states.values(), b.meta.steps)]
+    after = [t for b in flatopt.inspect(opt).buffers for t in (b.data, b.grad, *b.states.values(), b.meta.steps)]
     for a, b in zip(after, before):
         assert torch.equal(a, b)
 
@@ -256,7 +263,8 @@ def test_grad_scaler_inside_the_graph_skips_the_step_on_inf():
     step = opt.capture(train_step, *data[0], zero, scaler=scaler)
     assert scaler.get_scale() == 2.0**12, "warm-up must leave the scale as it was"
     step(*data[1], zero)
-    state = lambda: [t.clone() for b in opt._buffers for t in (b.data, *b.states.values(), b.meta.steps)]  # noqa: E731
+    bufs = flatopt.inspect(opt).buffers
+    state = lambda: [t.clone() for b in bufs for t in (b.data, *b.states.values(), b.meta.steps)]  # noqa: E731
     before, scale = state(), scaler.get_scale()
     step(*data[2], inf)
     for a, b in zip(state(), before):
@@ -345,9 +353,8 @@ def test_recorded_body_run_eagerly_matches_eager_flatopt():
         tokens, target = torch.randint(0, 50, (2, 16, 7), generator=g), torch.randint(0, 50, (2, 16), generator=g)
         poison = torch.tensor(float("inf") if i == 3 else 0.0)
         body.static = [tokens, target, poison]
-        opt._refresh_hparams(opt._devices)  # as each replay's call does before the graph runs
+        opt.engine.refresh_hparams()  # as each replay's call does before the graph runs
         body._body()
-        opt._graph_mode = False
         opt_ref.zero_grad(set_to_none=False)  # zeroed and added to: the other way gradients reach the buffer
         eager(tokens, target, poison)
         assert scalers[0].get_scale() == scalers[1].get_scale(), f"step {i}: loss scales differ"
@@ -356,7 +363,7 @@ def test_recorded_body_run_eagerly_matches_eager_flatopt():
             torch.testing.assert_close(  # at the inf step: the same inf/nan where the inf was injected
                 p.grad, q.grad, **SAME, equal_nan=True, msg=lambda m: f"step {i}, {n}.grad: {m}"
             )
-        for b, c in zip(opt._buffers, opt_ref._buffers):
+        for b, c in zip(flatopt.inspect(opt).buffers, flatopt.inspect(opt_ref).buffers):
             for key, value in c.states.items():
                 torch.testing.assert_close(b.states[key], value, **SAME, msg=lambda m: f"step {i}, {key}: {m}")
     assert not model.unused.weight.grad.any()
@@ -415,15 +422,14 @@ def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
     body.sources, body.recorded = body._gather_sources(), {}
     assert body.sources is not None
     eager = gathering_step(ref, "copy")
-    buf = opt._buffers[0]
+    buf = flatopt.inspect(opt).buffers[0]
     g = torch.Generator().manual_seed(0)
     for i in range(1, 5):
         tokens = torch.randint(0, 50, (2, 16, 7), generator=g).to(device)
         target = torch.randint(0, 50, (2, 16), generator=g).to(device)
         body.static = [tokens, target]
-        opt._refresh_hparams(opt._devices)  # as each replay's call does before the graph runs
+        opt.engine.refresh_hparams()  # as each replay's call does before the graph runs
         body._body(gather=True)
-        opt._graph_mode = False
         opt_ref.zero_grad()
         eager(tokens, target)
         opt_ref.step()
@@ -437,7 +443,7 @@ def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
             assert p.grad is src[p], f"step {i}, {n}: .grad is not its view"
             torch.testing.assert_close(p, q, **tol, msg=lambda m: f"step {i}, {n}: {m}")
             torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"step {i}, {n}.grad: {m}")
-        for b, c in zip(opt._buffers, opt_ref._buffers):
+        for b, c in zip(flatopt.inspect(opt).buffers, flatopt.inspect(opt_ref).buffers):
             for key, value in c.states.items():
                 torch.testing.assert_close(b.states[key], value, **tol, msg=lambda m: f"step {i}, {key}: {m}")
             torch.testing.assert_close(b.meta.steps, c.meta.steps, atol=0, rtol=0)
@@ -462,16 +468,15 @@ def test_a_step_pre_hook_sees_the_gradients_in_a_recorded_step():
     body = object.__new__(CapturedStep)
     body.opt, body.fn, body.max_grad_norm, body.steps_in_fn = opt, gathering_step(model), None, 0
     body.sources, body.recorded = body._gather_sources(), {}
-    buf = opt._buffers[0]
+    buf = flatopt.inspect(opt).buffers[0]
     views = [v.data_ptr() for v in buf.grad_views]
     g = torch.Generator().manual_seed(0)
     for i in range(1, 4):
         tokens = torch.randint(0, 50, (2, 16, 7), generator=g).to(device)
         target = torch.randint(0, 50, (2, 16), generator=g).to(device)
         body.static = [tokens, target]
-        opt._refresh_hparams(opt._devices)
+        opt.engine.refresh_hparams()
         body._body(gather=True)
-        opt._graph_mode = False
         opt_ref.zero_grad()
         gathering_step(ref)(tokens, target)
         opt_ref.step()
@@ -497,7 +502,7 @@ def test_captured_gathering_step_with_tied_late_and_unused_parameters(name):
         m.unused.weight.grad.fill_(1.0)
     data = [(torch.stack([a[0], b[0]]), torch.stack([a[1], b[1]])) for a, b in zip(batches(9), batches(9, seed=1))]
     step = opt.capture(gathering_step(model, "view"), *data[0])
-    buf = opt._buffers[0]
+    buf = flatopt.inspect(opt).buffers[0]
     index = {p: i for i, p in enumerate(buf.params)}
     views = [v.data_ptr() for v in buf.grad_views]
     recorded = step.recorded[buf]
@@ -518,7 +523,7 @@ def test_captured_gathering_step_with_tied_late_and_unused_parameters(name):
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"replay {i}, {n}: {m}")
             torch.testing.assert_close(p.grad, q.grad, **SAME, msg=lambda m: f"replay {i}, {n}.grad: {m}")
-        for b, c in zip(opt._buffers, opt_ref._buffers):
+        for b, c in zip(flatopt.inspect(opt).buffers, flatopt.inspect(opt_ref).buffers):
             for key, value in c.states.items():
                 torch.testing.assert_close(b.states[key], value, **SAME, msg=lambda m: f"replay {i}, {key}: {m}")
             assert torch.equal(b.meta.steps, c.meta.steps)
@@ -556,7 +561,7 @@ def test_captured_gradients_with_tied_late_and_unused_parameters_unscale_and_cli
             torch.testing.assert_close(
                 p.grad, q.grad, **SAME, equal_nan=True, msg=lambda m: f"replay {i}, {n}.grad: {m}"
             )
-        for b, c in zip(opt._buffers, opt_ref._buffers):
+        for b, c in zip(flatopt.inspect(opt).buffers, flatopt.inspect(opt_ref).buffers):
             for key, value in c.states.items():
                 torch.testing.assert_close(b.states[key], value, **SAME, msg=lambda m: f"replay {i}, {key}: {m}")
     assert not model.unused.weight.grad.any(), "an unused parameter's gradient view must be zero"
@@ -595,7 +600,7 @@ def test_host_sync_in_train_step_is_named_and_changes_nothing():
     torch.manual_seed(0)
     model = MLP().cuda()
     opt = flatopt.AdamW(model, lr=1e-2)
-    before = [b.data.clone() for b in opt._buffers]
+    before = [b.data.clone() for b in flatopt.inspect(opt).buffers]
 
     def train_step(tokens, target):
         loss = F.cross_entropy(model(tokens), target)
@@ -604,7 +609,7 @@ def test_host_sync_in_train_step_is_named_and_changes_nothing():
 
     with pytest.raises(RuntimeError, match=r"synchronised the host with the GPU.*\.item\(\)"):
         opt.capture(train_step, *batches(1)[0])
-    for a, b in zip(opt._buffers, before):
+    for a, b in zip(flatopt.inspect(opt).buffers, before):
         assert torch.equal(a.data, b)
 
 

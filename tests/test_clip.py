@@ -28,7 +28,7 @@ def test_matches_torch_clip_grad_norm(flat, norm_type, max_norm):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, atol=1e-7, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     if flat:
-        buf = opt._buffers[0]
+        buf = flatopt.inspect(opt).buffers[0]
         assert all(p.grad.data_ptr() == ptr for p, (_, ptr) in zip(buf.params, buf.expected)), "views kept"
 
 

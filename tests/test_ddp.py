@@ -124,14 +124,14 @@ def snapshot(model, opt):
 def flat_views(opt):
     """For every parameter in flatopt's buffers: (name, p.data is its view, p.grad is its view)."""
     rows = []
-    for buf in opt._buffers:
+    for buf in flatopt.inspect(opt).buffers:
         data_storage = buf.data.untyped_storage().data_ptr()
         grad_storage = buf.grad.untyped_storage().data_ptr()
         for p, (data_ptr, grad_ptr) in zip(buf.params, buf.expected):
             data_ok = p.data_ptr() == data_ptr and p.untyped_storage().data_ptr() == data_storage
             g = p.grad
             grad_ok = g is not None and g.data_ptr() == grad_ptr and g.untyped_storage().data_ptr() == grad_storage
-            rows.append((opt._name(p), data_ok, grad_ok))
+            rows.append((opt.names(p), data_ok, grad_ok))
     return rows
 
 
@@ -180,7 +180,7 @@ def run_match(rank, opt_name, order, variant):
     out = {
         "init": init,
         "start": values(model),
-        "buffer_at_start": [v.detach().clone() for v in opt._buffers[0].data_views],
+        "buffer_at_start": [v.detach().clone() for v in flatopt.inspect(opt).buffers[0].data_views],
         "views_at_start": flat_views(opt),
         "history": [],
     }

@@ -157,8 +157,8 @@ def test_low_precision_matches_torch_math_in_float32(backend, dtype, opt_name):
     torch.manual_seed(0)
     model = Mlp().to(device_for(backend), dtype)
     ours = step_by_step(backend, opt_name, model)
-    assert [buf.dtype for buf in ours._buffers] == [dtype]
-    assert all(s.dtype == dtype for s in ours._buffers[0].states.values())
+    assert [buf.dtype for buf in flatopt.inspect(ours).buffers] == [dtype]
+    assert all(s.dtype == dtype for s in flatopt.inspect(ours).buffers[0].states.values())
 
 
 @pytest.mark.parametrize("opt_name", list(OPTS))
@@ -167,13 +167,13 @@ def test_mixed_float32_and_bfloat16_model(backend, opt_name):
     torch.manual_seed(0)
     model = Mlp(torch.float32, low=torch.bfloat16).to(device_for(backend))
     ours = step_by_step(backend, opt_name, model)
-    assert sorted(str(buf.dtype) for buf in ours._buffers) == ["torch.bfloat16", "torch.float32"]
-    for buf in ours._buffers:
+    assert sorted(str(buf.dtype) for buf in flatopt.inspect(ours).buffers) == ["torch.bfloat16", "torch.float32"]
+    for buf in flatopt.inspect(ours).buffers:
         assert all(p.dtype == buf.dtype for p in buf.params)
         assert all(s.dtype == buf.dtype for s in buf.states.values())
-    assert {id(p) for p in ours._buffers[0].params} | {id(p) for p in ours._buffers[1].params} == {
-        id(p) for p in model.parameters()
-    }
+    assert {id(p) for p in flatopt.inspect(ours).buffers[0].params} | {
+        id(p) for p in flatopt.inspect(ours).buffers[1].params
+    } == {id(p) for p in model.parameters()}
 
 
 def fused_is_float32_math(cls, dtype):

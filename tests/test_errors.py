@@ -12,7 +12,7 @@ from conftest import Net, loss_fn, make_batch
 from torch import nn
 
 import flatopt
-from flatopt.optimizer import FULL_CHECK_EVERY
+from flatopt.bindings import FULL_CHECK_EVERY
 
 MAKE = {
     "adamw": lambda ps, **k: flatopt.AdamW(ps, **{"lr": 1e-2, "weight_decay": 0.1, **k}),
@@ -67,9 +67,9 @@ def snapshot(params, opt=None, grads=True):
                 _frozen(b.meta.steps),
                 b.meta.uniform,
             )
-            for b in opt._buffers
+            for b in flatopt.inspect(opt).buffers
         ]
-        snap["hparams"] = {str(d): _frozen(t) for d, t in opt._hp.items()}
+        snap["hparams"] = {str(d): _frozen(t) for d, t in flatopt.inspect(opt).tables.items()}
     return snap
 
 
@@ -689,7 +689,7 @@ def test_module_parameters_the_optimizer_lacks_are_detected(how):
         name = "proj.weight"
     with pytest.raises(RuntimeError, match=rf"trainable parameter\(s\) .*'{name}'.*not among the parameters"):
         opt.check_bindings()
-    old = [p for b in opt._buffers for p in b.params]
+    old = [p for b in flatopt.inspect(opt).buffers for p in b.params]
     for _ in range(FULL_CHECK_EVERY + 1):
         loss_fn(model, make_batch(gen)).backward()
         before = snapshot(old, opt)

@@ -72,7 +72,7 @@ def hparam_table(name, group_kwargs):
     cls = OPTIMIZERS[name]
     dummies = [{"params": [torch.zeros(ALIGN, device="cuda", requires_grad=True)], **kw} for kw in group_kwargs]
     groups = cls(dummies).param_groups
-    return torch.tensor([cls._hparam_row(g) for g in groups], dtype=torch.float32, device="cuda")
+    return torch.tensor([cls.rule.row(g) for g in groups], dtype=torch.float32, device="cuda")
 
 
 def filled_buffer(name, shapes, dtype, group_ids, seed=0):
@@ -393,7 +393,7 @@ def test_lr_changed_every_step_while_the_host_runs_ahead():
                 else:
                     p.grad.copy_(g)
             opt.step()
-    assert len(ours._staging[torch.device("cuda", torch.cuda.current_device())].slots) == MAX_SLOTS, (
+    assert len(ours.hparams.staging[torch.device("cuda", torch.cuda.current_device())].slots) == MAX_SLOTS, (
         "the host did not run ahead of the device: the test did not reach the case it is for"
     )
     torch.cuda.synchronize()

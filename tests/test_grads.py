@@ -71,7 +71,7 @@ def three(seed=0, **hp):
 
 
 def assert_view(p, opt, what):
-    buf = next(b for b in opt._buffers if p in b.index)
+    buf = next(b for b in flatopt.inspect(opt).buffers if p in b.index)
     start = buf.index[p][0]
     assert p.grad is not None, f"{what}: .grad is None"
     assert p.grad.untyped_storage().data_ptr() == buf.grad.untyped_storage().data_ptr(), f"{what}: not in the buffer"
@@ -103,7 +103,9 @@ def test_both_zero_grads_train_alike_and_match_torch(micro):
         opt.step()
         opt_keep.step()
         opt_ref.step()
-        assert torch.equal(opt._buffers[0].grad, opt_keep._buffers[0].grad), f"step {step}: gradient buffers"
+        assert torch.equal(flatopt.inspect(opt).buffers[0].grad, flatopt.inspect(opt_keep).buffers[0].grad), (
+            f"step {step}: gradient buffers"
+        )
         for (name, p), q, r in zip(ours.named_parameters(), keep.parameters(), ref.parameters()):
             assert_view(p, opt, f"step {step}, {name} after step()")
             torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"step {step}, {name}: {m}")
@@ -111,8 +113,8 @@ def test_both_zero_grads_train_alike_and_match_torch(micro):
             torch.testing.assert_close(
                 p.grad, r.grad, **GRAD_TOL, msg=lambda m: f"step {step}, {name}.grad vs torch: {m}"
             )
-        for key, value in opt_keep._buffers[0].states.items():
-            assert torch.equal(opt._buffers[0].states[key], value), f"step {step}: state {key}"
+        for key, value in flatopt.inspect(opt_keep).buffers[0].states.items():
+            assert torch.equal(flatopt.inspect(opt).buffers[0].states[key], value), f"step {step}: state {key}"
     assert not ours.unused.weight.grad.any()
 
 
@@ -199,8 +201,8 @@ def test_no_gradient_outlives_its_hook():
 @pytest.mark.filterwarnings("ignore:.*received no gradient")
 def test_hooks_are_registered_once_and_go_with_their_optimizer():
     """One hook per parameter whatever the zero_grad()s; a second optimizer over the same parameters takes
-    them over (the first one's hooks are removed, so nothing copies into the buffers the parameters left);
-    an optimizer that is garbage collected takes its hooks with it."""
+    them over (the first one's hooks stay until it is gone but copy nothing into the buffers the parameters
+    left); an optimizer that is garbage collected takes its hooks with it."""
     torch.manual_seed(0)
     model = Tied()
     base = hooks(model)
@@ -214,11 +216,15 @@ def test_hooks_are_registered_once_and_go_with_their_optimizer():
         opt.zero_grad(set_to_none=set_to_none)
         assert hooks(model) == [n + 1 for n in base]
     second = flatopt.SGD(model, lr=0.1)
+    left = [b.grad.clone() for b in flatopt.inspect(opt).buffers]
     for x in batches(2):
         second.zero_grad()
         model(x, late=True).backward()
         second.step()
-    assert hooks(model) == [n + 1 for n in base]  # the first optimizer's were removed
+    assert hooks(model) == [n + 2 for n in base]  # the first optimizer's hooks are still registered...
+    for b, before in zip(flatopt.inspect(opt).buffers, left):  # ...and copied nothing into the buffers left
+        assert torch.equal(b.grad, before)
+    del left
     second.check_bindings(full=True)
     with pytest.raises(RuntimeError, match="no longer lives in the optimizer's flat buffer"):
         opt.check_bindings(full=True)
@@ -288,7 +294,12 @@ def test_a_nan_gradient_does_not_poison_later_steps():
         ref(x).sum().backward()
         norms.append(opt.clip_grad_norm_(1.0))
         ref_norms.append(nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
-        assert not opt._buffers[0].grad[opt._buffers[0].index[model[0].weight][1] : 64].any(), "padding not zero"
+        assert (
+            not flatopt.inspect(opt)
+            .buffers[0]
+            .grad[flatopt.inspect(opt).buffers[0].index[model[0].weight][1] : 64]
+            .any()
+        ), "padding not zero"
         if torch.isfinite(norms[-1]):
             opt.step()
             ref_opt.step()
@@ -428,7 +439,8 @@ def test_both_zero_grads_train_alike_on_the_gpu(dtype):
                 loss.backward()
             o.clip_grad_norm_(0.5)
             o.step()
-        torch.testing.assert_close(opts[0]._buffers[0].grad, opts[1]._buffers[0].grad, **SAME)
+        grads = [flatopt.inspect(o).buffers[0].grad for o in opts]
+        torch.testing.assert_close(grads[0], grads[1], **SAME)
         for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
             torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"step {step}, {name}: {m}")
             assert_view(p, opts[0], f"step {step}, {name}")
@@ -474,8 +486,8 @@ def test_step_looks_at_every_grad_only_after_something_may_have_changed_them(mon
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])
     opt = flatopt.AdamW(model, lr=1e-3)
     plans = []
-    plan = opt._landing.plan
-    monkeypatch.setattr(opt._landing, "plan", lambda: plans.append(1) or plan())
+    plan = flatopt.inspect(opt).landing.plan
+    monkeypatch.setattr(flatopt.inspect(opt).landing, "plan", lambda: plans.append(1) or plan())
     model(torch.randn(2, 4)).sum().backward()
     opt.step()  # the first step: a full check
     assert len(plans) == 1
@@ -526,7 +538,7 @@ def test_deferred_landing_copies_every_gradient_at_settle():
         models.append(m)
     models[1].load_state_dict(models[0].state_dict())
     opts = [flatopt.AdamW(m, lr=1e-2) for m in models]
-    assert len(opts[0]._buffers) == 2
+    assert len(flatopt.inspect(opts[0]).buffers) == 2
 
     def loss(m, x):
         return m[2](m[1](m[0](x).to(torch.bfloat16)).float()).sum()
@@ -534,15 +546,15 @@ def test_deferred_landing_copies_every_gradient_at_settle():
     x = [torch.randn(3, 4) for _ in range(2)]
     for m, o, deferred in ((models[0], opts[0], True), (models[1], opts[1], False)):
         o.zero_grad()
-        o._landing.deferred = deferred
+        flatopt.inspect(o).landing.deferred = deferred
         for xi in x:
             loss(m, xi).backward()
         if deferred:
             assert not any(p.grad.untyped_storage().data_ptr() == b.grad.untyped_storage().data_ptr()
-                           for p in m.parameters() for b in o._buffers), "a hook copied while deferred"  # fmt: skip
-        o._landing.deferred = False
+                           for p in m.parameters() for b in flatopt.inspect(o).buffers), "copied early"  # fmt: skip
+        flatopt.inspect(o).landing.deferred = False
         o.step()
-    for b, c in zip(opts[0]._buffers, opts[1]._buffers):
+    for b, c in zip(flatopt.inspect(opts[0]).buffers, flatopt.inspect(opts[1]).buffers):
         assert torch.equal(b.grad, c.grad)
         assert torch.equal(b.data, c.data)
     for p in models[0].parameters():
@@ -570,9 +582,8 @@ def test_deferred_landing_copies_gradients_that_share_storage_at_once():
     body = object.__new__(CapturedStep)
     body.opt, body.fn, body.max_grad_norm, body.static = opts[0], lambda: train_step(*ps[0]), None, []
     for _ in range(2):
-        opts[0]._refresh_hparams(opts[0]._devices)  # as each replay's call does before the graph runs
+        opts[0].engine.refresh_hparams()  # as each replay's call does before the graph runs
         body._body()
-        opts[0]._graph_mode = False
         opts[1].zero_grad()
         train_step(*ps[1])
         opts[1].step()

@@ -66,7 +66,7 @@ def test_matches_step_mode(backend, opt, bucket_size):
     )
     for p in twin.parameters():
         assert p.grad is None, "in-backward mode keeps no gradient after backward"
-    assert ours._in_backward.launches == 10 * len(ours._in_backward.buckets)
+    assert flatopt.inspect(ours).engine.launches == 10 * len(flatopt.inspect(ours).engine.buckets)
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
@@ -114,7 +114,9 @@ def test_reentrant_checkpointing_is_refused():
     gen = torch.Generator().manual_seed(1)
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
         loss_fn(model, make_batch(gen)).backward()
-    assert opt._in_backward.task is None and opt._in_backward.held == 0, "the failed pass left state behind"
+    assert flatopt.inspect(opt).engine.task is None and flatopt.inspect(opt).engine.held == 0, (
+        "the failed pass left state behind"
+    )
     # The optimizer is left usable: the same model without checkpointing trains normally afterwards.
     model.use_reentrant = None
     loss_fn(model, make_batch(gen)).backward()
@@ -127,8 +129,8 @@ def test_launches_bounded_by_buckets_and_memory_by_bucket_size():
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(150)])
     bucket = 4096
     opt = flatopt.SGD(model, lr=1e-3, momentum=0.9, in_backward=True, bucket_size=bucket)
-    ib = opt._in_backward
-    padded = opt._buffers[0].numel  # each 16-element bias takes a 64-element slot
+    ib = flatopt.inspect(opt).engine
+    padded = flatopt.inspect(opt).buffers[0].numel  # each 16-element bias takes a 64-element slot
     assert len(ib.buckets) <= padded // bucket + 2
     x = torch.randn(8, 16)
     for _ in range(3):
@@ -154,8 +156,8 @@ def test_large_parameter_is_stepped_from_its_own_gradient_without_a_copy():
         ref.zero_grad()
         twin(x).sum().backward()
         assert_models_equal(twin, model, opt, ref, step)
-    assert len(opt._in_backward.buckets) == 2
-    assert opt._in_backward.peak_held == 0
+    assert len(flatopt.inspect(opt).engine.buckets) == 2
+    assert flatopt.inspect(opt).engine.peak_held == 0
 
 
 def test_large_parameters_get_their_own_buckets_and_small_ones_share():
@@ -173,7 +175,7 @@ def test_large_parameters_get_their_own_buckets_and_small_ones_share():
         ref.zero_grad()
         twin(x).square().mean().backward()
         assert_models_equal(twin, model, opt, ref, step)
-    ib = opt._in_backward
+    ib = flatopt.inspect(opt).engine
     assert [len(b.params) for b in ib.buckets] == [1] * 6 + [6]
     assert ib.launches == 3 * 7
     assert ib.peak_held == 6 * 64  # only the biases' bucket was ever staged
@@ -229,22 +231,21 @@ def test_several_ranks_are_refused_at_construction(monkeypatch):
     ) as excinfo:
         OPTIMIZERS["adamw"](model, in_backward=True)
     assert [p.data_ptr() for p in model.parameters()] == ptrs, "the failed constructor rebound parameters"
-    assert "FLATOPT_ALLOW_SEVERAL_RANKS=1" in str(excinfo.value)
+    assert "allow_several_ranks=True" in str(excinfo.value)
     pretend_ranks(monkeypatch, 1)  # one rank: nothing to average
     OPTIMIZERS["adamw"](model, in_backward=True)
 
 
-def test_several_ranks_that_share_no_parameters_are_allowed_when_the_environment_says_so(monkeypatch):
+def test_several_ranks_that_share_no_parameters_are_allowed_when_the_caller_says_so(monkeypatch):
     torch.manual_seed(0)
     model = Net()
     pretend_ranks(monkeypatch, 2)
-    monkeypatch.setenv("FLATOPT_ALLOW_SEVERAL_RANKS", "1")
-    opt = OPTIMIZERS["adamw"](model, in_backward=True)
+    opt = OPTIMIZERS["adamw"](model, in_backward=True, allow_several_ranks=True)
     before = [p.detach().clone() for p in model.parameters()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loss_fn(model, make_batch(torch.Generator().manual_seed(1))).backward()
-    assert opt._in_backward.launches > 0
+    assert flatopt.inspect(opt).engine.launches > 0
     assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
 
 
@@ -261,7 +262,7 @@ def test_process_group_started_after_construction_is_refused_at_the_first_gradie
         loss_fn(model, make_batch(gen)).backward()
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b)
-    assert opt._in_backward.launches == 0 and opt._in_backward.task is None
+    assert flatopt.inspect(opt).engine.launches == 0 and flatopt.inspect(opt).engine.task is None
 
 
 def test_grad_scaler_is_refused():
@@ -378,7 +379,7 @@ def test_step_and_zero_grad_are_harmless_and_data_stays_in_the_buffer():
     opt.zero_grad(set_to_none=False)
     for p, b in zip(model.parameters(), after_backward):
         assert torch.equal(p.detach(), b), "step() after an in-backward update must not step again"
-    buf = opt._buffers[0]
+    buf = flatopt.inspect(opt).buffers[0]
     for p in buf.params:
         s, e = buf.index[p]
         assert buf.data.data_ptr() <= p.data_ptr() < buf.data.data_ptr() + e * buf.data.element_size()
@@ -443,7 +444,7 @@ def test_a_backward_that_raised_is_dropped_by_zero_grad_and_training_goes_on():
     with pytest.raises(RuntimeError, match="simulated"):
         model[2](Boom.apply(model[1](model[0](x)))).sum().backward()
     opt.zero_grad()
-    assert opt._in_backward.task is None
+    assert flatopt.inspect(opt).engine.task is None
     model(x).sum().backward()  # the retry: no "nested backward" error
     opt.step()
     steps = {float(opt.state[p]["step"]) for p in model.parameters()}

@@ -57,7 +57,7 @@ def silent(fn, *args, **kwargs):
 
 
 def buffer_of(opt, p):
-    found = [buf for buf in opt._buffers if any(q is p for q in buf.params)]
+    found = [buf for buf in flatopt.inspect(opt).buffers if any(q is p for q in buf.params)]
     assert len(found) == 1, f"parameter of shape {tuple(p.shape)} is in {len(found)} buffers"
     return found[0]
 
@@ -180,7 +180,7 @@ def test_views_keep_the_parameter_strides():
     values = [p.detach().clone() for p in params]
     assert not params[0].is_contiguous() and params[0].is_contiguous(memory_format=torch.channels_last)
     opt = flatopt.SGD(params, lr=0.1)
-    buf = opt._buffers[0]
+    buf = flatopt.inspect(opt).buffers[0]
     for i, p in enumerate(params):
         assert p.stride() == strides[i], f"params[{i}] lost its strides"
         assert p.grad.stride() == strides[i], f"params[{i}].grad has strides {p.grad.stride()}"
@@ -266,7 +266,7 @@ def test_tied_parameters_appear_once():
     model = Net()
     assert model.head.weight is model.emb.weight
     opt = silent(flatopt.AdamW, model)
-    laid_out = [p for buf in opt._buffers for p in buf.params]
+    laid_out = [p for buf in flatopt.inspect(opt).buffers for p in buf.params]
     trainable = [p for p in model.parameters() if p.requires_grad]  # nn.Module yields a tied weight once
     assert len(laid_out) == len(trainable) == len({id(p) for p in laid_out})
     buffer_of(opt, model.head.weight)
@@ -279,7 +279,7 @@ def test_duplicate_parameter_in_a_list_is_stepped_once():
     with pytest.warns(UserWarning, match="duplicate parameters"):
         ours = flatopt.SGD([w, b, w], lr=0.1, momentum=0.9)
     assert [p for p in ours.param_groups[0]["params"]] == [w, b]
-    assert [p for buf in ours._buffers for p in buf.params] == [w, b]
+    assert [p for buf in flatopt.inspect(ours).buffers for p in buf.params] == [w, b]
     theirs = torch.optim.SGD([w2, b2], lr=0.1, momentum=0.9)
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
     for step in (1, 2, 3):
@@ -298,7 +298,7 @@ def test_frozen_parameters_are_left_alone():
     ptrs = [p.data_ptr() for p in frozen]
     values = [p.detach().clone() for p in frozen]
     opt = silent(flatopt.AdamW, model, lr=0.1, weight_decay=0.5)
-    for buf in opt._buffers:
+    for buf in flatopt.inspect(opt).buffers:
         assert not any(p is q for p in frozen for q in buf.params), "a frozen parameter was laid out"
     assert all(any(p is q for q in opt.param_groups[0]["params"]) for p in frozen), "kept in the group as torch does"
     gen = torch.Generator().manual_seed(1)
@@ -316,8 +316,8 @@ def test_one_buffer_per_dtype():
     dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32]
     params = [nn.Parameter(torch.randn(5 + i, generator=gen).to(dt)) for i, dt in enumerate(dtypes)]
     opt = flatopt.AdamW([{"params": params[:3]}, {"params": params[3:], "lr": 0.1}])
-    assert [buf.dtype for buf in opt._buffers] == [torch.float32, torch.bfloat16, torch.float16]
-    for buf in opt._buffers:
+    assert [buf.dtype for buf in flatopt.inspect(opt).buffers] == [torch.float32, torch.bfloat16, torch.float16]
+    for buf in flatopt.inspect(opt).buffers:
         assert buf.data.dtype == buf.grad.dtype == buf.dtype
         assert all(s.dtype == buf.dtype for s in buf.states.values())
         assert all(p.dtype == buf.dtype for p in buf.params)
@@ -343,10 +343,10 @@ def test_zero_grad_set_to_none_false_keeps_views_and_zeroes_the_buffer():
     model = Net()
     opt = silent(flatopt.AdamW, model)
     loss_fn(model, make_batch(torch.Generator().manual_seed(1))).backward()
-    assert all(buf.grad.any() for buf in opt._buffers)
+    assert all(buf.grad.any() for buf in flatopt.inspect(opt).buffers)
     opt.zero_grad(set_to_none=False)
     check_grad_views(opt, model)
-    for buf in opt._buffers:
+    for buf in flatopt.inspect(opt).buffers:
         assert not buf.grad.any()
     for p in model.parameters():
         assert p.grad is None if not p.requires_grad else not p.grad.any()
@@ -363,7 +363,7 @@ def test_zero_grad_sets_none_and_the_next_step_finds_views():
     assert all(p.grad is None for p in model.parameters())
     silent(opt.step)
     check_grad_views(opt, model)
-    for buf in opt._buffers:
+    for buf in flatopt.inspect(opt).buffers:
         assert not buf.grad.any()
 
 
@@ -397,7 +397,7 @@ def test_padding_stays_zero_through_steps(backend, opt_name):
     for _ in range(3):
         loss_fn(model, make_batch(gen, device=device)).backward()
         silent(opt.step)
-    for buf in opt._buffers:
+    for buf in flatopt.inspect(opt).buffers:
         pad = padding_mask(buf).to(device)
         assert pad.any(), "the test model must leave padding"
         for name, flat in all_buffers(buf).items():
@@ -475,7 +475,7 @@ def test_momentum_switched_on_later_in_a_buffer_shared_with_a_momentum_group(bac
     a2, b2 = nn.Parameter(a.detach().clone()), nn.Parameter(b.detach().clone())
     ours = flatopt.SGD([{"params": [a], "momentum": 0.9}, {"params": [b]}], lr=0.1, dampening=0.5, backend=backend)
     theirs = torch.optim.SGD([{"params": [a2], "momentum": 0.9}, {"params": [b2]}], lr=0.1, dampening=0.5)
-    assert len(ours._buffers) == 1
+    assert len(flatopt.inspect(ours).buffers) == 1
     gen = torch.Generator().manual_seed(1)
     for step in range(1, 10):
         if step in MOMENTUM_SCHEDULES[schedule]:  # a scheduler or the user changes the second group's momentum
@@ -534,16 +534,16 @@ def test_one_launch_per_buffer_per_step(backend, opt_name, case, monkeypatch):
     groups, n_buffers = layouts(case, device_for(backend))
     params = [p for g in groups for p in g["params"]]
     opt = make(groups, backend=backend)
-    assert len(opt._buffers) == n_buffers
+    assert len(flatopt.inspect(opt).buffers) == n_buffers
     for step in (1, 2):
         calls.clear()
-        before = [buf.data.clone() for buf in opt._buffers]
+        before = [buf.data.clone() for buf in flatopt.inspect(opt).buffers]
         sum((p.float() * (i % 3 - 1.5)).sum() for i, p in enumerate(params)).backward()
         opt.step()
         opt.zero_grad()
         assert len(calls) == n_buffers, f"step {step}: {len(calls)} launches for {n_buffers} buffer(s)"
-        assert {c.data_ptr() for c in calls} == {buf.data.data_ptr() for buf in opt._buffers}
-        for buf, b in zip(opt._buffers, before, strict=True):
+        assert {c.data_ptr() for c in calls} == {buf.data.data_ptr() for buf in flatopt.inspect(opt).buffers}
+        for buf, b in zip(flatopt.inspect(opt).buffers, before, strict=True):
             assert not torch.equal(buf.data, b), f"step {step} did not step the {buf.dtype} buffer"
 
 
@@ -570,7 +570,7 @@ def test_flat_false_keeps_tensors_in_place_and_matches_torch(backend, opt_name):
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     strides = {n: p.stride() for n, p in model.named_parameters()}
     ours, theirs = make[0](model), make[1](ref)
-    assert ours._buffers == []
+    assert flatopt.inspect(ours).buffers == []
     gen = torch.Generator().manual_seed(1)
     for step in range(1, 6):
         batch = make_batch(gen, device=device)
@@ -604,7 +604,7 @@ def test_saving_a_subset_writes_the_whole_buffer_unless_cloned():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt = flatopt.AdamW(model)
-    buffer_bytes = opt._buffers[0].data.numel() * 4
+    buffer_bytes = flatopt.inspect(opt).buffers[0].data.numel() * 4
     layer = model[1].state_dict()
     assert saved_bytes(layer) > buffer_bytes
     assert saved_bytes({k: v.clone() for k, v in layer.items()}) < 2 * (1000 * 10 + 10) * 4

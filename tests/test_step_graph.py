@@ -17,8 +17,8 @@ def test_step_graph_is_not_used_off_cuda():
     opt = flatopt.AdamW(model)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    assert not StepGraph.usable(opt)
-    assert opt._step_graph.graph is None
+    assert not StepGraph.usable(opt.use_step_graph, opt.backend, opt.skip_unused, flatopt.inspect(opt).engine.devices)
+    assert flatopt.inspect(opt).step_graph.graph is None
 
 
 def test_key_holds_the_grad_scaler_tensors():
@@ -29,15 +29,20 @@ def test_key_holds_the_grad_scaler_tensors():
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     scale, inf, other = torch.ones(1), torch.zeros(1), torch.zeros(1)
+    look = flatopt.inspect(opt)
+
+    def key(*amp):
+        return StepGraph.key_of(look.buffers, look.tables[torch.device("cpu")], *amp)
+
     keys = {
-        "none": StepGraph.key_of(opt),
-        "both": StepGraph.key_of(opt, scale, inf),
-        "other found_inf": StepGraph.key_of(opt, scale, other),
-        "no grad_scale": StepGraph.key_of(opt, None, inf),
-        "int32 view of found_inf": StepGraph.key_of(opt, scale, inf.view(torch.int32)),  # same address
+        "none": key(),
+        "both": key(scale, inf),
+        "other found_inf": key(scale, other),
+        "no grad_scale": key(None, inf),
+        "int32 view of found_inf": key(scale, inf.view(torch.int32)),  # same address
     }
     assert len(set(keys.values())) == len(keys), keys
-    assert StepGraph.key_of(opt, scale, inf) == keys["both"]  # the same tensors: the same key
+    assert key(scale, inf) == keys["both"]  # the same tensors: the same key
 
 
 def two_optimizers(make, seed=0):
@@ -158,7 +163,7 @@ def test_run_launches_first_then_records_then_replays(monkeypatch):
     and a configuration whose graph is still kept replays it."""
     graph = StepGraph()
     keys = iter(["a", "a", "a", "b", "b", "a"])
-    monkeypatch.setattr(StepGraph, "key_of", staticmethod(lambda opt, *amp: next(keys)))
+    monkeypatch.setattr(StepGraph, "key_of", staticmethod(lambda *args: next(keys)))
     recorded = []
 
     def record(launch):
@@ -168,7 +173,7 @@ def test_run_launches_first_then_records_then_replays(monkeypatch):
     monkeypatch.setattr(graph, "_record", record)
     launches = []
     for _ in range(6):
-        graph.run(None, lambda: launches.append(1))
+        graph.run_keyed(StepGraph.key_of(), lambda: launches.append(1))
     assert len(launches) == 2  # the first step of "a" and of "b"
     assert [g.replays for g in recorded] == [3, 1]  # "a" twice, then again after "b"; "b" once
     assert graph.key == "a" and graph.graph is recorded[0]
@@ -215,11 +220,11 @@ def test_in_backward_buckets_replay_graphs_bit_identical_to_direct_launches(buck
 
 def test_run_falls_back_to_launching_when_recording_fails(monkeypatch):
     graph = StepGraph()
-    monkeypatch.setattr(StepGraph, "key_of", staticmethod(lambda opt, *amp: "a"))
+    monkeypatch.setattr(StepGraph, "key_of", staticmethod(lambda *args: "a"))
     monkeypatch.setattr(graph, "_record", lambda launch: None)
     launches = []
     for _ in range(3):
-        graph.run(None, lambda: launches.append(1))
+        graph.run_keyed(StepGraph.key_of(), lambda: launches.append(1))
     assert len(launches) == 3
 
 

@@ -671,7 +671,7 @@ def test_a_tensor_lr_that_requires_grad_leaves_no_autograd_history():
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    for table in opt._hp.values():
+    for table in flatopt.inspect(opt).tables.values():
         assert table.grad_fn is None and not table.requires_grad
     assert all(p.grad_fn is None for p in model.parameters())
 
@@ -717,12 +717,12 @@ def test_step_without_torchs_hook_tables_is_left_for_torch_to_wrap(monkeypatch):
     """Where torch lacks the global hook tables flatopt's step() wrapper relies on, the wrapper is not
     marked as hooked, and torch.optim wraps step() itself when the optimizer is created: step hooks run
     once each, and the step is the same as with flatopt's own wrapper."""
-    import flatopt.optimizer as fo
+    import flatopt.torch_compat as fo
 
-    monkeypatch.setattr(fo, "_HOOK_TABLES", ("_a_table_this_torch_lacks",))
+    monkeypatch.setattr(fo, "HOOK_TABLES", ("_a_table_this_torch_lacks",))
 
     class Fallback(flatopt.AdamW):
-        step = fo._hooked_step(flatopt.AdamW.step.__wrapped__)
+        step = fo.hooked_step(flatopt.AdamW.step.__wrapped__)
 
     assert not getattr(Fallback.step, "hooked", False)
     torch.manual_seed(0)

@@ -24,17 +24,16 @@ bucket. Gradient memory held by flatopt: the open buckets' staging gradients (on
 time when gradients arrive in layout order) plus the gradient autograd is producing.
 """
 
-import os
 import threading
 from contextlib import contextmanager
 
 import torch
 
+from flatopt.bindings import FULL_CHECK_EVERY
+from flatopt.distributed import check_single_process
+from flatopt.engines.base import FlatEngine
 from flatopt.layout import ALIGN, StepMeta
 from flatopt.step_graph import StepGraph
-
-DEFAULT_BUCKET_SIZE = 2**25  # elements: 128 MiB of float32 staging gradient
-FULL_CHECK_EVERY = 256  # step() (or, in-backward, a backward pass) checks every parameter's bindings this often
 
 
 def _graph_task_id():
@@ -109,52 +108,18 @@ def make_buckets(buf, bucket_size):
     return buckets
 
 
-ALLOW_SEVERAL_RANKS = "FLATOPT_ALLOW_SEVERAL_RANKS"  # =1: the ranks share no parameters
-
-
-def world_size():
-    """The number of ranks in torch.distributed's default process group (1 when none is running)."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def refuse_several_ranks(message):
-    """Raise RuntimeError(``message``, with ``{ranks}`` filled in) when torch.distributed's default process
-    group has several ranks, unless the environment says the ranks share no parameters (pipeline stages,
-    independent runs), so that nothing averages gradients between them."""
-    ranks = world_size()
-    if ranks > 1 and os.environ.get(ALLOW_SEVERAL_RANKS) != "1":
-        raise RuntimeError(
-            message.format(ranks=ranks) + " If the ranks share no parameters (pipeline stages, independent runs), "
-            f"set the environment variable {ALLOW_SEVERAL_RANKS}=1 to allow it"
-        )
-
-
-def check_single_process(cls):
-    """In-backward mode steps each bucket from this rank's own gradient, as soon as it exists, before
-    DistributedDataParallel averages gradients across ranks (DDP then writes its averages into
-    ``.grad`` after the step), so the replicas would diverge without any error."""
-    refuse_several_ranks(
-        f"{cls}(in_backward=True) cannot train with several distributed ranks ({{ranks}} here): it steps each "
-        "parameter from this rank's gradient during backward, before DistributedDataParallel averages the "
-        "gradients across ranks, so the replicas would diverge. Use in_backward=False with DDP."
-    )
-
-
-class InBackward:
+class InBackwardEngine(FlatEngine):
     """The hooks, buckets and end-of-backward flush of one optimizer with ``in_backward=True``."""
 
-    def __init__(self, opt, bucket_size):
-        self.opt = opt
-        self.bucket_size = bucket_size
-        self.buckets = [b for buf in opt._buffers for b in make_buckets(buf, bucket_size)]
+    has_grad_buffer = False
+
+    def __init__(self, opt):
+        super().__init__(opt)
+        check_single_process(self.cls, opt.options.allow_several_ranks)
+        self.bucket_size = opt.options.bucket_size
+        self.buckets = []
         self.bucket_of = {}  # param -> (bucket, element offset in the bucket)
         self.index_of = {}  # param -> index in its buffer
-        for b in self.buckets:
-            for i in range(b.first, b.stop):
-                p = b.buf.params[i]
-                self.bucket_of[p] = (b, b.buf.starts[i] - b.start)
-                self.index_of[p] = i
         self.lock = threading.Lock()
         self.task = None  # graph task id of the backward pass in progress
         self.paused = 0  # > 0 inside opt.no_step()
@@ -163,10 +128,70 @@ class InBackward:
         self.dirty = True  # recompute each bucket's UNIFORM flag at the next backward
         self.pending = False  # gradients accumulated under no_step() that no pass has taken yet
         self.backwards = 0  # backward passes begun (every FULL_CHECK_EVERY-th checks every parameter)
-        self.launches = 0  # kernel launches so far (tests and benchmarks read it)
+        self.launches = 0  # kernel launches so far (tests and benchmarks read it through flatopt.inspect)
         self.held = 0  # staging-gradient elements allocated now
         self.peak_held = 0  # the most staging-gradient elements allocated at once
+        self.handles = []
+
+    # ------------------------------------------------------------------ layout
+    def order(self, params, groups):
+        """Large parameters first: each is a bucket, the small ones share a few."""
+        order = sorted(range(len(params)), key=lambda i: not is_large(params[i], self.bucket_size))
+        return [params[i] for i in order], [groups[i] for i in order]
+
+    def attach(self, without_grad):
+        self.buckets = [b for buf in self.buffers for b in make_buckets(buf, self.bucket_size)]
+        self.bucket_of, self.index_of = {}, {}
+        for b in self.buckets:
+            for i in range(b.first, b.stop):
+                p = b.buf.params[i]
+                self.bucket_of[p] = (b, b.buf.starts[i] - b.start)
+                self.index_of[p] = i
         self.handles = [p.register_post_accumulate_grad_hook(self.hook) for p in self.bucket_of]
+
+    def detach(self):
+        self.remove()
+
+    def refresh_uniform(self, buf):
+        super().refresh_uniform(buf)
+        self.dirty = True
+
+    def check_bindings(self, full):
+        if full or not self.ends_bound():
+            self.check_data_bindings(full)
+
+    # ------------------------------------------------------------------ the optimizer's calls
+    def step(self, closure, grad_scale, found_inf):
+        """The parameters were stepped during backward; check what step() is told."""
+        if grad_scale is not None or found_inf is not None:
+            raise RuntimeError(
+                f"{self.cls}(in_backward=True) cannot be used with torch.amp.GradScaler: the parameters "
+                "were already updated during backward, with gradients still multiplied by the loss scale and before "
+                "infs could be checked. Train in bfloat16 without a GradScaler, or use in_backward=False (the "
+                "parameters of this step have been updated with scaled gradients: restart from a checkpoint)"
+            )
+        loss = None
+        self.abandon()
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.pending:  # every micro-batch ran under no_step(): step their accumulated gradients now
+            self.step_pending()
+        self.step_called = True
+        self.backwards_since_step = 0
+        return loss
+
+    def zero_grad(self, set_to_none):
+        self.abandon()
+        self.pending = False  # the accumulated gradients are dropped, as torch.optim does
+        torch.optim.Optimizer.zero_grad(self.opt, set_to_none=set_to_none)
+
+    def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite):
+        raise RuntimeError(
+            f"{self.cls}(in_backward=True) cannot clip by the global gradient norm: each bucket "
+            "of parameters is updated during backward, before the gradients of the others exist. Use "
+            "in_backward=False to clip, or clip each gradient separately"
+        )
 
     def remove(self):
         for h in self.handles:
@@ -219,14 +244,14 @@ class InBackward:
             self._begin(task)
         elif task != self.task:
             raise RuntimeError(
-                f"{type(opt).__name__}(in_backward=True): the gradient of {opt._name(p)} arrived in a nested "
+                f"{self.cls}(in_backward=True): the gradient of {opt.names(p)} arrived in a nested "
                 "backward pass. Reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True) "
                 "runs one; use use_reentrant=False, or in_backward=False. (If instead the previous backward pass "
                 "raised and was retried without opt.zero_grad() in between, run this backward pass again)"
             )
         if p in self.bucket_of[p][0].arrived:
             raise RuntimeError(
-                f"{type(opt).__name__}(in_backward=True): the gradient hook of {opt._name(p)} fired twice in one "
+                f"{self.cls}(in_backward=True): the gradient hook of {opt.names(p)} fired twice in one "
                 "backward pass (reentrant activation checkpointing does that); use "
                 "torch.utils.checkpoint(..., use_reentrant=False), or in_backward=False"
             )
@@ -238,7 +263,7 @@ class InBackward:
         bucket, offset = self.bucket_of[p]
         g = p.grad
         if g.layout != torch.strided:
-            raise RuntimeError(f"{type(self.opt).__name__} does not support sparse gradients ({self.opt._name(p)})")
+            raise RuntimeError(f"{self.cls} does not support sparse gradients ({self.opt.names(p)})")
         n = bucket.end - bucket.start
         if len(bucket.params) == 1 and g.numel() == n and g.stride() == p.stride():
             # p is dense, so a gradient with p's strides is too, in the buffer's element order
@@ -254,19 +279,19 @@ class InBackward:
         """First gradient of a backward pass (or ``opt.step()`` applying accumulated gradients):
         checks, hyper-parameters, and, in a backward pass, the end-of-pass callback."""
         opt = self.opt
-        check_single_process(type(opt).__name__)  # the process group may have started after construction
+        check_single_process(self.cls, opt.options.allow_several_ranks)  # the group may have started since
         if backward:
             self.backwards_since_step += 1
             if self.step_called and self.backwards_since_step > 1:
                 self.backwards_since_step = 1
                 raise RuntimeError(
-                    f"{type(opt).__name__}(in_backward=True): a second backward pass started without opt.step() "
+                    f"{self.cls}(in_backward=True): a second backward pass started without opt.step() "
                     "in between. Each backward pass updates the parameters, so gradients are not accumulated over "
                     "micro-batches: run all but the last micro-batch's backward inside `with opt.no_step():`"
                 )
-        opt.check_bindings(full=self.dirty or self.backwards % FULL_CHECK_EVERY == 0)
+        self.check_bindings(full=self.dirty or self.backwards % FULL_CHECK_EVERY == 0)
         self.backwards += 1
-        opt._refresh_hparams(opt._devices)
+        self.refresh_hparams()
         if self.dirty:
             for b in self.buckets:
                 steps = b.meta.steps[b.first : b.stop]
@@ -304,11 +329,11 @@ class InBackward:
             if not b.done:
                 for p in [p for p in b.params if p not in b.arrived and p.grad is not None]:
                     self._take(p)
-        if not opt._unused_reported:
+        if not self.unused_reported:
             missing = [p for b in self.buckets if not b.done for p in b.params if p not in b.arrived]
             if missing:
-                opt._warn_unused(missing)
-            opt._unused_reported = True
+                self.warn_unused(missing)
+            self.unused_reported = True
         for b in self.buckets:
             if not b.done and (b.arrived or not opt.skip_unused):
                 self._step(b, partial=True)
@@ -322,16 +347,13 @@ class InBackward:
             active[[self.index_of[p] for p in bucket.arrived]] = 1
             meta = StepMeta(**{**vars(meta), "active": active.to(buf.device), "uniform": False})
         s, e = bucket.start, bucket.end
-        states = [buf.states.get(n) for n in opt._state_names]
-        hparams = opt._hp[buf.device]
+        states = [buf.states.get(n) for n in opt.rule.state_names]
+        hparams = opt.hparams.on(buf.device)
 
         def launch():
-            opt._functional(
-                buf.data[s:e], grad, *(None if t is None else t[s:e] for t in states),
-                hparams=hparams, meta=meta, backend=opt.backend,
-            )  # fmt: skip
+            self.launch(buf, grad, hparams=hparams, meta=meta, span=(s, e))
 
-        if meta.active is None and StepGraph.usable(opt):
+        if meta.active is None and self.graph_usable():
             key = (grad.data_ptr(), meta.uniform, hparams.data_ptr(), meta.steps.data_ptr())
             bucket.graph.run_keyed(key + tuple(None if t is None else t.data_ptr() for t in states), launch)
         else:
@@ -339,3 +361,7 @@ class InBackward:
         self.launches += 1
         bucket.done = True
         self._release(bucket)
+
+    def graph_usable(self):
+        opt = self.opt
+        return StepGraph.usable(opt.use_step_graph, opt.backend, opt.skip_unused, self.devices)

@@ -1,0 +1,78 @@
+"""Checks that the parameters still live where the optimizer laid them out.
+
+A parameter's data is a view into its flat buffer. ``model.to()``, ``model.half()`` or
+``p.data = ...`` replace it, freezing a parameter after construction would keep it stepped, and a
+parameter unfrozen or added to the module after construction has no place in the buffers. The
+usual check looks at the first and last parameter of each buffer (O(1) host work, which catches
+``model.to()`` at once); a full check looks at every parameter.
+"""
+
+FULL_CHECK_EVERY = 256  # step() (or, in-backward, a backward pass) checks every parameter's bindings this often
+
+
+def ends_bound(buffers):
+    """Whether the first and last parameter of every buffer still hold their data views and require
+    grad (a parameter moved to another device has another address)."""
+    for buf in buffers:
+        params, expected = buf.params, buf.expected
+        for i in (0, len(params) - 1):
+            p = params[i]
+            if p.data_ptr() != expected[i][0] or p.dtype != buf.dtype or not p.requires_grad:
+                return False
+    return True
+
+
+def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, module):
+    """Raise RuntimeError, saying what to do, if a parameter of ``buffers`` no longer lives in its buffer,
+    or was frozen since the layout (unless ``skip_unused``); with ``full``, every parameter is looked
+    at, and also those ``frozen`` at the layout that require grad now, and trainable parameters of
+    ``module`` (or None) that the optimizer lacks. Otherwise only the first and last of each buffer.
+
+    Args:
+        cls (str): the optimizer's class name, for messages.
+        names (flatopt.naming.Names): how messages name parameters.
+    """
+    checked = []  # the parameters looked at: every one (full) or the first and last of each buffer
+    for buf in buffers:
+        idx = range(len(buf.params)) if full else sorted({0, len(buf.params) - 1})
+        for i in idx:
+            p = buf.params[i]
+            checked.append(p)
+            data_ptr = buf.expected[i][0]
+            if p.data_ptr() != data_ptr or p.dtype != buf.dtype or p.device != buf.device:
+                raise RuntimeError(
+                    f"{cls}: parameter {names(p)} no longer lives in the optimizer's flat buffer: its data "
+                    "was replaced after the optimizer was created (model.to(), model.cuda(), model.half() or "
+                    "`p.data = ...` do that). Create the optimizer after moving or casting the model; to keep "
+                    "the optimizer state, save opt.state_dict() first and load it into the new optimizer"
+                )
+    now_frozen = [p for p in checked if not p.requires_grad]
+    if now_frozen and not skip_unused:
+        raise RuntimeError(
+            f"{cls}: {len(now_frozen)} parameter(s) were trainable when the optimizer was created and have "
+            f"requires_grad=False now: {names.of(now_frozen)}. Their .grad views stay in the flat gradient buffer, "
+            "so flatopt would keep stepping them with a zero gradient (weight decay and momentum would still change "
+            "them), where torch.optim skips a parameter whose .grad is None. Create the optimizer after "
+            "freezing (save opt.state_dict() and load it into the new optimizer to keep the state), or pass "
+            "skip_unused=True, which steps only parameters that received a gradient"
+        )
+    unfrozen = [p for p in frozen if p.requires_grad] if full else []
+    if unfrozen:
+        raise RuntimeError(
+            f"{cls}: {len(unfrozen)} parameter(s) had requires_grad=False when the optimizer was created and "
+            f"require grad now: {names.of(unfrozen)}. The optimizer left them out of its flat buffers, so it would "
+            "never step them. Set requires_grad before creating the optimizer; to keep the optimizer state, save "
+            "opt.state_dict() first and load it into the new optimizer"
+        )
+    if full and module is not None:  # built from a module: a trainable parameter of it that this optimizer lacks
+        held = {id(p) for buf in buffers for p in buf.params} | {id(p) for p in frozen}
+        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+        if missing:
+            shown = ", ".join(f"'{n}'" for n in missing[:8]) + (", ..." if len(missing) > 8 else "")
+            raise RuntimeError(
+                f"{cls}: the module's trainable parameter(s) {shown} are not among the parameters the optimizer "
+                "was created with, so they would never be stepped: they were replaced (load_state_dict(..., "
+                "assign=True), `module.weight = nn.Parameter(...)`) or added since. Load weights with "
+                "load_state_dict() without assign=True (it copies into the parameters), give new parameters "
+                "to opt.add_param_group(), or create the optimizer afterwards"
+            )

@@ -1,0 +1,282 @@
+"""What every engine shares: the protocol the optimizer calls, and the flat layout of the parameters
+and states that the flat step and in-backward engines keep.
+
+An engine is chosen once, at construction, by :func:`flatopt.engines.make_engine`, and does one
+optimizer's work behind torch.optim's interface (:class:`flatopt.optimizer.FlatOptimizer`). It
+reads the optimizer's public attributes (``param_groups``, ``state``, ``rule``, ``options``,
+``backend``, ``names``, ``hparams``, ``module``, ``use_step_graph``) and writes only
+``state`` (torch.optim's per-parameter dicts, as views into its buffers).
+"""
+
+import warnings
+
+import torch
+
+from flatopt.bindings import FULL_CHECK_EVERY, check_data_bindings, ends_bound
+from flatopt.distributed import world_size
+from flatopt.layout import FlatBuffer
+from flatopt.step_graph import StepGraph
+from flatopt.torch_compat import outside_stacklevel
+
+
+class Engine:
+    """The protocol: what :class:`flatopt.optimizer.FlatOptimizer` asks of its engine."""
+
+    buffers = ()  # the flat buffers (FlatBuffer), for capture() and flatopt.inspect()
+    devices = ()  # the devices of the trainable parameters
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.cls = type(opt).__name__
+
+    def build(self):
+        """(Re)lay out the trainable parameters: at construction and after add_param_group()."""
+
+    def step(self, closure, grad_scale, found_inf):
+        """``opt.step()`` (after torch.optim's pre-hooks); returns the closure's loss."""
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none):
+        raise NotImplementedError
+
+    def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite):
+        raise NotImplementedError
+
+    def check_bindings(self, full):
+        """Raise if a parameter no longer lives where the engine laid it out."""
+
+    def host_steps(self):
+        """{parameter: completed steps} of every parameter the engine has stepped or laid out."""
+        return {}
+
+    def load(self, parsed):
+        """Put the checked states of a state dict in place: ``parsed`` is {parameter: (step, {name: tensor})}."""
+        raise NotImplementedError
+
+    def refresh_hparams(self):
+        """Bring the device tables of hyper-parameters up to date with ``param_groups``."""
+        opt = self.opt
+        opt.hparams.refresh(opt.param_groups, self.devices, on_change=self.ensure_states)
+
+    def ensure_states(self):
+        """Allocate the states a group starts to use (SGD's momentum buffer once momentum is turned on)."""
+
+    def no_step(self):
+        """The context of ``opt.no_step()`` (nothing, outside in-backward mode)."""
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+
+def trainable(param_groups):
+    for group in param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                yield p
+
+
+class FlatEngine(Engine):
+    """Parameters and states in flat buffers, one per (device, dtype): the layout of the flat step
+    and in-backward engines, their state views, step counts, binding checks and unused-parameter
+    report. Subclasses say how gradients reach a step (:meth:`detach`, :meth:`attach`, :meth:`order`)."""
+
+    has_grad_buffer = True
+
+    def __init__(self, opt):
+        super().__init__(opt)
+        self.buffers = []
+        self.devices = []
+        self.frozen = []  # parameters with requires_grad=False at the last layout
+        self.group_states = []  # per param group: the state names it has used so far
+        self.checked_steps = 0  # steps whose binding check passed (a full one every FULL_CHECK_EVERY)
+        self.unused_reported = False
+        self.step_graph = StepGraph()
+
+    # ------------------------------------------------------------------ layout
+    def order(self, params, groups):
+        """The order of one (device, dtype)'s parameters in its buffer (param-group order here)."""
+        return params, groups
+
+    def detach(self):
+        """Before a re-layout: remove what holds on to the old buffers."""
+
+    def attach(self, without_grad):
+        """After a layout: connect gradients to the new buffers. ``without_grad``: the parameters whose
+        ``.grad`` was None before the layout (under skip_unused, they stay None)."""
+
+    def build(self):
+        """(Re)lay out every trainable parameter into flat buffers, keeping values, grads and state."""
+        opt = self.opt
+        rule = opt.rule
+        keys, members = [], {}
+        for gi, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    key = (p.device, p.dtype)
+                    if key not in members:
+                        keys.append(key)
+                        members[key] = ([], [])
+                    members[key][0].append(p)
+                    members[key][1].append(gi)
+        old_steps = {p: float(s) for p, s in self.steps_by_param().items()}
+        self.detach()
+        without_grad = [p for ps, _ in members.values() for p in ps if p.grad is None] if opt.skip_unused else []
+        buffers = []
+        for key in keys:
+            params, groups = self.order(*members[key])
+            used = [n for n in rule.state_names if any(rule.uses_state(n, opt.param_groups[g]) for g in groups)]
+            buf = FlatBuffer(params, groups, used, grad=self.has_grad_buffer)
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    for name, views in buf.state_views.items():
+                        old = opt.state.get(p, {}).get(name)
+                        if isinstance(old, torch.Tensor):
+                            views[i].copy_(old)
+                    buf.meta.steps[i] = old_steps.get(p, 0.0)
+            buf.adopt()
+            buffers.append(buf)
+        self.buffers = buffers
+        self.devices = list(dict.fromkeys(b.device for b in buffers))
+        self.frozen = [p for group in opt.param_groups for p in group["params"] if not p.requires_grad]
+        for buf in buffers:
+            for i, p in enumerate(buf.params):
+                opt.state[p] = self.state_of(buf, i)
+            self.refresh_uniform(buf)
+        opt.hparams.invalidate()
+        self.step_graph = StepGraph()  # graphs of the old layout read its freed tables: never replay them
+        self.attach(without_grad)
+
+    def state_of(self, buf, i):
+        """torch.optim's per-parameter state, as views into the flat buffers."""
+        state = {name: views[i] for name, views in buf.state_views.items()}
+        if self.opt.rule.exported_step:
+            state = {"step": buf.meta.steps[i], **state}
+        return state
+
+    def steps_by_param(self):
+        return {p: buf.meta.steps[i] for buf in self.buffers for i, p in enumerate(buf.params)}
+
+    def host_steps(self):
+        """Completed steps of every laid-out parameter, read with one copy per buffer."""
+        steps = {}
+        for buf in self.buffers:
+            steps.update(zip(buf.params, buf.meta.steps.tolist()))
+        return steps
+
+    def refresh_uniform(self, buf):
+        """Whether ``buf`` launches UNIFORM (one group, equal step counts, no active mask)."""
+        steps = buf.meta.steps
+        buf.meta.uniform = not self.opt.skip_unused and len(set(buf.group_ids)) == 1 and bool((steps == steps[0]).all())
+
+    def ensure_states(self):
+        """Allocate a state buffer that a group needs now but did not at construction (SGD's
+        momentum buffer once a scheduler turns momentum on), and start a group that uses a state
+        for the first time as at a first step: its parameters' step counts go to 0 (SGD reads them
+        only as "is the momentum buffer set"; AdamW and Lion always use their states, so this
+        never happens to them). A group that used the state before keeps it, as torch.optim keeps
+        a momentum buffer through a stretch of momentum=0."""
+        opt = self.opt
+        rule = opt.rule
+        starting = set()
+        used_by_group = []
+        for gi, group in enumerate(opt.param_groups):
+            used = {n for n in rule.state_names if rule.uses_state(n, group)}
+            used_by_group.append(used)
+            if gi == len(self.group_states):  # a new group: nothing of it was stepped yet
+                self.group_states.append(used)
+            elif used - self.group_states[gi]:
+                starting.add(gi)
+                self.group_states[gi] |= used
+        for buf in self.buffers:  # O(groups) per buffer unless something changes: called at every lr change
+            missing = [
+                n for n in rule.state_names if n not in buf.states and any(n in used_by_group[g] for g in buf.group_set)
+            ]
+            for name in missing:
+                buf.add_state(name)
+            first = [i for i, g in enumerate(buf.group_ids) if g in starting] if starting & buf.group_set else []
+            if first:
+                buf.meta.steps[first] = 0.0
+            if missing:
+                for i, p in enumerate(buf.params):
+                    opt.state[p] = self.state_of(buf, i)
+            if missing or first:
+                self.refresh_uniform(buf)
+
+    def load(self, parsed):
+        """Put the checked states of a state dict into the buffers (zeroes for a parameter without state);
+        returns the parameters it placed."""
+        placed = set()
+        with torch.no_grad():
+            self.ensure_states()
+            for buf in self.buffers:
+                steps = []
+                for i, p in enumerate(buf.params):
+                    placed.add(p)
+                    step, tensors = parsed.get(p, (0.0, {}))
+                    for name, views in buf.state_views.items():
+                        if name in tensors:
+                            views[i].copy_(tensors[name])
+                        else:
+                            views[i].zero_()
+                    steps.append(step)
+                buf.meta.steps.copy_(torch.tensor(steps, dtype=torch.float32))
+                self.refresh_uniform(buf)
+        return placed
+
+    # ------------------------------------------------------------------ checks
+    def ends_bound(self):
+        return ends_bound(self.buffers)
+
+    def check_data_bindings(self, full):
+        opt = self.opt
+        module = opt.module() if full and opt.module is not None else None
+        check_data_bindings(
+            self.cls, self.buffers, opt.names, full=full, frozen=self.frozen, skip_unused=opt.skip_unused,
+            module=module,
+        )  # fmt: skip
+
+    def full_check_due(self):
+        """Whether this step's binding check looks at every parameter: at the first step, and every
+        FULL_CHECK_EVERY-th after it."""
+        return not self.unused_reported or self.checked_steps % FULL_CHECK_EVERY == 0
+
+    def warn_unused(self, unused):
+        """Name the parameters that received no gradient before the first step (called once), at the
+        caller's line (``opt.step()``, or ``loss.backward()`` in in-backward mode)."""
+        opt = self.opt
+        names = opt.names.of(unused)
+        action = (
+            "skips them as torch.optim does (skip_unused=True)"
+            if opt.skip_unused
+            else "steps them with a zero gradient (weight decay and state decay apply, as in torch.optim "
+            "after zero_grad(set_to_none=False)); pass skip_unused=True to skip them as torch.optim does, or "
+            "set requires_grad=False on parameters you do not train"
+        )
+        ranks = world_size()
+        where = "" if ranks == 1 else f" from this rank's backward pass (one of {ranks} ranks)"
+        ddp = (
+            ""
+            if ranks == 1
+            else ". Under DistributedDataParallel a parameter another rank used gets the averaged gradient from DDP "
+            "and is stepped with it; this concerns those no rank used"
+        )
+        warnings.warn(
+            f"{self.cls}: {len(unused)} parameter(s) received no gradient{where} before the first "
+            f"step: {names}. flatopt {action}{ddp}",
+            stacklevel=outside_stacklevel(),
+        )
+
+    def launch(self, buf, grad, *, hparams, meta, grad_scale=None, found_inf=None, sources=None, span=None):
+        """One kernel launch of the optimizer's rule over ``buf`` (its elements ``span`` = (start, end), or
+        all of them) with the gradient ``grad``."""
+        opt = self.opt
+        data, states = buf.data, [buf.states.get(n) for n in opt.rule.state_names]
+        if span is not None:
+            s, e = span
+            data, states = data[s:e], [None if t is None else t[s:e] for t in states]
+        opt.rule.functional(
+            data, grad, *states, hparams=hparams, meta=meta, backend=opt.backend,
+            grad_scale=None if grad_scale is None else grad_scale.to(buf.device),
+            found_inf=None if found_inf is None else found_inf.to(buf.device),
+            sources=sources,
+        )  # fmt: skip

@@ -1,0 +1,113 @@
+"""The per-parameter engine (``flat=False``): the same kernels, one launch per parameter, over the
+caller's own tensors, with torch.optim's per-parameter state tensors."""
+
+import torch
+
+from flatopt.engines.base import Engine, trainable
+from flatopt.layout import StepMeta, is_dense
+from flatopt.step_graph import StepGraph
+
+
+class PerParamEngine(Engine):
+    def __init__(self, opt):
+        super().__init__(opt)
+        self.metas = {}  # parameter -> its StepMeta (a step counter on the device)
+        self.step_graph = StepGraph()
+        self.build()
+
+    def build(self):
+        self.devices = list(dict.fromkeys(p.device for p in trainable(self.opt.param_groups)))
+
+    def step(self, closure, grad_scale, found_inf):
+        """Every parameter with a gradient is checked before any is stepped."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        opt = self.opt
+        with torch.no_grad():
+            todo = [(gi, g, p) for gi, g in enumerate(opt.param_groups) for p in g["params"] if p.grad is not None]
+            for _, group, p in todo:
+                self._check(p, group)
+            self.refresh_hparams()
+            for gi, group, p in todo:
+                meta, tensors = self._state(p, gi, group)
+                opt.rule.functional(
+                    *tensors, hparams=opt.hparams.on(p.device)[gi : gi + 1], meta=meta, backend=opt.backend,
+                    grad_scale=None if grad_scale is None else grad_scale.to(p.device),
+                    found_inf=None if found_inf is None else found_inf.to(p.device),
+                )  # fmt: skip
+        return loss
+
+    def _check(self, p, group):
+        """What one launch over ``p``'s own tensors needs, checked before anything is stepped."""
+        opt, cls, g = self.opt, self.cls, p.grad
+        if g.layout != torch.strided:
+            raise RuntimeError(
+                f"{cls} does not support sparse gradients: parameter {opt.names(p)} has a {g.layout} .grad; use "
+                "sparse=False on the embedding (nn.Embedding(..., sparse=False)) that produces it"
+            )
+        if not is_dense(p):
+            raise RuntimeError(
+                f"{cls}(flat=False) needs dense parameters (no gaps or overlaps); {opt.names(p)} has shape "
+                f"{tuple(p.shape)} and strides {p.stride()}: make it contiguous (p.data = p.data.contiguous())"
+            )
+        if g.stride() != p.stride() or g.dtype != p.dtype:
+            raise RuntimeError(
+                f"{cls}(flat=False): the .grad of {opt.names(p)} has strides {g.stride()} and dtype {g.dtype}, the "
+                f"parameter {p.stride()} and {p.dtype}; they must match: give the gradient the parameter's layout "
+                "(p.grad = torch.empty_like(p).copy_(p.grad))"
+            )
+        state = opt.state.get(p, {})
+        for name in opt.rule.state_names:
+            t = state.get(name)
+            if opt.rule.uses_state(name, group) and t is not None and (t.stride() != p.stride() or t.dtype != p.dtype):
+                raise RuntimeError(
+                    f"{cls}(flat=False): the state '{name}' of {opt.names(p)} has strides {t.stride()} and dtype "
+                    f"{t.dtype}, the parameter {p.stride()} and {p.dtype}; they must match: load a state_dict whose "
+                    "tensors have the parameters' layouts and dtypes"
+                )
+
+    def _state(self, p, gi, group):
+        """``p``'s StepMeta and the flat (1-D) views of its parameter, gradient and states, creating them
+        at its first step."""
+        opt = self.opt
+        state = opt.state[p]
+        meta = self.metas.get(p)
+        if meta is None:
+            dev = p.device
+            meta = StepMeta(
+                param_of_granule=torch.zeros(1, dtype=torch.int32, device=dev),
+                param_group=torch.zeros(1, dtype=torch.int32, device=dev),
+                steps=torch.zeros(1, dtype=torch.float32, device=dev),
+                counter=torch.zeros(1, dtype=torch.int32, device=dev),
+                uniform=True,
+            )
+            if "step" in state:
+                meta.steps.fill_(float(state["step"]))
+            elif any(n in state for n in opt.rule.state_names):
+                meta.steps.fill_(1.0)
+            self.metas[p] = meta
+        for name in opt.rule.state_names:
+            if name not in state and opt.rule.uses_state(name, group):
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                meta.steps.zero_()
+        if opt.rule.exported_step:
+            state["step"] = meta.steps[0]
+        tensors = [p, p.grad] + [state.get(n) for n in opt.rule.state_names]
+        flat = [None if t is None else t.as_strided((t.numel(),), (1,), t.storage_offset()) for t in tensors]
+        return meta, flat
+
+    def zero_grad(self, set_to_none):
+        torch.optim.Optimizer.zero_grad(self.opt, set_to_none=set_to_none)
+
+    def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite):
+        params = [p for p in trainable(self.opt.param_groups) if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+
+    def host_steps(self):
+        return {p: float(meta.steps[0]) for p, meta in self.metas.items()}
+
+    def load(self, parsed):
+        self.metas.clear()  # the loaded states carry their steps
+        return set()

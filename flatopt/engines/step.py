@@ -1,0 +1,185 @@
+"""The flat step engine: ``opt.step()`` launches one kernel per flat buffer.
+
+Gradients reach the flat gradient buffers as :mod:`flatopt.grads` describes; the launches of a
+step are replayed from a CUDA graph once recorded (:mod:`flatopt.step_graph`); the first step
+names the parameters that received no gradient.
+"""
+
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+from flatopt.engines.base import FlatEngine
+from flatopt.grads import GradLanding
+from flatopt.step_graph import StepGraph
+from flatopt.torch_compat import has_step_pre_hooks
+
+
+class FlatStepEngine(FlatEngine):
+    def __init__(self, opt):
+        super().__init__(opt)
+        self.landing = None  # GradLanding of the current layout
+        self.hooks = []  # until the first step: which parameters received a gradient, and no sparse one
+        self.seen = set()
+        self.recording = False  # inside capture(): step() leaves the hyper-parameter refresh to the replay
+        self.sources = None  # capture(): {FlatBuffer: GradSources} the next step gathers its gradients from
+
+    # ------------------------------------------------------------------ layout
+    def detach(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        if self.landing is not None:
+            self.landing.detach()
+
+    def attach(self, without_grad):
+        opt = self.opt
+        params = [p for b in self.buffers for p in b.params]
+        if not self.unused_reported:
+            self.hooks = [p.register_post_accumulate_grad_hook(self.seen.add) for p in params]
+            self.hooks += [p.register_hook(self._sparse_grad_hook(p)) for p in params]
+        self.landing = GradLanding(self.buffers, keep_none=opt.skip_unused, names=opt.names, cls=self.cls)
+        self.landing.attach()  # for good: also after model.zero_grad() or zero_grad(set_to_none=False)
+        for p in without_grad:  # skip_unused: a parameter steps only once it has a .grad, as in torch.optim
+            p.grad = None
+
+    def _sparse_grad_hook(self, p):
+        """A hook on ``p``'s incoming gradient, registered until the first step with the hooks that
+        record which parameters received one: autograd would add a sparse gradient into the dense
+        ``.grad`` view in place (a silent dense update), so refuse it before it lands."""
+        cls, names, param = self.cls, weakref.ref(self.opt.names), weakref.ref(p)  # no cycle through the hooks
+
+        def hook(grad):
+            names_, p_ = names(), param()
+            if grad.layout != torch.strided and names_ is not None and p_ is not None:  # not once opt is gone
+                raise RuntimeError(
+                    f"{cls} does not support sparse gradients: parameter {names_(p_)} received a "
+                    f"{grad.layout} gradient, which would be added into its dense flat .grad view; use "
+                    "sparse=False on the embedding (nn.Embedding(..., sparse=False)) that produces it"
+                )
+
+        return hook
+
+    # ------------------------------------------------------------------ checks
+    def check_bindings(self, full):
+        self._check_bindings(full)
+
+    def _check_bindings(self, full, settle=True):
+        """The data bindings, then (``settle``) the gradients settled into the flat buffers."""
+        if full or not self.ends_bound():
+            self.check_data_bindings(full)
+        if settle and self.landing is not None and self.landing.needs_settling(full):
+            self.landing.settle(keep_dirty=True)  # step() clears it, after its own look
+
+    def _check_bindings_at_step(self):
+        """step()'s binding check, amortised: full at the first step and at every FULL_CHECK_EVERY-th step
+        after it, the first and last parameter of each buffer otherwise. The count advances only when
+        the step's checks pass (step() advances it), so a full check that raised runs again at the next
+        step. Returns the gradients' settling plan (checked, not done: step() applies it last, once the
+        hyper-parameters are validated too)."""
+        full = self.full_check_due()
+        self._check_bindings(full, settle=False)
+        return self.landing.plan() if self.landing.needs_settling(full) else ([], [])
+
+    def _report_unused(self, plan):
+        """The first step's warning: parameters whose .grad was None at the step, and those whose view
+        no backward pass wrote into (zero_grad(set_to_none=False), or no zero_grad() yet)."""
+        without = {p for p, _ in plan[0]}
+        given = {p for p, _, g in plan[1] if g is not None}  # a tensor of its own: set by hand, or by DDP
+        params = [p for b in self.buffers for p in b.params]
+        unused = [p for p in params if p in without or (p not in self.seen and p not in given)]
+        self.unused_reported = True
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        self.seen.clear()
+        if unused:
+            self.warn_unused(unused)
+
+    # ------------------------------------------------------------------ step
+    @contextmanager
+    def recorded(self):
+        """For capture(): inside, step() leaves the hyper-parameter refresh to each replay."""
+        self.recording = True
+        try:
+            yield
+        finally:
+            self.recording, self.sources = False, None
+
+    def gather_from(self, sources):
+        """For capture(): the next step reads the gradients from ``sources`` ({FlatBuffer: GradSources}, or
+        None) and stores them into the gradient buffers as it steps."""
+        self.sources = sources
+
+    def step(self, closure, grad_scale, found_inf):
+        opt = self.opt
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = self._check_bindings_at_step()
+        if not self.recording:  # a captured step refreshes hyper-parameters before each replay
+            self.refresh_hparams()
+        self.checked_steps += 1
+        if opt.skip_unused:  # torch.optim's rule: a parameter whose .grad is None is not stepped
+            without = {p for p, _ in plan[0]}
+            for buf in self.buffers:
+                mask = torch.tensor([p not in without for p in buf.params], dtype=torch.uint8)
+                buf.meta.active = mask.to(buf.device, non_blocking=True)
+        self.landing.apply(plan)  # see flatopt.grads
+        if not self.unused_reported:
+            self._report_unused(plan)
+        sources, self.sources = self.sources or {}, None  # for this step only
+
+        def launch():
+            with torch.no_grad():  # for the torch backend's in-place updates (a replayed graph needs none)
+                for buf in self.buffers:
+                    self.launch(
+                        buf, buf.grad, hparams=opt.hparams.on(buf.device), meta=buf.meta, grad_scale=grad_scale,
+                        found_inf=found_inf, sources=sources.get(buf),
+                    )  # fmt: skip
+
+        if self.graph_usable() and not sources:  # the step graph's key does not cover sources
+            key = StepGraph.key_of(self.buffers, opt.hparams.on(self.buffers[0].device), grad_scale, found_inf)
+            self.step_graph.run_keyed(key, launch)
+        else:
+            launch()
+        return loss
+
+    def graph_usable(self):
+        opt = self.opt
+        return StepGraph.usable(opt.use_step_graph, opt.backend, opt.skip_unused, self.devices)
+
+    def gathers(self):
+        """Whether a recorded step may read the gradients where backward left them: not when a step
+        pre-hook runs before the kernel (it reads the ``.grad`` views)."""
+        return not has_step_pre_hooks(self.opt)
+
+    # ------------------------------------------------------------------ gradients
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite):
+        self.check_bindings(full=False)
+        if not self.buffers:
+            return torch.tensor(0.0)
+        first = self.buffers[0].device
+        norms = [torch.linalg.vector_norm(b.grad, norm_type, dtype=torch.float32).to(first) for b in self.buffers]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for b in self.buffers:  # the views, not the padding: a nan norm must not leave nan there for good
+            torch._foreach_mul_(b.grad_views, coef.to(b.device, b.grad.dtype))
+        return total
+
+    def zero_grad(self, set_to_none):
+        if set_to_none:
+            self.landing.release()
+            return
+        self.landing.restore()
+        for buf in self.buffers:
+            buf.grad.zero_()

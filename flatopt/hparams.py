@@ -1,0 +1,76 @@
+"""The hyper-parameter table: one float32 row per param group, on every device the optimizer steps.
+
+Each optimizer's rule names the columns and builds a row from a param group (see
+:mod:`flatopt.rules`); the kernels and the reference read the row on the device. An LR scheduler
+changes ``lr`` before every step, so the table is rebuilt on the host at each step and copied to
+the device only when a row changed (asynchronously, through :class:`flatopt.staging.PinnedStaging`).
+A tensor ``lr`` is a placeholder in its row and is copied on the device at every refresh.
+"""
+
+import operator
+
+import torch
+
+from flatopt.staging import PinnedStaging
+
+
+class HParamTable:
+    """The device tables of one optimizer's hyper-parameters.
+
+    Args:
+        row (Callable[[dict], list[float]]): a param group's row.
+        check (Callable[[dict], None]): validates a param group (raises ValueError).
+    """
+
+    def __init__(self, row, check):
+        self.row = row
+        self.check = check
+        self.tables = {}  # device -> float32 [groups, columns]
+        self.rows = None  # the rows last uploaded
+        self.lrs = None  # the tensor lrs (or None) the rows were last validated with, by identity
+        self.staging = {}  # device -> PinnedStaging of its table
+
+    def on(self, device):
+        """The table on ``device`` (after a refresh that covered it)."""
+        return self.tables[device]
+
+    def invalidate(self):
+        """The next refresh validates and uploads every row (after a state_dict load or a re-layout)."""
+        self.rows = None
+
+    def refresh(self, groups, devices, on_change=None):
+        """Copy every group's hyper-parameters into the tables on ``devices``, only when they changed.
+
+        The rows are validated again when they change or when a group's lr is replaced by another
+        tensor (compared by identity: an in-place change of the same tensor is not validated, as in
+        torch.optim); then ``on_change()`` runs (the optimizer allocates a state a group starts to
+        use), before anything is uploaded. Returns whether the rows changed.
+        """
+        rows, tensor_lrs, lrs = [], [], []
+        for gi, group in enumerate(groups):
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                tensor_lrs.append((gi, lr))
+            lrs.append(lr if isinstance(lr, torch.Tensor) else None)
+            rows.append(self.row(group))
+        old = self.lrs or ()
+        changed = rows != self.rows or len(lrs) != len(old) or not all(map(operator.is_, lrs, old))
+        if changed:
+            for group in groups:
+                self.check(group)
+            if on_change is not None:
+                on_change()
+            shape = (len(rows), len(rows[0]))
+            for device in devices:
+                table = self.tables.get(device)
+                if table is None or table.shape != shape:
+                    table = self.tables[device] = torch.empty(shape, dtype=torch.float32, device=device)
+                if device.type == "cuda":
+                    self.staging.setdefault(device, PinnedStaging()).upload(table, rows)
+                else:
+                    table.copy_(torch.tensor(rows, dtype=torch.float32))
+            self.rows, self.lrs = rows, lrs
+        for gi, lr in tensor_lrs:
+            for table in self.tables.values():
+                table[gi, 0].copy_(lr.detach().reshape(()), non_blocking=True)  # no autograd history
+        return changed

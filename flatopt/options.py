@@ -1,0 +1,125 @@
+"""flatopt's own constructor options, parsed in one place, and torch.optim's implementation options.
+
+Every optimizer takes torch.optim's (or lion-pytorch's) arguments under their own names, plus the
+options below as keyword arguments. The options are parsed once, by the base class, into one
+:class:`FlatOptions`; an unknown keyword raises TypeError as for any function.
+"""
+
+from dataclasses import dataclass
+
+DEFAULT_BUCKET_SIZE = 2**25  # elements: 128 MiB of float32 staging gradient in in-backward mode
+
+# torch.optim's implementation options (and lion-pytorch's): name -> (whether a value changes nothing for flatopt,
+# why another value is refused and what to do, the hint for a constructor that does not take the option). A
+# constructor whose signature has the option takes it at the values that change nothing and raises ValueError at the
+# others; one that does not raises TypeError, as torch.optim does for options it does not know.
+TORCH_ONLY_KWARGS = {
+    "foreach": (
+        lambda v: v is None,
+        "it always steps each flat buffer with one fused kernel, not with torch.optim's foreach or for-loop "
+        "implementation (whose rounding differs); drop 'foreach'",
+        "{cls} always steps each flat buffer with one fused kernel, so drop 'foreach'",
+    ),
+    "fused": (
+        lambda v: v is None or bool(v),
+        "it always steps each flat buffer with one fused kernel; drop 'fused' (or pass fused=True)",
+        "{cls} always steps each flat buffer with one fused kernel, so drop 'fused'",
+    ),
+    "capturable": (
+        lambda v: True,  # step counts and hyper-parameters live on the device anyway; capture() records the step
+        "",
+        "capture() records {cls}'s step in a CUDA graph without it, so drop 'capturable'",
+    ),
+    "differentiable": (
+        lambda v: not v,
+        "its step updates the parameters in place outside autograd and is not differentiable; use "
+        "torch.optim.{name}(differentiable=True)",
+        "{cls}'s step is not differentiable, so drop 'differentiable'",
+    ),
+    "amsgrad": (lambda v: not v, "it does not implement amsgrad; use torch.optim.AdamW(amsgrad=True)", None),
+    "use_triton": (
+        lambda v: not v,
+        "it steps with its own fused kernels, Triton or torch as backend= says (Triton is the default on CUDA); "
+        "drop 'use_triton'",
+        None,
+    ),
+    "decoupled_weight_decay": (
+        lambda v: not v,
+        "it does not implement lion-pytorch's decoupled weight decay (weight_decay divided by the constructor's "
+        "lr); pass weight_decay=weight_decay / lr instead, which decays the same",
+        None,
+    ),
+}
+
+
+def check_torch_options(cls_name, **options):
+    """Check the torch.optim (or lion-pytorch) implementation options a constructor's signature takes:
+    ignored at a value that changes nothing for flatopt, ValueError saying why and what to do at any other."""
+    cls = f"flatopt.{cls_name}"
+    for name, value in options.items():
+        accepted, why, _ = TORCH_ONLY_KWARGS[name]
+        if not accepted(value):
+            raise ValueError(f"{cls} does not take {name}={value!r}: " + why.format(name=cls_name))
+
+
+def unexpected_keyword(cls_name, name):
+    """The TypeError for a keyword argument the constructor does not take, with a hint for torch.optim's
+    options that this optimizer does not take."""
+    hint = TORCH_ONLY_KWARGS[name][2] if name in TORCH_ONLY_KWARGS else None
+    hint = "" if hint is None else "; " + hint.format(cls=f"flatopt.{cls_name}")
+    return TypeError(f"{cls_name}.__init__() got an unexpected keyword argument '{name}'{hint}")
+
+
+@dataclass(frozen=True)
+class FlatOptions:
+    """flatopt's own options (see the optimizers' docstrings, ``flatopt._docs.FLAT``).
+
+    Attributes:
+        flat: parameters, gradients and states in flat buffers (False: the caller's tensors, one
+            launch per parameter).
+        backend: ``"triton"``, ``"torch"`` or None (chosen from the parameters' devices).
+        skip_unused: leave parameters whose ``.grad`` is None untouched at a step.
+        in_backward: step buckets of parameters during backward.
+        bucket_size: elements of consecutive parameters stepped by one launch in in-backward mode.
+        allow_several_ranks: in-backward mode under several distributed ranks that share no
+            parameters (pipeline stages, independent runs); refused otherwise.
+    """
+
+    flat: bool = True
+    backend: str | None = None
+    skip_unused: bool = False
+    in_backward: bool = False
+    bucket_size: int = DEFAULT_BUCKET_SIZE
+    allow_several_ranks: bool = False
+
+    @classmethod
+    def parse(cls, cls_name, kwargs):
+        """The options from a constructor's remaining keyword arguments, checked before anything is built."""
+        names = cls.__dataclass_fields__
+        for name in kwargs:
+            if name not in names:
+                raise unexpected_keyword(cls_name, name)
+        flat = bool(kwargs.get("flat", True))
+        in_backward = bool(kwargs.get("in_backward", False))
+        bucket_size = kwargs.get("bucket_size")
+        if in_backward and not flat:
+            raise ValueError(
+                f"{cls_name}(in_backward=True, flat=False): in-backward mode steps buckets of the flat buffers; "
+                "drop flat=False"
+            )
+        if bucket_size is not None and not in_backward:
+            raise ValueError(
+                f"{cls_name}: bucket_size applies to in_backward=True only; drop it or pass in_backward=True"
+            )
+        if bucket_size is None:
+            bucket_size = DEFAULT_BUCKET_SIZE
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"Invalid bucket_size: {bucket_size!r}; expected a positive number of elements")
+        return cls(
+            flat=flat,
+            backend=kwargs.get("backend"),
+            skip_unused=bool(kwargs.get("skip_unused", False)),
+            in_backward=in_backward,
+            bucket_size=bucket_size,
+            allow_several_ranks=bool(kwargs.get("allow_several_ranks", False)),
+        )
