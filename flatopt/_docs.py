@@ -24,10 +24,17 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             ``flat=False``; accumulate gradients with ``with opt.no_step():`` (default: False)
         bucket_size (int, optional): with ``in_backward=True``, the most elements of consecutive
             parameters stepped by one kernel launch; gradient memory held by the optimizer is
-            about one bucket (default: 2**25)"""
+            about one bucket (default: 2**25)
+        allow_several_ranks (bool, optional): with ``in_backward=True``, allow several
+            torch.distributed ranks whose models share no parameters (pipeline stages,
+            independent runs); refused by default, since in-backward steps happen before
+            DistributedDataParallel averages gradients (default: False)
+
+        flatopt's own options (``flat`` to ``allow_several_ranks``) are keyword-only; any other
+        keyword raises TypeError."""
 
 # torch.optim's implementation options, taken at the values that change nothing for flatopt (see
-# flatopt.optimizer.reject_kwargs); any other value raises ValueError saying why.
+# flatopt.options.check_torch_options); any other value raises ValueError saying why.
 FOREACH = """foreach (None, optional): only None: flatopt always steps each flat buffer with one
             fused kernel, neither torch.optim's foreach nor its for-loop implementation (whose
             rounding differs), so ``True`` and ``False`` are refused (default: None)"""
