@@ -111,8 +111,6 @@ class Snapshot:
 class CapturedStep:
     """A recorded training step; call it with new inputs to replay. See :mod:`flatopt.capture`."""
 
-    sources = None  # {FlatBuffer: GradSources} when the step gathers its gradients (see _gather_sources)
-    recorded = None  # {FlatBuffer: [address]} the gathered gradients' addresses while recording
     signature = None  # [(shape, dtype, CUDA device index)] of the static inputs, when all are CUDA tensors
 
     def __init__(self, opt, train_step, example_inputs, *, warmup=3, max_grad_norm=None, scaler=None):
@@ -124,8 +122,6 @@ class CapturedStep:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}; expected a positive number")
         opt.check_bindings(full=True)  # names a parameter frozen, moved or cast since construction
         self.opt = opt
-        self.fn = train_step
-        self.max_grad_norm = max_grad_norm
         self.static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
         if all(isinstance(s, torch.Tensor) and s.is_cuda for s in self.static):
             self.signature = [(s.shape, s.dtype, s.get_device()) for s in self.static]
@@ -136,13 +132,14 @@ class CapturedStep:
         if scaler is not None and getattr(scaler, "_scale", None) is None and scaler.is_enabled():
             scaler._lazy_init_scale_growth_tracker(engine.buffers[0].device)  # as its first scale() would
         snapshot = Snapshot(opt, scaler, module)
-        self.sources = self._gather_sources()  # on the caller's stream, where the replays read them
+        # its gathering sources are built on the caller's stream, where the replays read them
+        self.body = RecordedBody(opt, train_step, self.static, max_grad_norm=max_grad_norm)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(side):
                 # First iteration as in eager code (it also compiles the kernels); the others as recorded.
-                self.steps_in_fn = self._run(graph_mode=False)
+                self.steps_in_fn = self.body.warmup(graph_mode=False)
                 if self.steps_in_fn > 1:
                     raise RuntimeError(
                         f"train_step called {cls}.step() {self.steps_in_fn} times; a captured step holds at most one"
@@ -154,9 +151,9 @@ class CapturedStep:
                         "scaler.unscale_(opt) when a GradScaler is used)"
                     )
                 if self.steps_in_fn:
-                    self.sources = None  # the step is train_step's: nothing to gather into
+                    self.body.sources = None  # the step is train_step's: nothing to gather into
                 for i in range(1, warmup):
-                    self._run(graph_mode=True, check_sync=i == warmup - 1)
+                    self.body.warmup(graph_mode=True, check_sync=i == warmup - 1)
         finally:
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
@@ -168,12 +165,12 @@ class CapturedStep:
         self.layout = self._layout()
 
         self.graph = torch.cuda.CUDAGraph()
-        self.recorded = {}  # buffer -> the addresses its step gathered the gradients from, while recording
+        self.body.recorded = {}
         try:
             with torch.cuda.graph(self.graph):
-                self.outputs = self._body(gather=True)
-            for buf, addresses in self.recorded.items():
-                self.sources[buf].point_at(addresses)  # the graph's pool puts the gradients there at each replay
+                self.outputs = self.body.run(gather=True)
+            for buf, addresses in self.body.recorded.items():
+                self.body.sources[buf].point_at(addresses)  # the graph's pool puts them there at each replay
         except RuntimeError as e:
             self.graph = None
             text = str(e)
@@ -198,98 +195,6 @@ class CapturedStep:
     def _layout(self):
         """What the recorded kernels were specialised on, per buffer."""
         return [(tuple(b.states), b.meta.uniform) for b in self.opt.engine.buffers]
-
-    def _gather_sources(self):
-        """{buffer: GradSources} for the recorded step to read the gradients where backward left them
-        (in the graph's pool) instead of a copy into the flat buffer before it: a read and a write of every
-        gradient's bytes less. Their addresses are set after recording; until then they point at the
-        views, so that warm-up (which copies the gradients in) compiles and runs the same kernels. None
-        when the step cannot: the gradients are clipped first (max_grad_norm), or the optimizer does not
-        launch Triton kernels (and dropped after the first warm-up iteration when train_step steps the
-        optimizer itself; a step pre-hook makes the recording copy them in instead: see _body)."""
-        opt = self.opt
-        if self.max_grad_norm is not None or opt.backend != "triton":
-            return None
-        return {buf: GradSources.of(buf, [None] * len(buf.params)) for buf in opt.engine.buffers}
-
-    @contextmanager
-    def _counting_steps(self):
-        """Count the optimizer's steps inside (train_step's own and the body's), with torch's public step
-        post-hook; yields a list whose length is the count."""
-        steps = []
-        handle = self.opt.register_step_post_hook(lambda *args: steps.append(1))
-        try:
-            yield steps
-        finally:
-            handle.remove()
-
-    def _body(self, gather=False):
-        """What the graph records. ``gather``: the step reads the gradients left in the graph's pool where
-        they lie (self.sources); their addresses are kept in self.recorded, for after capture (nothing runs
-        while recording), or set now when this runs eagerly. Otherwise, and when a step pre-hook is
-        registered (it reads the .grad views before the kernel runs), the gradients are copied in first
-        and the step reads them from the views (in warm-up through the same sources, pointing at the views:
-        that compiles the gathering kernel)."""
-        opt = self.opt
-        engine = opt.engine
-        grads = engine.landing
-        with self._counting_steps() as steps, engine.recorded():
-            try:
-                grads.release()  # zero_grad(): the gradients are copied in after backward (see flatopt.grads)
-                grads.deferred = True
-                out = self.fn(*self.static)
-                sources = None
-                if steps or not (gather and self.sources) or not engine.gathers():
-                    grads.settle()
-                    sources = None if steps or gather else self.sources
-                else:
-                    taken = grads.settle_gathering(GradSources.fits)  # alive until the step is launched
-                    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-                    for buf in engine.buffers:
-                        addresses = GradSources.addresses(buf, [taken.get(p) for p in buf.params])
-                        if capturing:
-                            self.recorded[buf] = addresses
-                        else:
-                            self.sources[buf].point_at(addresses)
-                    sources = self.sources
-                if not steps:
-                    if self.max_grad_norm is not None:
-                        opt.clip_grad_norm_(self.max_grad_norm)
-                    engine.gather_from(sources)
-                    opt.step()
-            except BaseException:
-                grads.restore()  # launching nothing: a failed recording leaves the stream unusable until it ends
-                raise
-            finally:
-                grads.deferred = False
-        return out
-
-    def _run(self, graph_mode, check_sync=False):
-        """One warm-up iteration; returns how many times train_step stepped the optimizer."""
-        opt = self.opt
-        try:
-            if check_sync:
-                torch.cuda.set_sync_debug_mode("error")
-            if graph_mode:
-                self._body()
-            else:
-                with self._counting_steps() as steps:
-                    opt.zero_grad()
-                    self.fn(*self.static)
-                n = len(steps)
-                if not n:
-                    if self.max_grad_norm is not None:
-                        opt.clip_grad_norm_(self.max_grad_norm)
-                    opt.step()
-                return n
-        except RuntimeError as e:
-            if check_sync and "synchroniz" in str(e):
-                raise RuntimeError(_SYNC_HINT.format(cause=str(e).splitlines()[0])) from e
-            raise
-        finally:
-            if check_sync:
-                torch.cuda.set_sync_debug_mode("default")
-        return 0
 
     def __call__(self, *inputs):
         """Copy ``inputs`` into the static inputs, refresh the hyper-parameters, replay; returns the
@@ -331,4 +236,122 @@ class CapturedStep:
         self.graph = None
         self.outputs = None
         self.static = None
-        self.sources = None
+        self.body = None
+
+
+class RecordedBody:
+    """What a captured step records, as code that also runs eagerly: zero_grad(), ``train_step(*static)``,
+    the gradients' landing and the optimizer step. Warm-up runs it, the recording records it, and the CPU
+    tests run it against eager training (the recorded step, without a GPU).
+
+    Args:
+        opt (FlatOptimizer): the optimizer (flat, step mode).
+        train_step (Callable): forward and backward (and maybe the step).
+        static (list): the inputs ``train_step`` is called with (replays copy new inputs into them).
+        max_grad_norm (float, optional): clip before the step (default: None)
+
+    Attributes:
+        sources: {FlatBuffer: GradSources}, for a step that reads the gradients where backward left them
+            (``run(gather=True)``), or None when the step cannot (see :meth:`gather_sources`).
+        recorded: {FlatBuffer: [address]}, the gathered gradients' addresses while recording.
+    """
+
+    def __init__(self, opt, train_step, static, *, max_grad_norm=None):
+        self.opt = opt
+        self.fn = train_step
+        self.static = static
+        self.max_grad_norm = max_grad_norm
+        self.sources = self.gather_sources()
+        self.recorded = {}
+
+    def gather_sources(self):
+        """{buffer: GradSources} for the recorded step to read the gradients where backward left them
+        (in the graph's pool) instead of a copy into the flat buffer before it: a read and a write of every
+        gradient's bytes less. Their addresses are set after recording; until then they point at the
+        views, so that warm-up (which copies the gradients in) compiles and runs the same kernels. None
+        when the step cannot: the gradients are clipped first (max_grad_norm), or the optimizer does not
+        launch Triton kernels (and dropped after the first warm-up iteration when train_step steps the
+        optimizer itself; a step pre-hook makes the recording copy them in instead: see run)."""
+        opt = self.opt
+        if self.max_grad_norm is not None or opt.backend != "triton":
+            return None
+        return {buf: GradSources.of(buf, [None] * len(buf.params)) for buf in opt.engine.buffers}
+
+    @contextmanager
+    def _counting_steps(self):
+        """Count the optimizer's steps inside (train_step's own and the body's), with torch's public step
+        post-hook; yields a list whose length is the count."""
+        steps = []
+        handle = self.opt.register_step_post_hook(lambda *args: steps.append(1))
+        try:
+            yield steps
+        finally:
+            handle.remove()
+
+    def run(self, gather=False):
+        """What the graph records. ``gather``: the step reads the gradients left in the graph's pool where
+        they lie (self.sources); their addresses are kept in self.recorded, for after capture (nothing runs
+        while recording), or set now when this runs eagerly. Otherwise, and when a step pre-hook is
+        registered (it reads the .grad views before the kernel runs), the gradients are copied in first
+        and the step reads them from the views (in warm-up through the same sources, pointing at the views:
+        that compiles the gathering kernel)."""
+        opt = self.opt
+        engine = opt.engine
+        grads = engine.landing
+        with self._counting_steps() as steps, engine.recorded():
+            try:
+                grads.release()  # zero_grad(): the gradients are copied in after backward (see flatopt.grads)
+                grads.deferred = True
+                out = self.fn(*self.static)
+                sources = None
+                if steps or not (gather and self.sources) or not engine.gathers():
+                    grads.settle()
+                    sources = None if steps or gather else self.sources
+                else:
+                    taken = grads.settle_gathering(GradSources.fits)  # alive until the step is launched
+                    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+                    for buf in engine.buffers:
+                        addresses = GradSources.addresses(buf, [taken.get(p) for p in buf.params])
+                        if capturing:
+                            self.recorded[buf] = addresses
+                        else:
+                            self.sources[buf].point_at(addresses)
+                    sources = self.sources
+                if not steps:
+                    if self.max_grad_norm is not None:
+                        opt.clip_grad_norm_(self.max_grad_norm)
+                    engine.gather_from(sources)
+                    opt.step()
+            except BaseException:
+                grads.restore()  # launching nothing: a failed recording leaves the stream unusable until it ends
+                raise
+            finally:
+                grads.deferred = False
+        return out
+
+    def warmup(self, graph_mode, check_sync=False):
+        """One warm-up iteration; returns how many times train_step stepped the optimizer."""
+        opt = self.opt
+        try:
+            if check_sync:
+                torch.cuda.set_sync_debug_mode("error")
+            if graph_mode:
+                self.run()
+            else:
+                with self._counting_steps() as steps:
+                    opt.zero_grad()
+                    self.fn(*self.static)
+                n = len(steps)
+                if not n:
+                    if self.max_grad_norm is not None:
+                        opt.clip_grad_norm_(self.max_grad_norm)
+                    opt.step()
+                return n
+        except RuntimeError as e:
+            if check_sync and "synchroniz" in str(e):
+                raise RuntimeError(_SYNC_HINT.format(cause=str(e).splitlines()[0])) from e
+            raise
+        finally:
+            if check_sync:
+                torch.cuda.set_sync_debug_mode("default")
+        return 0

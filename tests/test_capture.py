@@ -333,10 +333,10 @@ def tied_late_step(m, o, sc):
 
 @pytest.mark.filterwarnings("ignore:.*received no gradient")
 def test_recorded_body_run_eagerly_matches_eager_flatopt():
-    """What capture() records (CapturedStep._body: gradients copied in, unused views zeroed, then
+    """What capture() records (RecordedBody.run: gradients copied in, unused views zeroed, then
     train_step's own unscale_, clipping and step), run eagerly on the CPU, against eager flatopt with
     zero_grad: the same parameters, gradients and states over 6 steps, one with an inf."""
-    from flatopt.capture import CapturedStep
+    from flatopt.capture import RecordedBody
 
     torch.manual_seed(0)
     model = TiedLate()
@@ -345,16 +345,15 @@ def test_recorded_body_run_eagerly_matches_eager_flatopt():
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) for _ in range(2)]
     for m in (model, ref):  # stale gradients in the never-used layer: the recorded step must zero them
         m.unused.weight.grad.fill_(1.0)
-    body = object.__new__(CapturedStep)
-    body.opt, body.fn, body.max_grad_norm = opt, tied_late_step(model, opt, scalers[0]), None
+    body = RecordedBody(opt, tied_late_step(model, opt, scalers[0]), [])
     eager = tied_late_step(ref, opt_ref, scalers[1])
     g = torch.Generator().manual_seed(0)
     for i in range(1, 7):
         tokens, target = torch.randint(0, 50, (2, 16, 7), generator=g), torch.randint(0, 50, (2, 16), generator=g)
         poison = torch.tensor(float("inf") if i == 3 else 0.0)
-        body.static = [tokens, target, poison]
+        body.static[:] = [tokens, target, poison]
         opt.engine.refresh_hparams()  # as each replay's call does before the graph runs
-        body._body()
+        body.run()
         opt_ref.zero_grad(set_to_none=False)  # zeroed and added to: the other way gradients reach the buffer
         eager(tokens, target, poison)
         assert scalers[0].get_scale() == scalers[1].get_scale(), f"step {i}: loss scales differ"
@@ -400,14 +399,14 @@ def halve_grads(opt, args, kwargs):
 @pytest.mark.filterwarnings("ignore:.*received no gradient")
 @pytest.mark.parametrize("name", list(OPTS))
 def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
-    """What capture() records when train_step does not step (CapturedStep._body(gather=True): the
+    """What capture() records when train_step does not step (RecordedBody.run(gather=True): the
     kernel reads each new gradient where backward left it and stores it into its view as it steps),
     run eagerly with the Triton kernels (on the CPU under the interpreter), against eager flatopt: the
     same parameters, gradients and states over 4 steps (bit for bit under the interpreter, within
     variant_tol on a GPU), with a tied head, a parameter whose first gradient
     comes in the second micro-batch, one never used (its stale view must be zeroed) and one gradient
     that cannot be read in place (copied in instead)."""
-    from flatopt.capture import CapturedStep
+    from flatopt.capture import RecordedBody
 
     device = device_for("triton")
     tol = variant_tol(torch.float32, device)
@@ -417,9 +416,7 @@ def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
     opt, opt_ref = OPTS[name](model, backend="triton"), OPTS[name](ref, backend="triton")
     for m in (model, ref):
         m.unused.weight.grad.fill_(1.0)
-    body = object.__new__(CapturedStep)
-    body.opt, body.fn, body.max_grad_norm, body.steps_in_fn = opt, gathering_step(model, "view"), None, 0
-    body.sources, body.recorded = body._gather_sources(), {}
+    body = RecordedBody(opt, gathering_step(model, "view"), [])
     assert body.sources is not None
     eager = gathering_step(ref, "copy")
     buf = flatopt.inspect(opt).buffers[0]
@@ -427,9 +424,9 @@ def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
     for i in range(1, 5):
         tokens = torch.randint(0, 50, (2, 16, 7), generator=g).to(device)
         target = torch.randint(0, 50, (2, 16), generator=g).to(device)
-        body.static = [tokens, target]
+        body.static[:] = [tokens, target]
         opt.engine.refresh_hparams()  # as each replay's call does before the graph runs
-        body._body(gather=True)
+        body.run(gather=True)
         opt_ref.zero_grad()
         eager(tokens, target)
         opt_ref.step()
@@ -456,7 +453,7 @@ def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
 def test_a_step_pre_hook_sees_the_gradients_in_a_recorded_step():
     """A step pre-hook reads (here: halves) the .grad views before the kernel runs, so a recorded step
     with one copies the gradients in instead of gathering them: the same as eager flatopt with the hook."""
-    from flatopt.capture import CapturedStep
+    from flatopt.capture import RecordedBody
 
     device = device_for("triton")
     torch.manual_seed(0)
@@ -465,18 +462,16 @@ def test_a_step_pre_hook_sees_the_gradients_in_a_recorded_step():
     opt, opt_ref = flatopt.SGD(model, lr=0.1, backend="triton"), flatopt.SGD(ref, lr=0.1, backend="triton")
     for o in (opt, opt_ref):
         o.register_step_pre_hook(halve_grads)
-    body = object.__new__(CapturedStep)
-    body.opt, body.fn, body.max_grad_norm, body.steps_in_fn = opt, gathering_step(model), None, 0
-    body.sources, body.recorded = body._gather_sources(), {}
+    body = RecordedBody(opt, gathering_step(model), [])
     buf = flatopt.inspect(opt).buffers[0]
     views = [v.data_ptr() for v in buf.grad_views]
     g = torch.Generator().manual_seed(0)
     for i in range(1, 4):
         tokens = torch.randint(0, 50, (2, 16, 7), generator=g).to(device)
         target = torch.randint(0, 50, (2, 16), generator=g).to(device)
-        body.static = [tokens, target]
+        body.static[:] = [tokens, target]
         opt.engine.refresh_hparams()
-        body._body(gather=True)
+        body.run(gather=True)
         opt_ref.zero_grad()
         gathering_step(ref)(tokens, target)
         opt_ref.step()

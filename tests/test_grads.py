@@ -566,7 +566,7 @@ def test_deferred_landing_copies_gradients_that_share_storage_at_once():
     """Autograd hands both branches of an add views of one tensor: two parameters' .grad share storage. Left
     in the pool together, an in-place change (a second micro-batch, unscale_) would reach both twice; the
     second one is copied at once, so the captured body matches eager flatopt."""
-    from flatopt.capture import CapturedStep
+    from flatopt.capture import RecordedBody
 
     torch.manual_seed(0)
     w = torch.randn(12)
@@ -579,11 +579,10 @@ def test_deferred_landing_copies_gradients_that_share_storage_at_once():
         for _ in range(2):
             (w * (a.view(-1) + b.view(-1))).sum().backward()
 
-    body = object.__new__(CapturedStep)
-    body.opt, body.fn, body.max_grad_norm, body.static = opts[0], lambda: train_step(*ps[0]), None, []
+    body = RecordedBody(opts[0], lambda: train_step(*ps[0]), [])
     for _ in range(2):
         opts[0].engine.refresh_hparams()  # as each replay's call does before the graph runs
-        body._body()
+        body.run()
         opts[1].zero_grad()
         train_step(*ps[1])
         opts[1].step()
