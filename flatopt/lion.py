@@ -1,14 +1,18 @@
-"""flatopt.Lion."""
+"""flatopt.Lion: the torch.optim face of :data:`flatopt.rules.LION`."""
 
-import torch
-
-from flatopt import _docs, functional
+from flatopt import _docs, rules
 from flatopt.optimizer import FlatOptimizer, reject_kwargs
 
 
 class Lion(FlatOptimizer):
-    _state_names = ("exp_avg",)
-    _functional = staticmethod(functional.lion)
+    rule = rules.LION
+    # what FlatOptimizer reads, delegated to the rule
+    _state_names = rule.state_names
+    _exported_step = rule.exported_step
+    _functional = staticmethod(rule.functional)
+    _check_hparams = staticmethod(rule.check)
+    _hparam_row = staticmethod(rule.row)
+    _uses_state = staticmethod(rule.uses_state)
 
     def __init__(
         self,
@@ -26,7 +30,7 @@ class Lion(FlatOptimizer):
         bucket_size=None,
         **kwargs,
     ):
-        reject_kwargs("Lion", kwargs, use_triton=use_triton, decoupled_weight_decay=decoupled_weight_decay)
+        reject_kwargs(self.rule.name, kwargs, use_triton=use_triton, decoupled_weight_decay=decoupled_weight_decay)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay)
         super().__init__(
             params,
@@ -37,34 +41,6 @@ class Lion(FlatOptimizer):
             in_backward=in_backward,
             bucket_size=bucket_size,
         )
-
-    @staticmethod
-    def _check_hparams(group):
-        lr, betas = group["lr"], group["betas"]
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas}")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= beta <= 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
-        if not 0.0 <= group["weight_decay"]:
-            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
-
-    @staticmethod
-    def _hparam_row(group):
-        lr = group["lr"]
-        beta1, beta2 = (float(b) for b in group["betas"])
-        return [
-            0.0 if isinstance(lr, torch.Tensor) else float(lr),
-            beta1,
-            1.0 - beta1,
-            beta2,
-            1.0 - beta2,
-            float(group["weight_decay"]),
-        ]
 
 
 Lion.__doc__ = rf"""Implements Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"),

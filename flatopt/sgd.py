@@ -1,14 +1,18 @@
-"""flatopt.SGD."""
+"""flatopt.SGD: the torch.optim face of :data:`flatopt.rules.SGD`."""
 
-import torch
-
-from flatopt import _docs, functional
+from flatopt import _docs, rules
 from flatopt.optimizer import FlatOptimizer, reject_kwargs
 
 
 class SGD(FlatOptimizer):
-    _state_names = ("momentum_buffer",)
-    _functional = staticmethod(functional.sgd)
+    rule = rules.SGD
+    # what FlatOptimizer reads, delegated to the rule
+    _state_names = rule.state_names
+    _exported_step = rule.exported_step
+    _functional = staticmethod(rule.functional)
+    _check_hparams = staticmethod(rule.check)
+    _hparam_row = staticmethod(rule.row)
+    _uses_state = staticmethod(rule.uses_state)
 
     def __init__(
         self,
@@ -30,7 +34,7 @@ class SGD(FlatOptimizer):
         bucket_size=None,
         **kwargs,
     ):
-        reject_kwargs("SGD", kwargs, foreach=foreach, differentiable=differentiable, fused=fused)
+        reject_kwargs(self.rule.name, kwargs, foreach=foreach, differentiable=differentiable, fused=fused)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -48,35 +52,6 @@ class SGD(FlatOptimizer):
             in_backward=in_backward,
             bucket_size=bucket_size,
         )
-
-    @staticmethod
-    def _check_hparams(group):
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if group["momentum"] < 0.0:
-            raise ValueError(f"Invalid momentum value: {group['momentum']}")
-        if group["weight_decay"] < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
-        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-
-    @staticmethod
-    def _hparam_row(group):
-        lr = group["lr"]
-        return [
-            0.0 if isinstance(lr, torch.Tensor) else float(lr),
-            float(group["momentum"]),
-            1.0 - float(group["dampening"]),
-            float(group["weight_decay"]),
-            1.0 if group["nesterov"] else 0.0,
-            -1.0 if group["maximize"] else 1.0,
-        ]
-
-    def _uses_state(self, name, group):
-        return group["momentum"] != 0
 
 
 SGD.__doc__ = rf"""Implements stochastic gradient descent, optionally with momentum, dampening, Nesterov
