@@ -7,20 +7,21 @@ the storage dtype; the states have the parameter's dtype.
 import triton
 import triton.language as tl
 
-from .common import begin_step, finish_step, launch, load_grad, one_minus_pow
+from flatopt.rules import ADAMW
 
-# Columns of the float32 hyper-parameter table, one row per param group.
-LR = tl.constexpr(0)
-BETA1 = tl.constexpr(1)  # not read by the kernel (it uses ONE_MINUS_BETA1); kept so the columns stay put
-ONE_MINUS_BETA1 = tl.constexpr(2)
-BETA2 = tl.constexpr(3)
-ONE_MINUS_BETA2 = tl.constexpr(4)
-LOG_BETA1 = tl.constexpr(5)
-LOG_BETA2 = tl.constexpr(6)
-EPS = tl.constexpr(7)
-WEIGHT_DECAY = tl.constexpr(8)
-GRAD_SIGN = tl.constexpr(9)  # -1.0 when maximize
-NUM_HPARAMS = 10
+from .common import begin_step, column, finish_step, launch, load_grad, one_minus_pow
+
+# The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.ADAMW puts them.
+LR = column(ADAMW, "lr")
+ONE_MINUS_BETA1 = column(ADAMW, "one_minus_beta1")
+BETA2 = column(ADAMW, "beta2")
+ONE_MINUS_BETA2 = column(ADAMW, "one_minus_beta2")
+LOG_BETA1 = column(ADAMW, "log_beta1")
+LOG_BETA2 = column(ADAMW, "log_beta2")
+EPS = column(ADAMW, "eps")
+WEIGHT_DECAY = column(ADAMW, "weight_decay")
+GRAD_SIGN = column(ADAMW, "grad_sign")
+NUM_HPARAMS = ADAMW.num_hparams
 
 
 @triton.jit

@@ -29,13 +29,20 @@ per program instead of per element.
 import triton
 import triton.language as tl
 
-GRANULE = 64  # elements per entry of param_of_granule; parameter starts are aligned to it
+from flatopt.layout import ALIGN as GRANULE  # elements per param_of_granule entry: parameter starts align to it
+
 # Elements of each buffer per program, whatever the dtype: 16 KiB of float32, 8 KiB of bfloat16/float16.
 # On an H100 (benchmarks/profile_step.py), 8192 bf16 elements per program (16 KiB, as float32 has) ran
 # AdamW at 93.5-95.5 % of the floor where 4096 ran at 97.7-99.3 %; bf16 SGD was within 0.5 % either way.
 BLOCK_SIZE = 4096
 NUM_WARPS = 8
 STEP_BLOCK = 1024  # step counters advanced per block (by every program in a UNIFORM launch, else by the last)
+
+
+def column(rule, name):
+    """The index of column ``name`` of ``rule``'s hyper-parameter table (a :class:`flatopt.rules.Rule`), as a
+    constant the kernels can read: ``LR = column(ADAMW, "lr")``, then ``tl.load(row + LR)``."""
+    return tl.constexpr(rule.columns.index(name))
 
 
 @triton.jit

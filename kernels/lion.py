@@ -10,15 +10,18 @@ Optimization Algorithms"), with decoupled weight decay as lion-pytorch applies i
 import triton
 import triton.language as tl
 
-from .common import begin_step, finish_step, launch, load_grad
+from flatopt.rules import LION
 
-LR = tl.constexpr(0)
-BETA1 = tl.constexpr(1)
-ONE_MINUS_BETA1 = tl.constexpr(2)
-BETA2 = tl.constexpr(3)
-ONE_MINUS_BETA2 = tl.constexpr(4)
-WEIGHT_DECAY = tl.constexpr(5)
-NUM_HPARAMS = 6
+from .common import begin_step, column, finish_step, launch, load_grad
+
+# The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.LION puts them.
+LR = column(LION, "lr")
+BETA1 = column(LION, "beta1")
+ONE_MINUS_BETA1 = column(LION, "one_minus_beta1")
+BETA2 = column(LION, "beta2")
+ONE_MINUS_BETA2 = column(LION, "one_minus_beta2")
+WEIGHT_DECAY = column(LION, "weight_decay")
+NUM_HPARAMS = LION.num_hparams
 
 
 @triton.jit

@@ -7,15 +7,18 @@ count is 0 initialises its momentum buffer with the update itself, as torch does
 import triton
 import triton.language as tl
 
-from .common import as_block, begin_step, finish_step, launch, load_grad
+from flatopt.rules import SGD
 
-LR = tl.constexpr(0)
-MOMENTUM = tl.constexpr(1)
-ONE_MINUS_DAMPENING = tl.constexpr(2)
-WEIGHT_DECAY = tl.constexpr(3)
-NESTEROV = tl.constexpr(4)  # 1.0 or 0.0
-GRAD_SIGN = tl.constexpr(5)  # -1.0 when maximize
-NUM_HPARAMS = 6
+from .common import as_block, begin_step, column, finish_step, launch, load_grad
+
+# The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.SGD puts them.
+LR = column(SGD, "lr")
+MOMENTUM = column(SGD, "momentum")
+ONE_MINUS_DAMPENING = column(SGD, "one_minus_dampening")
+WEIGHT_DECAY = column(SGD, "weight_decay")
+NESTEROV = column(SGD, "nesterov")
+GRAD_SIGN = column(SGD, "grad_sign")
+NUM_HPARAMS = SGD.num_hparams
 
 
 @triton.jit
