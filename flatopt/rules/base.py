@@ -78,12 +78,12 @@ class Rule:
         return {c: table[i] for i, c in enumerate(self.columns)}
 
     def check_table(self, hparams):
-        """Raise ValueError unless ``hparams`` is a ``[groups, num_hparams]`` table of this rule."""
-        if hparams.dim() != 2 or hparams.shape[1] != self.num_hparams:
+        """Raise ValueError unless ``hparams`` is a float32 ``[groups, num_hparams]`` table of this rule."""
+        if hparams.dim() != 2 or hparams.shape[1] != self.num_hparams or hparams.dtype != torch.float32:
             raise ValueError(
-                f"{self.name}'s hyper-parameter table is [groups, {self.num_hparams}] (columns "
-                f"{', '.join(self.columns)}), got shape {tuple(hparams.shape)}; build its rows with "
-                f"flatopt.{self.name}.rule.row(group)"
+                f"{self.name}'s hyper-parameter table is float32 [groups, {self.num_hparams}] (columns "
+                f"{', '.join(self.columns)}), got {hparams.dtype} of shape {tuple(hparams.shape)}; build its rows "
+                f"with flatopt.{self.name}.rule.row(group)"
             )
 
 
