@@ -1,10 +1,6 @@
-"""Lion over one flat buffer in one launch (Chen et al. 2023, "Symbolic Discovery of
-Optimization Algorithms"), with decoupled weight decay as lion-pytorch applies it::
-
-    p   <- p * (1 - lr * weight_decay)
-    c   <- beta1 * m + (1 - beta1) * g
-    p   <- p - lr * sign(c)
-    m   <- beta2 * m + (1 - beta2) * g
+"""Lion over one flat buffer in one launch: the update of ``flatopt.rules.lion`` (Chen et al. 2023, decoupled
+weight decay as lion-pytorch applies it), in float32 whatever the storage dtype; the state has the
+parameter's dtype.
 """
 
 import triton

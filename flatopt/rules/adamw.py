@@ -4,23 +4,25 @@ import math
 
 import torch
 
-from flatopt.rules.base import Rule, check_at_least_zero, check_betas, check_lr, lr_value
+from flatopt.rules.base import Rule, beta_values, check_at_least_zero, check_betas, check_lr, lr_value
 
 
 def values(group):
-    beta1, beta2 = (float(b) for b in group["betas"])
+    betas = beta_values(group)
     return dict(
         lr=lr_value(group),
-        beta1=beta1,
-        one_minus_beta1=1.0 - beta1,
-        beta2=beta2,
-        one_minus_beta2=1.0 - beta2,
-        log_beta1=math.log(beta1) if beta1 > 0 else -math.inf,
-        log_beta2=math.log(beta2) if beta2 > 0 else -math.inf,
+        **betas,
+        log_beta1=log_or_minus_inf(betas["beta1"]),
+        log_beta2=log_or_minus_inf(betas["beta2"]),
         eps=float(group["eps"]),
         weight_decay=float(group["weight_decay"]),
         grad_sign=-1.0 if group["maximize"] else 1.0,
     )
+
+
+def log_or_minus_inf(beta):
+    """log(beta) in float64, -inf for 0: the bias corrections 1 - beta**t are computed from it."""
+    return math.log(beta) if beta > 0 else -math.inf
 
 
 def check(group):
@@ -62,7 +64,7 @@ ADAMW = Rule(
         "one_minus_beta1",
         "beta2",
         "one_minus_beta2",
-        "log_beta1",  # log(beta1) in float64 (-inf for 0): the bias corrections are taken from it
+        "log_beta1",  # see log_or_minus_inf
         "log_beta2",
         "eps",
         "weight_decay",

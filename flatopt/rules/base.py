@@ -93,6 +93,12 @@ def lr_value(group):
     return 0.0 if isinstance(lr, torch.Tensor) else float(lr)
 
 
+def beta_values(group):
+    """Columns ``beta1``, ``one_minus_beta1``, ``beta2`` and ``one_minus_beta2`` of a group's ``betas``."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return dict(beta1=beta1, one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2)
+
+
 def check_lr(lr, *, nan_ok=False):
     """A float lr >= 0 or a 1-element tensor. ``nan_ok``: compare ``lr < 0.0`` as torch.optim.SGD does,
     which lets NaN through, rather than ``not 0.0 <= lr`` (torch.optim.AdamW)."""

@@ -9,19 +9,11 @@ decay as lion-pytorch applies it::
 
 import torch
 
-from flatopt.rules.base import Rule, check_at_least_zero, check_betas, check_lr, lr_value
+from flatopt.rules.base import Rule, beta_values, check_at_least_zero, check_betas, check_lr, lr_value
 
 
 def values(group):
-    beta1, beta2 = (float(b) for b in group["betas"])
-    return dict(
-        lr=lr_value(group),
-        beta1=beta1,
-        one_minus_beta1=1.0 - beta1,
-        beta2=beta2,
-        one_minus_beta2=1.0 - beta2,
-        weight_decay=float(group["weight_decay"]),
-    )
+    return dict(lr=lr_value(group), **beta_values(group), weight_decay=float(group["weight_decay"]))
 
 
 def check(group):
