@@ -1,19 +1,12 @@
-"""flatopt.AdamW."""
+"""flatopt.AdamW: the torch.optim face of :data:`flatopt.rules.ADAMW`."""
 
-import math
-from types import SimpleNamespace
-
-import torch
-
-from flatopt import _docs, functional
+from flatopt import _docs, rules
 from flatopt.optimizer import FlatOptimizer
 from flatopt.options import check_torch_options
 
 
 class AdamW(FlatOptimizer):
-    _state_names = ("exp_avg", "exp_avg_sq")
-    _exported_step = True
-    _functional = staticmethod(functional.adamw)
+    rule = rules.ADAMW
 
     def __init__(
         self,
@@ -32,7 +25,7 @@ class AdamW(FlatOptimizer):
         **options,
     ):
         check_torch_options(
-            "AdamW",
+            self.rule.name,
             amsgrad=amsgrad,
             foreach=foreach,
             capturable=capturable,
@@ -41,43 +34,6 @@ class AdamW(FlatOptimizer):
         )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, **options)
-
-    @staticmethod
-    def _check_hparams(group):
-        lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if group.get("amsgrad", False):
-            raise ValueError("flatopt.AdamW does not implement amsgrad; use torch.optim.AdamW(amsgrad=True)")
-
-    @staticmethod
-    def _hparam_row(group):
-        lr = group["lr"]
-        beta1, beta2 = (float(b) for b in group["betas"])
-        return [
-            0.0 if isinstance(lr, torch.Tensor) else float(lr),
-            beta1,
-            1.0 - beta1,
-            beta2,
-            1.0 - beta2,
-            math.log(beta1) if beta1 > 0 else -math.inf,
-            math.log(beta2) if beta2 > 0 else -math.inf,
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            -1.0 if group["maximize"] else 1.0,
-        ]
 
 
 AdamW.__doc__ = rf"""Implements AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization"),
@@ -105,15 +61,3 @@ AdamW.__doc__ = rf"""Implements AdamW (Loshchilov & Hutter, "Decoupled Weight De
         {_docs.FUSED}
         {_docs.FLAT}
 {_docs.NOTES}"""
-
-
-# The rule of AdamW as the base class reads it (see flatopt.optimizer.FlatOptimizer.rule).
-AdamW.rule = SimpleNamespace(
-    name="AdamW",
-    state_names=AdamW._state_names,
-    exported_step=AdamW._exported_step,
-    row=AdamW._hparam_row,
-    check=AdamW._check_hparams,
-    uses_state=lambda name, group: True,
-    functional=AdamW._functional,
-)

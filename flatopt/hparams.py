@@ -20,11 +20,13 @@ class HParamTable:
     Args:
         row (Callable[[dict], list[float]]): a param group's row.
         check (Callable[[dict], None]): validates a param group (raises ValueError).
+        lr_column (int): where a tensor lr is copied into a row (default: 0)
     """
 
-    def __init__(self, row, check):
+    def __init__(self, row, check, lr_column=0):
         self.row = row
         self.check = check
+        self.lr_column = lr_column
         self.tables = {}  # device -> float32 [groups, columns]
         self.rows = None  # the rows last uploaded
         self.lrs = None  # the tensor lrs (or None) the rows were last validated with, by identity
@@ -72,5 +74,5 @@ class HParamTable:
             self.rows, self.lrs = rows, lrs
         for gi, lr in tensor_lrs:
             for table in self.tables.values():
-                table[gi, 0].copy_(lr.detach().reshape(()), non_blocking=True)  # no autograd history
+                table[gi, self.lr_column].copy_(lr.detach().reshape(()), non_blocking=True)  # no autograd history
         return changed

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-ALIGN = 64  # elements; equal to flatopt.kernels.common.GRANULE
+ALIGN = 64  # elements; also the kernels' GRANULE (flatopt.kernels.common imports it from here)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

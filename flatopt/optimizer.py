@@ -50,7 +50,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             params = list(params.parameters())
         self.names = Names(by_name, [])
         self.rule.check(defaults)
-        self.hparams = HParamTable(self.rule.row, self.rule.check)
+        self.hparams = HParamTable(self.rule.row, self.rule.check, self.rule.lr_column)
         super().__init__(params, defaults)
         self.names.param_groups = self.param_groups
         self.backend = self._choose_backend(self.options.backend)

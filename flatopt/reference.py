@@ -1,59 +1,20 @@
 """Pure-torch reference of every kernel: the ground truth of the tests and the ``"torch"`` backend.
 
-The ``*_math`` functions hold each update rule once. Their hyper-parameters are floats or float32
-tensors that broadcast against the data (one value per element when a buffer holds several groups),
-the math runs in float32 whatever the storage dtype, and they return the new values without
-writing anything. The ``*_step`` functions apply them to a flat buffer with the same arguments as
-the Triton launchers in ``flatopt.kernels``.
+Each update's math lives once, in its rule (``flatopt.rules``; re-exported here as ``adamw_math``,
+``sgd_math``, ``lion_math``): hyper-parameters by column name, floats or float32 tensors that broadcast
+against the data (one value per element when a buffer holds several groups), math in float32 whatever
+the storage dtype, new values returned without writing anything. The ``*_step`` functions apply a rule
+to a flat buffer with the same arguments as the Triton launchers in ``flatopt.kernels``.
 """
 
 import torch
 
-from flatopt.kernels.adamw import NUM_HPARAMS as ADAMW_HP
-from flatopt.kernels.lion import NUM_HPARAMS as LION_HP
-from flatopt.kernels.sgd import NUM_HPARAMS as SGD_HP
 from flatopt.layout import ALIGN
+from flatopt.rules import ADAMW, LION, SGD
+
+adamw_math, sgd_math, lion_math = ADAMW.math, SGD.math, LION.math
 
 __all__ = ["adamw_math", "sgd_math", "lion_math", "adamw_step", "sgd_step", "lion_step"]
-
-
-def one_minus_pow(log_beta, t):
-    """1 - beta**t from log(beta), in float64."""
-    return -torch.expm1(torch.as_tensor(t, dtype=torch.float64) * torch.as_tensor(log_beta, dtype=torch.float64))
-
-
-def adamw_math(p, g, m, v, *, t, lr, beta1, omb1, beta2, omb2, log_beta1, log_beta2, eps, weight_decay, grad_sign):
-    """One AdamW update (torch.optim.AdamW's order of operations); ``t`` counts this step."""
-    g = g * grad_sign
-    p = p * (1.0 - lr * weight_decay)
-    m = m + omb1 * (g - m)
-    v = v * beta2 + omb2 * g * g
-    step_size = (lr / one_minus_pow(log_beta1, t)).float()
-    bias_correction2_sqrt = one_minus_pow(log_beta2, t).sqrt().float()
-    denom = v.sqrt() / bias_correction2_sqrt + eps
-    return p + (-step_size) * (m / denom), m, v
-
-
-def sgd_math(p, g, buf, *, first, lr, momentum, one_minus_dampening, weight_decay, nesterov, grad_sign):
-    """One SGD update (torch.optim.SGD); ``first`` is True where the momentum buffer is not yet set.
-
-    Returns the new parameter and momentum buffer (None when ``buf`` is None).
-    """
-    d = g * grad_sign + weight_decay * p
-    if buf is not None:
-        buf = torch.where(first, d, buf * momentum + one_minus_dampening * d)
-        with_momentum = torch.where(nesterov != 0, d + momentum * buf, buf)
-        d = torch.where(momentum != 0, with_momentum, d)
-    return p + (-lr) * d, buf
-
-
-def lion_math(p, g, m, *, lr, beta1, omb1, beta2, omb2, weight_decay):
-    """One Lion update (Chen et al. 2023, decoupled weight decay as in lion-pytorch)."""
-    p = p * (1.0 - lr * weight_decay)
-    c = m * beta1 + omb1 * g
-    p = p + (-lr) * torch.sign(c)
-    m = m * beta2 + omb2 * g
-    return p, m
 
 
 def _pieces(meta, hparams, numel):
@@ -123,55 +84,29 @@ def _unscale(grad, grad_scale):
     return g, [(grad, g)]
 
 
-def adamw_step(
-    param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None
-):
-    assert hparams.shape[1] == ADAMW_HP
+def step(rule, param, grad, states, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None):
+    """One step of ``rule`` (a :class:`flatopt.rules.Rule`) over the flat ``param``, ``grad`` and ``states`` (in
+    ``rule.state_names`` order; None for a state no group uses), with flatopt.kernels.common.launch's
+    arguments (``block_size`` is the kernels' and changes nothing here)."""
+    rule.check_table(hparams)
     gather(grad, sources, meta)
 
     def update(s, e, h, steps):
         g, store_grad = _unscale(grad[s:e], grad_scale)
-        p, m, v = adamw_math(
-            param[s:e].float(), g, exp_avg[s:e].float(), exp_avg_sq[s:e].float(), t=steps + 1,
-            lr=h[0], beta1=h[1], omb1=h[2], beta2=h[3], omb2=h[4], log_beta1=h[5], log_beta2=h[6],
-            eps=h[7], weight_decay=h[8], grad_sign=h[9],
-        )  # fmt: skip
-        return [(param[s:e], p), (exp_avg[s:e], m), (exp_avg_sq[s:e], v), *store_grad]
+        old = [None if x is None else x[s:e].float() for x in states]
+        p, *new = rule.math(param[s:e].float(), g, *old, steps=steps, **rule.named(h))
+        return [(param[s:e], p), *((x[s:e], v) for x, v in zip(states, new) if x is not None), *store_grad]
 
     _run(meta, hparams, param.numel(), found_inf, update)
 
 
-def sgd_step(
-    param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None
-):
-    assert hparams.shape[1] == SGD_HP
-    gather(grad, sources, meta)
-
-    def update(s, e, h, steps):
-        g, store_grad = _unscale(grad[s:e], grad_scale)
-        buf = None if momentum_buffer is None else momentum_buffer[s:e].float()
-        p, new_buf = sgd_math(
-            param[s:e].float(), g, buf, first=steps == 0, lr=h[0], momentum=h[1], one_minus_dampening=h[2],
-            weight_decay=h[3], nesterov=h[4], grad_sign=h[5],
-        )  # fmt: skip
-        writes = [(param[s:e], p), *store_grad]
-        if buf is not None:
-            writes.append((momentum_buffer[s:e], torch.where(h[1] != 0, new_buf, buf)))
-        return writes
-
-    _run(meta, hparams, param.numel(), found_inf, update)
+def adamw_step(param, grad, exp_avg, exp_avg_sq, **launch_args):
+    step(ADAMW, param, grad, (exp_avg, exp_avg_sq), **launch_args)
 
 
-def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None):
-    assert hparams.shape[1] == LION_HP
-    gather(grad, sources, meta)
+def sgd_step(param, grad, momentum_buffer, **launch_args):
+    step(SGD, param, grad, (momentum_buffer,), **launch_args)
 
-    def update(s, e, h, steps):
-        g, store_grad = _unscale(grad[s:e], grad_scale)
-        p, m = lion_math(
-            param[s:e].float(), g, exp_avg[s:e].float(),
-            lr=h[0], beta1=h[1], omb1=h[2], beta2=h[3], omb2=h[4], weight_decay=h[5],
-        )  # fmt: skip
-        return [(param[s:e], p), (exp_avg[s:e], m), *store_grad]
 
-    _run(meta, hparams, param.numel(), found_inf, update)
+def lion_step(param, grad, exp_avg, **launch_args):
+    step(LION, param, grad, (exp_avg,), **launch_args)

@@ -1,17 +1,12 @@
-"""flatopt.SGD."""
+"""flatopt.SGD: the torch.optim face of :data:`flatopt.rules.SGD`."""
 
-from types import SimpleNamespace
-
-import torch
-
-from flatopt import _docs, functional
+from flatopt import _docs, rules
 from flatopt.optimizer import FlatOptimizer
 from flatopt.options import check_torch_options
 
 
 class SGD(FlatOptimizer):
-    _state_names = ("momentum_buffer",)
-    _functional = staticmethod(functional.sgd)
+    rule = rules.SGD
 
     def __init__(
         self,
@@ -28,7 +23,7 @@ class SGD(FlatOptimizer):
         fused=None,
         **options,
     ):
-        check_torch_options("SGD", foreach=foreach, differentiable=differentiable, fused=fused)
+        check_torch_options(self.rule.name, foreach=foreach, differentiable=differentiable, fused=fused)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -38,35 +33,6 @@ class SGD(FlatOptimizer):
             maximize=maximize,
         )
         super().__init__(params, defaults, **options)
-
-    @staticmethod
-    def _check_hparams(group):
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if group["momentum"] < 0.0:
-            raise ValueError(f"Invalid momentum value: {group['momentum']}")
-        if group["weight_decay"] < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
-        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-
-    @staticmethod
-    def _hparam_row(group):
-        lr = group["lr"]
-        return [
-            0.0 if isinstance(lr, torch.Tensor) else float(lr),
-            float(group["momentum"]),
-            1.0 - float(group["dampening"]),
-            float(group["weight_decay"]),
-            1.0 if group["nesterov"] else 0.0,
-            -1.0 if group["maximize"] else 1.0,
-        ]
-
-    def _uses_state(self, name, group):
-        return group["momentum"] != 0
 
 
 SGD.__doc__ = rf"""Implements stochastic gradient descent, optionally with momentum, dampening, Nesterov
@@ -90,15 +56,3 @@ SGD.__doc__ = rf"""Implements stochastic gradient descent, optionally with momen
         {_docs.FUSED}
         {_docs.FLAT}
 {_docs.NOTES}"""
-
-
-# The rule of SGD as the base class reads it (see flatopt.optimizer.FlatOptimizer.rule).
-SGD.rule = SimpleNamespace(
-    name="SGD",
-    state_names=SGD._state_names,
-    exported_step=False,
-    row=SGD._hparam_row,
-    check=SGD._check_hparams,
-    uses_state=lambda name, group: group["momentum"] != 0,
-    functional=SGD._functional,
-)

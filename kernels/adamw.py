@@ -7,20 +7,21 @@ the storage dtype; the states have the parameter's dtype.
 import triton
 import triton.language as tl
 
-from .common import begin_step, finish_step, launch, load_grad, one_minus_pow
+from flatopt.rules import ADAMW
 
-# Columns of the float32 hyper-parameter table, one row per param group.
-LR = tl.constexpr(0)
-BETA1 = tl.constexpr(1)  # not read by the kernel (it uses ONE_MINUS_BETA1); kept so the columns stay put
-ONE_MINUS_BETA1 = tl.constexpr(2)
-BETA2 = tl.constexpr(3)
-ONE_MINUS_BETA2 = tl.constexpr(4)
-LOG_BETA1 = tl.constexpr(5)
-LOG_BETA2 = tl.constexpr(6)
-EPS = tl.constexpr(7)
-WEIGHT_DECAY = tl.constexpr(8)
-GRAD_SIGN = tl.constexpr(9)  # -1.0 when maximize
-NUM_HPARAMS = 10
+from .common import begin_step, column, finish_step, launch, load_grad, one_minus_pow
+
+# The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.ADAMW puts them.
+LR = column(ADAMW, "lr")
+ONE_MINUS_BETA1 = column(ADAMW, "one_minus_beta1")
+BETA2 = column(ADAMW, "beta2")
+ONE_MINUS_BETA2 = column(ADAMW, "one_minus_beta2")
+LOG_BETA1 = column(ADAMW, "log_beta1")
+LOG_BETA2 = column(ADAMW, "log_beta2")
+EPS = column(ADAMW, "eps")
+WEIGHT_DECAY = column(ADAMW, "weight_decay")
+GRAD_SIGN = column(ADAMW, "grad_sign")
+NUM_HPARAMS = ADAMW.num_hparams
 
 
 @triton.jit
@@ -29,30 +30,13 @@ def adamw_kernel(
     g_ptr,  # gradients (unscaled in place when HAS_GRAD_SCALE, as torch's fused kernel does)
     m_ptr,  # exp_avg
     v_ptr,  # exp_avg_sq
-    hp_ptr,  # float32 [groups, NUM_HPARAMS]
-    param_of_granule_ptr,
-    param_group_ptr,
-    step_ptr,
-    active_ptr,
-    grad_scale_ptr,
-    found_inf_ptr,
-    counter_ptr,
-    src_ptr,  # GATHER: int64 [params], the address of each parameter's gradient (see common.gather_grad)
-    start_ptr,  # GATHER: int64 [params], where each parameter starts in the flat buffers
-    numel_ptr,  # GATHER: int64 [params], each parameter's number of elements
-    n_elements,  # length of the flat buffers
-    param_lo,  # the launch steps parameters [param_lo, param_hi) of the buffer
-    param_hi,
-    NUM_HP: tl.constexpr,
-    GRANULE: tl.constexpr,
-    UNIFORM: tl.constexpr,
-    HAS_ACTIVE: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    STEP_BLOCK: tl.constexpr,
+    # then the arguments launch() passes every kernel, in its order (common.py's docstring says what each is)
+    hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr, found_inf_ptr, counter_ptr,
+    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi,
+    NUM_HP: tl.constexpr, GRANULE: tl.constexpr, UNIFORM: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP_BLOCK: tl.constexpr,
     GATHER: tl.constexpr,
-):
+):  # fmt: skip
     offsets, row, steps, active, inv_scale, skipped = begin_step(
         n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
         found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
@@ -92,18 +76,6 @@ def adamw_kernel(
     finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)
 
 
-def adamw_step(
-    param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None
-):
-    """One AdamW step over a flat buffer; ``meta`` is the buffer's :class:`flatopt.layout.StepMeta`."""
-    launch(
-        adamw_kernel,
-        (param, grad, exp_avg, exp_avg_sq),
-        hparams=hparams,
-        meta=meta,
-        grad_scale=grad_scale,
-        found_inf=found_inf,
-        block_size=block_size,
-        num_hparams=NUM_HPARAMS,
-        sources=sources,
-    )
+def adamw_step(param, grad, exp_avg, exp_avg_sq, **launch_args):
+    """One AdamW step over a flat buffer; ``launch_args``: see :func:`flatopt.kernels.common.launch`."""
+    launch(adamw_kernel, ADAMW, (param, grad, exp_avg, exp_avg_sq), **launch_args)

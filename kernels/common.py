@@ -1,41 +1,53 @@
 """Pieces shared by every optimizer kernel: the per-element parameter lookup, the step
 counter update, and the launch parameters.
 
-Every kernel steps one flat buffer in one launch. Besides the buffers it receives:
+Every kernel steps one flat buffer in one launch. After its buffers (``p_ptr``, ``g_ptr``, then its
+states) every kernel takes the same arguments, which :func:`launch` passes, in this order:
 
-* ``hparams``: float32 ``[groups, NUM_HPARAMS]``, one row of hyper-parameters per param group.
-* ``param_of_granule``: int32, the index of the parameter that owns each ``GRANULE``-element
+* ``hp_ptr``: float32 ``[groups, NUM_HP]``, one row of hyper-parameters per param group, its columns
+  where the kernel's rule (``flatopt.rules``) puts them; each kernel reads them by name (:func:`column`).
+* ``param_of_granule_ptr``: int32, the index of the parameter that owns each ``GRANULE``-element
   granule of the buffer (parameter starts are ``GRANULE``-aligned, so a granule never spans two).
-* ``param_group``: int32 ``[params]``, the param group (row of ``hparams``) of each parameter.
-* ``steps``: float32 ``[params]``, each parameter's number of completed steps.
-* ``active``: uint8 ``[params]`` or None; where 0, the parameter is left untouched this step.
-* ``counter``: int32 ``[1]``, zero between launches; the last program to finish uses it to
+* ``param_group_ptr``: int32 ``[params]``, the param group (row of ``hparams``) of each parameter.
+* ``step_ptr``: float32 ``[params]``, each parameter's number of completed steps.
+* ``active_ptr``: uint8 ``[params]`` or None; where 0, the parameter is left untouched this step.
+* ``grad_scale_ptr``, ``found_inf_ptr``: float32 ``[1]`` or None, GradScaler's (see load_scale_and_skip).
+* ``counter_ptr``: int32 ``[1]``, zero between launches; the last program to finish uses it to
   advance ``steps`` once every program has read them, so the whole step is one launch.
-* ``param_lo``, ``param_hi``: the launch steps parameters ``[param_lo, param_hi)`` of the buffer.
-  ``param_of_granule`` holds absolute parameter indices, so a launch over a slice of the buffer
-  (in-backward mode steps one bucket of consecutive parameters at a time) passes the slice of
-  ``param_of_granule`` and the whole ``param_group``/``steps``/``active`` tables.
-
-``UNIFORM`` buffers (one param group, equal steps, no ``active`` mask) read those scalars once
-per program instead of per element.
-
-* ``src``, ``start``, ``numel`` (``GATHER``, a launch's ``sources=``, a
+* ``src_ptr``, ``start_ptr``, ``numel_ptr`` (``GATHER``, a launch's ``sources=``, a
   :class:`flatopt.layout.GradSources`): int64 ``[params]``; the gradients are read from each
   parameter's own gradient tensor at ``src`` instead of from the flat gradient buffer, and stored
   into it as the kernel steps (see gather_grad). This saves the read back of a copy into the buffer
   before the step: ``capture()`` steps this way (``benchmarks/profile_step.py`` times it alone).
+* ``n_elements``: the length of the flat buffers.
+* ``param_lo``, ``param_hi``: the launch steps parameters ``[param_lo, param_hi)`` of the buffer.
+  ``param_of_granule`` holds absolute parameter indices, so a launch over a slice of the buffer
+  (in-backward mode steps one bucket of consecutive parameters at a time) passes the slice of
+  ``param_of_granule`` and the whole ``param_group``/``steps``/``active`` tables.
+* the compile-time ``NUM_HP``, ``GRANULE``, ``UNIFORM``, ``HAS_ACTIVE``, ``HAS_GRAD_SCALE``,
+  ``HAS_FOUND_INF``, ``BLOCK_SIZE``, ``STEP_BLOCK`` and ``GATHER``, passed by name.
+
+``UNIFORM`` buffers (one param group, equal steps, no ``active`` mask) read those scalars once
+per program instead of per element.
 """
 
 import triton
 import triton.language as tl
 
-GRANULE = 64  # elements per entry of param_of_granule; parameter starts are aligned to it
+from flatopt.layout import ALIGN as GRANULE  # elements per param_of_granule entry: parameter starts align to it
+
 # Elements of each buffer per program, whatever the dtype: 16 KiB of float32, 8 KiB of bfloat16/float16.
 # On an H100 (benchmarks/profile_step.py), 8192 bf16 elements per program (16 KiB, as float32 has) ran
 # AdamW at 93.5-95.5 % of the floor where 4096 ran at 97.7-99.3 %; bf16 SGD was within 0.5 % either way.
 BLOCK_SIZE = 4096
 NUM_WARPS = 8
 STEP_BLOCK = 1024  # step counters advanced per block (by every program in a UNIFORM launch, else by the last)
+
+
+def column(rule, name):
+    """The index of column ``name`` of ``rule``'s hyper-parameter table (a :class:`flatopt.rules.Rule`), as a
+    constant the kernels can read: ``LR = column(ADAMW, "lr")``, then ``tl.load(row + LR)``."""
+    return tl.constexpr(rule.columns.index(name))
 
 
 @triton.jit
@@ -295,12 +307,21 @@ def check_flat(meta, *tensors):
 
 
 def launch(
-    kernel, buffers, *, hparams, meta, grad_scale, found_inf, block_size, num_hparams, sources=None, **constexprs
-):
-    """Check and launch one optimizer kernel over the flat ``buffers`` (parameter first, gradient
-    second; None for a state buffer the kernel does not read), with the arguments every kernel takes
-    after them. ``sources``: read each parameter's gradient from where it lies instead (GATHER; see
-    gather_grad), storing it into the flat gradient buffer."""
+    kernel, rule, buffers, constexprs=None, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None,
+    sources=None,
+):  # fmt: skip
+    """Check and launch ``kernel``, the kernel of ``rule`` (a :class:`flatopt.rules.Rule`), over the flat
+    ``buffers``: parameter, gradient, then the rule's states (None for a state no param group uses).
+    ``constexprs``: the kernel's own compile-time arguments. The keyword arguments are every launcher's:
+
+    * ``hparams``: the float32 ``[groups, rule.num_hparams]`` table, a ``rule.row(group)`` per param group.
+    * ``meta``: the buffer's :class:`flatopt.layout.StepMeta`.
+    * ``grad_scale``, ``found_inf``: GradScaler's float32 ``[1]`` tensors, or None.
+    * ``block_size``: elements per program (None: BLOCK_SIZE).
+    * ``sources``: a :class:`flatopt.layout.GradSources`, to read each parameter's gradient from where it
+      lies instead (GATHER; see gather_grad), storing it into the flat gradient buffer.
+    """
+    rule.check_table(hparams)
     param = buffers[0]
     check_flat(meta, *(b for b in buffers if b is not None))
     if sources is not None:
@@ -314,8 +335,8 @@ def launch(
         grad_scale, found_inf, meta.counter,
         *((sources.src, sources.start, sources.numel) if sources is not None else (None, None, None)),
         param.numel(), meta.first, meta.stop,
-        NUM_HP=num_hparams, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
+        NUM_HP=rule.num_hparams, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
         HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         GATHER=0 if sources is None else sources.vec,
-        **constexprs, **opts,
+        **(constexprs or {}), **opts,
     )  # fmt: skip

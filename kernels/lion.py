@@ -1,24 +1,23 @@
-"""Lion over one flat buffer in one launch (Chen et al. 2023, "Symbolic Discovery of
-Optimization Algorithms"), with decoupled weight decay as lion-pytorch applies it::
-
-    p   <- p * (1 - lr * weight_decay)
-    c   <- beta1 * m + (1 - beta1) * g
-    p   <- p - lr * sign(c)
-    m   <- beta2 * m + (1 - beta2) * g
+"""Lion over one flat buffer in one launch: the update of ``flatopt.rules.lion`` (Chen et al. 2023, decoupled
+weight decay as lion-pytorch applies it), in float32 whatever the storage dtype; the state has the
+parameter's dtype.
 """
 
 import triton
 import triton.language as tl
 
-from .common import begin_step, finish_step, launch, load_grad
+from flatopt.rules import LION
 
-LR = tl.constexpr(0)
-BETA1 = tl.constexpr(1)
-ONE_MINUS_BETA1 = tl.constexpr(2)
-BETA2 = tl.constexpr(3)
-ONE_MINUS_BETA2 = tl.constexpr(4)
-WEIGHT_DECAY = tl.constexpr(5)
-NUM_HPARAMS = 6
+from .common import begin_step, column, finish_step, launch, load_grad
+
+# The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.LION puts them.
+LR = column(LION, "lr")
+BETA1 = column(LION, "beta1")
+ONE_MINUS_BETA1 = column(LION, "one_minus_beta1")
+BETA2 = column(LION, "beta2")
+ONE_MINUS_BETA2 = column(LION, "one_minus_beta2")
+WEIGHT_DECAY = column(LION, "weight_decay")
+NUM_HPARAMS = LION.num_hparams
 
 
 @triton.jit
@@ -26,30 +25,13 @@ def lion_kernel(
     p_ptr,  # parameters, updated in place
     g_ptr,  # gradients (unscaled in place when HAS_GRAD_SCALE)
     m_ptr,  # exp_avg
-    hp_ptr,  # float32 [groups, NUM_HPARAMS]
-    param_of_granule_ptr,
-    param_group_ptr,
-    step_ptr,
-    active_ptr,
-    grad_scale_ptr,
-    found_inf_ptr,
-    counter_ptr,
-    src_ptr,  # GATHER: int64 [params], the address of each parameter's gradient (see common.gather_grad)
-    start_ptr,  # GATHER: int64 [params], where each parameter starts in the flat buffers
-    numel_ptr,  # GATHER: int64 [params], each parameter's number of elements
-    n_elements,  # length of the flat buffers
-    param_lo,  # the launch steps parameters [param_lo, param_hi) of the buffer
-    param_hi,
-    NUM_HP: tl.constexpr,
-    GRANULE: tl.constexpr,
-    UNIFORM: tl.constexpr,
-    HAS_ACTIVE: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    STEP_BLOCK: tl.constexpr,
+    # then the arguments launch() passes every kernel, in its order (common.py's docstring says what each is)
+    hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr, found_inf_ptr, counter_ptr,
+    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi,
+    NUM_HP: tl.constexpr, GRANULE: tl.constexpr, UNIFORM: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP_BLOCK: tl.constexpr,
     GATHER: tl.constexpr,
-):
+):  # fmt: skip
     offsets, row, steps, active, inv_scale, skipped = begin_step(
         n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
         found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
@@ -80,16 +62,6 @@ def lion_kernel(
     finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)
 
 
-def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None):
-    """One Lion step over a flat buffer."""
-    launch(
-        lion_kernel,
-        (param, grad, exp_avg),
-        hparams=hparams,
-        meta=meta,
-        grad_scale=grad_scale,
-        found_inf=found_inf,
-        block_size=block_size,
-        num_hparams=NUM_HPARAMS,
-        sources=sources,
-    )
+def lion_step(param, grad, exp_avg, **launch_args):
+    """One Lion step over a flat buffer; ``launch_args``: see :func:`flatopt.kernels.common.launch`."""
+    launch(lion_kernel, LION, (param, grad, exp_avg), **launch_args)

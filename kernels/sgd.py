@@ -7,15 +7,18 @@ count is 0 initialises its momentum buffer with the update itself, as torch does
 import triton
 import triton.language as tl
 
-from .common import as_block, begin_step, finish_step, launch, load_grad
+from flatopt.rules import SGD
 
-LR = tl.constexpr(0)
-MOMENTUM = tl.constexpr(1)
-ONE_MINUS_DAMPENING = tl.constexpr(2)
-WEIGHT_DECAY = tl.constexpr(3)
-NESTEROV = tl.constexpr(4)  # 1.0 or 0.0
-GRAD_SIGN = tl.constexpr(5)  # -1.0 when maximize
-NUM_HPARAMS = 6
+from .common import as_block, begin_step, column, finish_step, launch, load_grad
+
+# The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.SGD puts them.
+LR = column(SGD, "lr")
+MOMENTUM = column(SGD, "momentum")
+ONE_MINUS_DAMPENING = column(SGD, "one_minus_dampening")
+WEIGHT_DECAY = column(SGD, "weight_decay")
+NESTEROV = column(SGD, "nesterov")
+GRAD_SIGN = column(SGD, "grad_sign")
+NUM_HPARAMS = SGD.num_hparams
 
 
 @triton.jit
@@ -23,31 +26,14 @@ def sgd_kernel(
     p_ptr,  # parameters, updated in place
     g_ptr,  # gradients (unscaled in place when HAS_GRAD_SCALE)
     buf_ptr,  # momentum_buffer, or None when no group uses momentum
-    hp_ptr,  # float32 [groups, NUM_HPARAMS]
-    param_of_granule_ptr,
-    param_group_ptr,
-    step_ptr,
-    active_ptr,
-    grad_scale_ptr,
-    found_inf_ptr,
-    counter_ptr,
-    src_ptr,  # GATHER: int64 [params], the address of each parameter's gradient (see common.gather_grad)
-    start_ptr,  # GATHER: int64 [params], where each parameter starts in the flat buffers
-    numel_ptr,  # GATHER: int64 [params], each parameter's number of elements
-    n_elements,  # length of the flat buffers
-    param_lo,  # the launch steps parameters [param_lo, param_hi) of the buffer
-    param_hi,
-    NUM_HP: tl.constexpr,
-    GRANULE: tl.constexpr,
-    UNIFORM: tl.constexpr,
-    HAS_ACTIVE: tl.constexpr,
-    HAS_GRAD_SCALE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    STEP_BLOCK: tl.constexpr,
+    # then the arguments launch() passes every kernel, in its order (common.py's docstring says what each is)
+    hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr, found_inf_ptr, counter_ptr,
+    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi,
+    NUM_HP: tl.constexpr, GRANULE: tl.constexpr, UNIFORM: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP_BLOCK: tl.constexpr,
     GATHER: tl.constexpr,
-):
+    HAS_MOMENTUM: tl.constexpr,  # buf_ptr is a buffer (not None)
+):  # fmt: skip
     offsets, row, steps, active, inv_scale, skipped = begin_step(
         n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
         found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
@@ -79,19 +65,8 @@ def sgd_kernel(
     finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)
 
 
-def sgd_step(
-    param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None
-):
-    """One SGD step over a flat buffer; ``momentum_buffer`` is None when no group uses momentum."""
-    launch(
-        sgd_kernel,
-        (param, grad, momentum_buffer),
-        hparams=hparams,
-        meta=meta,
-        grad_scale=grad_scale,
-        found_inf=found_inf,
-        block_size=block_size,
-        num_hparams=NUM_HPARAMS,
-        sources=sources,
-        HAS_MOMENTUM=momentum_buffer is not None,
-    )
+def sgd_step(param, grad, momentum_buffer, **launch_args):
+    """One SGD step over a flat buffer; ``momentum_buffer`` is None when no group uses momentum.
+    ``launch_args``: see :func:`flatopt.kernels.common.launch`."""
+    has_momentum = momentum_buffer is not None
+    launch(sgd_kernel, SGD, (param, grad, momentum_buffer), dict(HAS_MOMENTUM=has_momentum), **launch_args)

@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import TOL, TRITON_SKIP, device_for, variant_tol
 
-import flatopt
 from flatopt import kernels, reference
 from flatopt.layout import FlatBuffer, GradSources, StepMeta
+from flatopt.rules import ADAMW, LION, SGD
 
 pytestmark = [
     TRITON_SKIP,
@@ -38,8 +38,7 @@ ACTIVE = [1, 0, 1, 1, 0, 1, 1]
 
 OPTS = {
     "adamw": dict(
-        cls=flatopt.AdamW,
-        states=("exp_avg", "exp_avg_sq"),
+        rule=ADAMW,
         groups=[
             dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, maximize=False),
             dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0, maximize=True),
@@ -47,8 +46,7 @@ OPTS = {
         ],
     ),
     "sgd": dict(
-        cls=flatopt.SGD,
-        states=("momentum_buffer",),
+        rule=SGD,
         groups=[
             dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True, maximize=False),
             dict(lr=0.05, momentum=0.0, dampening=0.0, weight_decay=0.1, nesterov=False, maximize=True),
@@ -56,8 +54,7 @@ OPTS = {
         ],
     ),
     "lion": dict(
-        cls=flatopt.Lion,
-        states=("exp_avg",),
+        rule=LION,
         groups=[
             dict(lr=2e-2, betas=(0.9, 0.99), weight_decay=0.1),  # lr above a bf16 ulp, so every step shows
             dict(lr=3e-2, betas=(0.95, 0.98), weight_decay=0.0),
@@ -85,7 +82,7 @@ class Case:
         groups = [0] * len(SHAPES) if uniform else GROUP_OF
         gen = torch.Generator().manual_seed(seed)
         params = [torch.randn(s, generator=gen).to(DEVICE, dtype) for s in SHAPES]
-        states = spec["states"] if variant != "no-momentum" else ()
+        states = spec["rule"].state_names if variant != "no-momentum" else ()
         self.buf = FlatBuffer(params, groups, states)
         b = self.buf
         for i in range(len(params)):
@@ -97,7 +94,7 @@ class Case:
         rows = spec["groups"]
         if variant == "no-momentum":
             rows = [{**g, "momentum": 0.0, "nesterov": False} for g in rows]
-        self.hparams = torch.tensor([spec["cls"]._hparam_row(g) for g in rows], dtype=torch.float32, device=DEVICE)
+        self.hparams = torch.tensor([spec["rule"].row(g) for g in rows], dtype=torch.float32, device=DEVICE)
         self.meta = b.meta
         self.meta.steps.copy_(torch.tensor([5.0] * len(SHAPES) if uniform else STEPS))
         self.meta.uniform = uniform
@@ -236,8 +233,9 @@ def test_maximize_is_minimizing_the_negated_gradient(opt):
     kernel_fn, _ = launchers(opt)
     up = Case(opt, torch.float32, "groups-and-steps")
     down = up.clone()
-    up.hparams[:, -1] = -1.0  # GRAD_SIGN: maximize in every group
-    down.hparams[:, -1] = 1.0
+    grad_sign = OPTS[opt]["rule"].columns.index("grad_sign")
+    up.hparams[:, grad_sign] = -1.0  # maximize in every group
+    down.hparams[:, grad_sign] = 1.0
     down.buf.grad.neg_()
     for launch in (1, 2):
         up.launch(kernel_fn, 128)
@@ -280,12 +278,12 @@ def test_more_parameters_than_step_block(opt):
     n = STEP_BLOCK + 77
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(1 + i % 3, generator=gen).to(DEVICE) for i in range(n)]
-    buf = FlatBuffer(params, [i % 3 for i in range(n)], OPTS[opt]["states"])
+    buf = FlatBuffer(params, [i % 3 for i in range(n)], OPTS[opt]["rule"].state_names)
     for views in [buf.data_views, buf.grad_views, *buf.state_views.values()]:
         for v in views:
             v.copy_(torch.rand(v.shape, generator=gen))
     spec = OPTS[opt]
-    hparams = torch.tensor([spec["cls"]._hparam_row(g) for g in spec["groups"]], dtype=torch.float32, device=DEVICE)
+    hparams = torch.tensor([spec["rule"].row(g) for g in spec["groups"]], dtype=torch.float32, device=DEVICE)
     buf.meta.steps.copy_(torch.arange(n) % 5)
     buf.meta.active = (torch.arange(n) % 4 != 1).to(device=DEVICE, dtype=torch.uint8)
     buf.meta.uniform = False
@@ -315,12 +313,12 @@ def test_uniform_launch_over_a_slice_advances_exactly_its_steps(opt, skip):
     block_size = 2048  # [first, stop) spans about 35 programs: several advance a block of counts
     gen = torch.Generator().manual_seed(1)
     params = [torch.randn(1 + i % 3, generator=gen).to(DEVICE) for i in range(n)]
-    buf = FlatBuffer(params, [0] * n, OPTS[opt]["states"])
+    buf = FlatBuffer(params, [0] * n, OPTS[opt]["rule"].state_names)
     for views in [buf.data_views, buf.grad_views, *buf.state_views.values()]:
         for v in views:
             v.copy_(torch.rand(v.shape, generator=gen))
     spec = OPTS[opt]
-    hparams = torch.tensor([spec["cls"]._hparam_row(spec["groups"][0])], dtype=torch.float32, device=DEVICE)
+    hparams = torch.tensor([spec["rule"].row(spec["groups"][0])], dtype=torch.float32, device=DEVICE)
     buf.meta.steps.fill_(3.0)
     lo, hi = buf.starts[first], buf.starts[stop]
     granules = buf.meta.param_of_granule[lo // 64 : hi // 64]
@@ -474,8 +472,8 @@ def test_gathered_loads_are_16_bytes_wide_when_every_size_allows(dtype, vec):
     other = FlatBuffer([p.clone() for p in params], [0] * len(params), ("exp_avg", "exp_avg_sq"))
     for (s, e), g in zip(other.index.values(), grads):
         other.grad[s:e].copy_(g.reshape(-1))
-    hp = torch.tensor([flatopt.AdamW._hparam_row(dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
-                                                     maximize=False))], device=DEVICE)  # fmt: skip
+    group = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, maximize=False)
+    hp = torch.tensor([ADAMW.row(group)], device=DEVICE)
     for b, src in ((buf, sources), (other, None)):
         b.meta.uniform = True
         kernels.adamw_step(b.data, b.grad, b.states["exp_avg"], b.states["exp_avg_sq"], hparams=hp, meta=b.meta,

@@ -1,0 +1,124 @@
+"""What every update rule holds, apart from any kernel (see :class:`Rule`), and the checks of a param
+group that several rules share, in torch's words."""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class Rule:
+    """One optimizer's update rule, apart from any kernel; ``flatopt.rules.adamw`` and its siblings hold one.
+
+    Each param group becomes one row of a float32 hyper-parameter table, ``[groups, num_hparams]``. The
+    Triton kernel (``flatopt.kernels``), the pure-torch reference (``flatopt.reference``) and the optimizer
+    class all find a value in that row by its column name, at the position ``columns`` gives it.
+
+    Args:
+        name (str): the optimizer's class name, as messages say it (``"AdamW"``).
+        key (str): its name in ``flatopt.functional`` (``"adamw"``).
+        columns (tuple[str, ...]): the table's columns, in order; column ``"lr"`` holds 0.0 where the
+            group's lr is a tensor (the optimizer copies the tensor into it on the device).
+        values (Callable[[dict], dict]): a complete param group -> ``{column: value}``.
+        check (Callable[[dict], None]): raises ValueError, in torch's words, for a param group the rule
+            cannot step.
+        math (Callable): the update in torch, on float32 tensors: ``math(p, g, *states, steps=..., **row)``
+            with ``steps`` the completed steps and ``row`` every column by name (floats or tensors that
+            broadcast against the data); returns the new ``(p, *states)`` and writes nothing. A state
+            passed as None is returned as None.
+        state_names (tuple[str, ...]): the state buffers, in the kernel's argument order.
+        exported_step (bool): whether torch's state for this optimizer holds a ``step``.
+        state_used (Callable[[str, dict], bool] or None): whether a param group uses a state (None: every
+            group uses every state).
+    """
+
+    name: str
+    key: str
+    columns: tuple
+    values: Callable
+    check: Callable
+    math: Callable
+    state_names: tuple
+    exported_step: bool = False
+    state_used: Callable | None = None
+
+    def __post_init__(self):
+        if len(set(self.columns)) != len(self.columns) or "lr" not in self.columns:
+            raise ValueError(f"{self.name}: columns must be distinct and include 'lr', got {self.columns}")
+
+    @property
+    def num_hparams(self):
+        """The width of the hyper-parameter table."""
+        return len(self.columns)
+
+    @property
+    def lr_column(self):
+        """Where a tensor lr is copied into the table."""
+        return self.columns.index("lr")
+
+    @property
+    def functional(self):
+        """The ``flatopt.functional`` entry point that steps flat buffers with this rule."""
+        from flatopt import functional  # functional -> reference -> rules: imported when asked for
+
+        return getattr(functional, self.key)
+
+    def row(self, group):
+        """The table row of a complete param group: a list of floats in column order."""
+        values = self.values(group)
+        return [float(values[c]) for c in self.columns]
+
+    def uses_state(self, name, group):
+        """Whether param group ``group`` uses state ``name`` (SGD without momentum has no buffer)."""
+        return self.state_used is None or self.state_used(name, group)
+
+    def named(self, table):
+        """``{column: table[i]}``: the columns of a row (or of a ``[num_hparams, ...]`` tensor) by name."""
+        return {c: table[i] for i, c in enumerate(self.columns)}
+
+    def check_table(self, hparams):
+        """Raise ValueError unless ``hparams`` is a float32 ``[groups, num_hparams]`` table of this rule."""
+        if hparams.dim() != 2 or hparams.shape[1] != self.num_hparams or hparams.dtype != torch.float32:
+            raise ValueError(
+                f"{self.name}'s hyper-parameter table is float32 [groups, {self.num_hparams}] (columns "
+                f"{', '.join(self.columns)}), got {hparams.dtype} of shape {tuple(hparams.shape)}; build its rows "
+                f"with flatopt.{self.name}.rule.row(group)"
+            )
+
+
+def lr_value(group):
+    """Column ``"lr"``: the group's lr, or 0.0 where it is a tensor (copied in on the device)."""
+    lr = group["lr"]
+    return 0.0 if isinstance(lr, torch.Tensor) else float(lr)
+
+
+def beta_values(group):
+    """Columns ``beta1``, ``one_minus_beta1``, ``beta2`` and ``one_minus_beta2`` of a group's ``betas``."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    return dict(beta1=beta1, one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2)
+
+
+def check_lr(lr, *, nan_ok=False):
+    """A float lr >= 0 or a 1-element tensor. ``nan_ok``: compare ``lr < 0.0`` as torch.optim.SGD does,
+    which lets NaN through, rather than ``not 0.0 <= lr`` (torch.optim.AdamW)."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if (lr < 0.0) if nan_ok else not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def check_betas(betas, *, one_ok):
+    """A pair of betas in [0, 1) (AdamW), or in [0, 1] with ``one_ok`` (Lion)."""
+    if len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas}")
+    for i, beta in enumerate(betas):
+        if not (0.0 <= beta <= 1.0 if one_ok else 0.0 <= beta < 1.0):
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+
+
+def check_at_least_zero(group, key, what, *, nan_ok=False):
+    """``group[key] >= 0``, else torch's ``Invalid {what} value: ...``; ``nan_ok`` as for check_lr."""
+    value = group[key]
+    if (value < 0.0) if nan_ok else not 0.0 <= value:
+        raise ValueError(f"Invalid {what} value: {value}")
