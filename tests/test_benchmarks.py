@@ -52,7 +52,7 @@ def plot():
 
 def test_every_benchmark_module_imports():
     names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
-    assert {"harness", "bench_step", "bench_memory", "bench_capture", "plot"} <= set(names)
+    assert {"harness", "bench_step", "bench_eager", "bench_memory", "bench_capture", "plot"} <= set(names)
     for name in names:
         assert import_benchmark(name).__doc__, f"benchmarks/{name}.py has no module docstring"
 
@@ -1001,3 +1001,128 @@ def test_profile_capture_smoke_run(tmp_path):
     for impl in ("torch-fused-graph", "flatopt-capture"):
         assert rows[impl]["status"] == "skipped" and "CUDA" in rows[impl]["reason"]
     assert record["summary"]["small"]["events ms, back-to-back"]["flatopt"] == rows["flatopt"]["event_ms"]["median_ms"]
+
+
+# ------------------------------------------------------------------------------------------------ bench_eager.py
+@pytest.fixture(scope="module")
+def eager():
+    return import_benchmark("bench_eager")
+
+
+@pytest.fixture(scope="module")
+def eager_smoke(eager, tmp_path_factory):
+    """An eager smoke run of every model (the GPU models and the CPU demo model at tiny sizes)."""
+    path = tmp_path_factory.mktemp("eager-smoke") / "eager.json"
+    argv = ["--device", "cpu", "--smoke", "--models", ",".join(eager.MODELS), "--json", str(path)]
+    assert eager.main(argv) == 0
+    return path
+
+
+def test_eager_model_sizes(eager, harness):
+    """The full-size models are what the docstring says (built on the meta device: no memory)."""
+    sizes = {m: eager.describe(m, eager.MODELS[m]) for m in eager.MODELS}
+    assert sizes["llama"]["params"] == harness.shape_set("llama").numel == 1_204_881_408
+    assert sizes["llama"]["tensors"] == 147 and sizes["llama"]["dtype"] == "bfloat16"
+    assert sizes["mlp3000"]["tensors"] == 3000 and sizes["convnet"]["tensors"] == 293
+    assert sizes["gpt2"]["params"] == import_benchmark("bench_capture").gpt_numel(eager.MODELS["gpt2"])
+    assert sizes["demo"]["config"]["dim"] == 128 and sizes["demo"]["config"]["batch"] == 16
+
+
+def test_eager_smoke_run_on_cpu(eager, eager_smoke):
+    record = json.loads(eager_smoke.read_text())
+    assert record["benchmark"] == "eager" and record["kind"] == "smoke" and record["env"]["device_name"]
+    names = ["torch-default", "torch-fused", "torch-foreach", "flatopt"]
+    assert list(record["impls"]) == names
+    alone = {(r["model"], r["impl"]): r for r in record["results"]}
+    for m in eager.MODELS:
+        for n in names:
+            r = alone[(m, n)]
+            assert r["status"] == "ok", r
+            assert 0 < r["q20_ms"] <= r["median_ms"] <= r["q80_ms"] and r["step_ms"] > 0
+            assert r["states_bytes"] > 0 and "CUDA" in r["peak_note"] and "peak_bytes" not in r
+        losses = [alone[(m, n)]["final_loss"] for n in names]
+        assert max(losses) - min(losses) <= 2e-3 * max(losses), (m, losses)  # same init, data and steps
+        assert alone[(m, "flatopt")]["final_loss"] < alone[(m, "flatopt")]["first_loss"]  # it trains
+        (p,) = [p for p in record["paired"] if p["model"] == m]
+        assert p["status"] == "ok" and p["impls"] == names and list(p["ratios"]) == names[:3]
+        for n in names:
+            assert p[n]["median_ms"] > 0 and p[n]["b2b_median_ms"] > 0
+        q = p["ratios"]["torch-fused"]["synchronised"]
+        assert 0 < q["q20"] <= q["median"] <= q["q80"]
+        share = record["optimizer_share"][m]
+        assert 0 < share["share"] < 1 and share["source"] == "paired"
+        assert share["share"] == pytest.approx(alone[(m, "torch-fused")]["step_ms"] / p["torch-fused"]["median_ms"])
+    by = {(t["model"], t["target"]): t for t in record["targets"]}
+    assert len(by) == 3 * len(eager.GPU_MODELS)  # the demo model has ratios, no targets
+    t = by[("convnet", "flatopt / torch-fused <= 0.95x (synchronised)")]
+    p = next(p for p in record["paired"] if p["model"] == "convnet")
+    assert t["value"] == pytest.approx(p["flatopt"]["median_ms"] / p["torch-fused"]["median_ms"])
+    assert by[("llama", "flatopt / torch-fused <= 1.00x (back-to-back)")]["threshold"] == 1.0
+    peak = by[("gpt2", "flatopt peak / torch-fused peak <= 1.01x")]
+    assert peak["met"] is None and "needs a CUDA device" in peak["note"]
+    text = eager.markdown(record)
+    assert (
+        "| demo |" in text and "Optimizer share" in text and "| flatopt / torch-fused <= 0.95x (synchronised) |" in text
+    )
+
+
+def test_eager_targets(eager):
+    def paired(model, mine, theirs, b2b_mine, b2b_theirs):
+        return dict(model=model, status="ok", impls=["torch-fused", "flatopt"],
+                    flatopt=dict(median_ms=mine, b2b_median_ms=b2b_mine),
+                    **{"torch-fused": dict(median_ms=theirs, b2b_median_ms=b2b_theirs)})  # fmt: skip
+
+    gib = 2**30
+    record = dict(
+        models={"gpt2": {}, "mlp3000": {}, "demo": {}},
+        paired=[paired("gpt2", 9.9, 10.0, 10.1, 10.0), paired("mlp3000", 9.6, 10.0, 9.4, 10.0),
+                paired("demo", 1.0, 2.0, 1.0, 2.0)],
+        results=[dict(model="gpt2", impl="flatopt", status="ok", peak_bytes=10.2 * gib),
+                 dict(model="gpt2", impl="torch-fused", status="ok", peak_bytes=10 * gib),
+                 dict(model="mlp3000", impl="flatopt", status="oom", reason="OutOfMemoryError: x"),
+                 dict(model="mlp3000", impl="torch-fused", status="ok", peak_bytes=gib)],
+    )  # fmt: skip
+    by = {(t["model"], t["target"]): t for t in eager.evaluate_targets(record)}
+    assert len(by) == 6  # no target on the CPU demo model
+    assert by[("gpt2", "flatopt / torch-fused <= 1.00x (synchronised)")]["met"] is True
+    t = by[("gpt2", "flatopt / torch-fused <= 1.00x (back-to-back)")]
+    assert t["met"] is False and t["margin"] == pytest.approx(-0.01)
+    assert by[("mlp3000", "flatopt / torch-fused <= 0.95x (synchronised)")]["met"] is False  # 0.96 > 0.95
+    assert by[("mlp3000", "flatopt / torch-fused <= 0.95x (back-to-back)")]["met"] is True
+    t = by[("gpt2", "flatopt peak / torch-fused peak <= 1.01x")]
+    assert t["value"] == pytest.approx(1.02) and t["met"] is False
+    t = by[("mlp3000", "flatopt peak / torch-fused peak <= 1.01x")]
+    assert t["met"] is None and "flatopt: oom: OutOfMemoryError" in t["note"]
+
+
+def test_eager_cpu_runs_the_demo_model_by_default(eager):
+    args = eager.parse_args(["--device", "cpu"])  # not a smoke run: a CPU measurement of the demo model
+    assert args.models == ["demo"] and not args.smoke and args.iters == 20
+    assert eager.impls_for(torch.device("cpu"))[0] == "torch-default"
+    assert "torch-default" not in eager.impls_for(torch.device("cuda"))
+
+
+def test_eager_flatopt_failure_sets_exit_status(eager, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(eager.flatopt, "AdamW", broken)
+    path = tmp_path / "e.json"
+    assert eager.main(["--device", "cpu", "--smoke", "--models", "mlp3000", "--json", str(path)]) == 1
+    record = json.loads(path.read_text())
+    alone = {r["impl"]: r for r in record["results"]}
+    assert alone["flatopt"]["status"] == "failed" and "kernel exploded" in alone["flatopt"]["reason"]
+    assert alone["torch-fused"]["status"] == "ok" and record["flatopt_failed"] is True
+    assert record["paired"][0]["status"] == "failed"
+
+
+def test_plot_draws_eager_results(plot, eager_smoke, tmp_path, capsys):
+    record = json.loads(eager_smoke.read_text())
+    slots = {n: v for n, v, *_ in plot.eager_slots(record, "small", "median_ms")}
+    p = next(p for p in record["paired"] if p["model"] == "small")
+    assert slots == {n: p[n]["median_ms"] for n in p["impls"]}
+    assert all(v is None and "not a CUDA run" in gap for _, v, _, _, gap in plot.eager_slots(record, "small", "peak"))
+    png = tmp_path / "eager.png"
+    assert plot.main([str(eager_smoke), "--png", str(png)]) == 2  # a smoke run
+    assert plot.main([str(eager_smoke), "--allow-smoke", "--png", str(png)]) == 0
+    assert_png(png, capsys)
