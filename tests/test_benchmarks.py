@@ -52,7 +52,7 @@ def plot():
 
 def test_every_benchmark_module_imports():
     names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
-    assert {"harness", "bench_step", "bench_eager", "bench_memory", "bench_capture", "plot"} <= set(names)
+    assert {"harness", "bench_step", "bench_eager", "bench_memory", "bench_capture", "plot", "report"} <= set(names)
     for name in names:
         assert import_benchmark(name).__doc__, f"benchmarks/{name}.py has no module docstring"
 
@@ -1126,3 +1126,53 @@ def test_plot_draws_eager_results(plot, eager_smoke, tmp_path, capsys):
     assert plot.main([str(eager_smoke), "--png", str(png)]) == 2  # a smoke run
     assert plot.main([str(eager_smoke), "--allow-smoke", "--png", str(png)]) == 0
     assert_png(png, capsys)
+
+
+# ------------------------------------------------------------------------------------------------- report.py
+@pytest.fixture(scope="module")
+def report():
+    return import_benchmark("report")
+
+
+def test_docs_performance_is_generated_from_the_stored_results(report, capsys):
+    """docs/performance.md is what report.py writes from benchmarks/results/: regenerate it when a result changes."""
+    assert report.main(["--check"]) == 0, capsys.readouterr().err
+    text = (ROOT / "docs" / "performance.md").read_text()
+    for path in RESULT_JSONS:
+        record = json.loads(path.read_text())
+        kind = record.get("benchmark", "step")
+        if kind in ("step", "eager", "capture", "memory"):
+            assert f"(../benchmarks/results/{path.name})" in text and record["env"]["date"] in text
+    assert "SMOKE RUN" not in text
+
+
+def test_report_from_smoke_results(report, plot, loop_smoke, eager_smoke, memory_smoke, tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    for src, name in ((loop_smoke, "step-cpu-1.json"), (eager_smoke, "eager-cpu-1.json")):
+        (results / name).write_text(src.read_text())
+    (results / "notes.json").write_text("{}")  # not a result: left out
+    plot.draw(json.loads(eager_smoke.read_text()), results / "eager-cpu-1.png") if importlib.util.find_spec(
+        "matplotlib") else None  # fmt: skip
+    doc = tmp_path / "docs" / "performance.md"
+    assert report.main(["--results", str(results), "--out", str(doc)]) == 0  # smoke runs left out
+    text = doc.read_text()
+    assert text.count("No stored result yet") == 4 and "SMOKE RUN" not in text
+    assert report.main(["--results", str(results), "--out", str(doc), "--allow-smoke"]) == 0
+    text = doc.read_text()
+    assert text.count("No stored result yet") == 2  # capture and memory
+    assert "Result: [`step-cpu-1.json`](../results/step-cpu-1.json)" in text
+    assert "Result: [`eager-cpu-1.json`](../results/eager-cpu-1.json)" in text
+    if importlib.util.find_spec("matplotlib"):
+        assert "![eager plot](../results/eager-cpu-1.png)" in text
+    assert "No plot stored beside it" in text  # the step result has none
+    record = json.loads(loop_smoke.read_text())
+    met, missed, none = (sum(t["met"] is v for t in record["targets"]) for v in (True, False, None))
+    assert f"flatopt's targets in this result: {met} met, {missed} missed, {none} not evaluated." in text
+    assert text.count("> **SMOKE RUN") == 2 and "Variant `loop`" in text
+    assert report.main(["--results", str(results), "--out", str(doc), "--check", "--allow-smoke"]) == 0
+    doc.write_text(text + "edited by hand\n")
+    capsys.readouterr()
+    assert report.main(["--results", str(results), "--out", str(doc), "--check", "--allow-smoke"]) == 1
+    assert "not up to date" in capsys.readouterr().err
+    assert report.main(["--results", str(tmp_path / "nowhere")]) == 2
