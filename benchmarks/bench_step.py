@@ -818,7 +818,7 @@ def run(args, argv):
     ctx = Context(device=device, backend="triton" if device.type == "cuda" else "torch", seed=args.seed)
     settings = harness.timer_settings(args.smoke, args.quick)
     sets = [harness.shape_set(name, smoke=args.smoke) for name in args.sets]
-    path = harness.output_path(args, "step")
+    path = harness.output_path(args, "step" if "step" in args.variants else "step-loop")
     record = harness.new_record(
         "step",
         "per optimizer step, alone and as a training loop pays for it (zero_grad + gradient landing + step): time "

@@ -26,14 +26,13 @@ from benchmarks import harness, plot
 
 DOC = harness.REPO / "docs" / "performance.md"
 SECTIONS = (  # kind, title, the command that produces a result of that kind on a GPU machine
-    ("step", "Optimizer step: percent of the memory-bandwidth floor",
-     "FLATOPT_SECTIONS=\"step loop\" bash benchmarks/run_gpu.sh"),
+    ("step", "Optimizer step: percent of the memory-bandwidth floor", None),
     ("eager", "Eager training step: flatopt.AdamW against torch.optim.AdamW",
-     "FLATOPT_SECTIONS=\"eager memory\" bash benchmarks/run_gpu.sh"),
+     "FLATOPT_SECTIONS=\"loop eager\" bash benchmarks/run_gpu.sh"),
     ("capture", "Captured training step: optimizer.capture against CUDA graphs and torch.compile",
      "FLATOPT_SECTIONS=\"tests capture\" bash benchmarks/run_gpu.sh"),
     ("memory", "In-backward mode: peak memory on a 1B-parameter model",
-     "FLATOPT_SECTIONS=\"eager memory\" bash benchmarks/run_gpu.sh"),
+     "FLATOPT_SECTIONS=\"step memory\" bash benchmarks/run_gpu.sh"),
 )  # fmt: skip
 PROFILE_KINDS = ("profile-step", "profile-gather", "profile-capture")
 
@@ -93,8 +92,37 @@ def _link(path, doc_dir):
     return f"[`{Path(path).name}`]({rel})"
 
 
+def step_variants(record):
+    """The variants of bench_step.py a result holds (results written before the loop variant: step)."""
+    return {r.get("variant", "step") for r in record["results"]}
+
+
+def only_variant(record, variant):
+    """A step result reduced to one variant's rows and targets."""
+    keep = [r for r in record["results"] if r.get("variant", "step") == variant]
+    targets = [t for t in record.get("targets") or [] if t.get("variant", "step") == variant]
+    return dict(record, results=keep, targets=targets)
+
+
+STEP_VARIANTS = (  # bench_step.py's variants: each shown from the latest result that has it
+    ("step", "`opt.step()` alone", "FLATOPT_SECTIONS=\"step memory\" bash benchmarks/run_gpu.sh"),
+    ("loop", "The training loop's step: zero_grad() + gradient landing + step()",
+     "FLATOPT_SECTIONS=\"loop eager\" bash benchmarks/run_gpu.sh"),
+)  # fmt: skip
+
+
 def section(kind, title, command, found, doc_dir):
+    if kind != "step":
+        return result_section(kind, f"## {title}", command, found, doc_dir)
     lines = [f"## {title}", ""]
+    for variant, subtitle, cmd in STEP_VARIANTS:
+        mine = [(path, only_variant(record, variant)) for path, record in found if variant in step_variants(record)]
+        lines += result_section(kind, f"### {subtitle}", cmd, mine, doc_dir)
+    return lines
+
+
+def result_section(kind, heading, command, found, doc_dir):
+    lines = [heading, ""]
     if not found:
         return lines + [f"No stored result yet. On a GPU machine: `{command}`, then commit the JSON and PNG it "
                         f"writes to `benchmarks/results/` and run `python3 benchmarks/report.py`.", ""]  # fmt: skip
@@ -114,7 +142,7 @@ def section(kind, title, command, found, doc_dir):
     older = len(found) - 1
     if older:
         lines += [f"({older} older {kind} result(s) stored beside it are not shown.)", ""]
-    return lines + [plot.markdown(record, kind), ""]
+    return lines + [plot.markdown(record, kind).rstrip("\n"), ""]
 
 
 def other_records(results_dir, doc_dir):

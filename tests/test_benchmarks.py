@@ -1157,10 +1157,11 @@ def test_report_from_smoke_results(report, plot, loop_smoke, eager_smoke, memory
     doc = tmp_path / "docs" / "performance.md"
     assert report.main(["--results", str(results), "--out", str(doc)]) == 0  # smoke runs left out
     text = doc.read_text()
-    assert text.count("No stored result yet") == 4 and "SMOKE RUN" not in text
+    assert text.count("No stored result yet") == 5 and "SMOKE RUN" not in text  # step (2 variants), eager, ...
     assert report.main(["--results", str(results), "--out", str(doc), "--allow-smoke"]) == 0
     text = doc.read_text()
-    assert text.count("No stored result yet") == 2  # capture and memory
+    assert text.count("No stored result yet") == 3  # the step variant, capture and memory
+    assert "### The training loop's step" in text and "AdamW, `step`:" not in text
     assert "Result: [`step-cpu-1.json`](../results/step-cpu-1.json)" in text
     assert "Result: [`eager-cpu-1.json`](../results/eager-cpu-1.json)" in text
     if importlib.util.find_spec("matplotlib"):
