@@ -856,6 +856,10 @@ def env_line(record):
     ]
     if env.get("cuda"):
         parts.append(f"CUDA {env['cuda']}")
+    if env.get("cpu_threads"):
+        parts.append(f"{env['cpu_threads']} torch thread(s)")
+    if env.get("load_average_1_5_15_min"):
+        parts.append(f"load average {env['load_average_1_5_15_min'][0]:g} at the start")
     parts.append(str(env.get("date")))
     if commit:
         parts.append(f"commit {commit[:12]}" + (" (with uncommitted changes)" if env.get("git_dirty") else ""))
@@ -914,6 +918,8 @@ def environment(device):
     else:
         env["device_name"] = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
         env["cpu_threads"] = torch.get_num_threads()
+        if hasattr(os, "getloadavg"):  # other work on the machine slows a CPU run down
+            env["load_average_1_5_15_min"] = [round(x, 2) for x in os.getloadavg()]
     repo = _git()
     given = os.environ.get(GIT_COMMIT_VARIABLE, "").strip()
     if given:

@@ -111,7 +111,18 @@ STEP_VARIANTS = (  # bench_step.py's variants: each shown from the latest result
 )  # fmt: skip
 
 
+def on_cuda(record):
+    env = record.get("env") or {}
+    return str(env.get("device", "cuda")).startswith("cuda")
+
+
 def section(kind, title, command, found, doc_dir):
+    if kind == "eager":  # the GPU models, then flatopt.demo's model on the CPU
+        lines = result_section(kind, f"## {title}", command, [f for f in found if on_cuda(f[1])], doc_dir)
+        cpu = [f for f in found if not on_cuda(f[1])]
+        if cpu:
+            lines += result_section(kind, "### On the CPU: flatopt.demo's model", None, cpu, doc_dir)
+        return lines
     if kind != "step":
         return result_section(kind, f"## {title}", command, found, doc_dir)
     lines = [f"## {title}", ""]

@@ -617,7 +617,14 @@ def test_round_orders_spread_three_implementations(harness):
     assert harness.round_orders(names, 10) == harness.round_orders(names, 10)  # a fixed seed: reproducible
 
 
-def test_capture_paired_on_cpu(capture, monkeypatch):
+@pytest.fixture
+def one_thread(harness):
+    """One CPU thread, as the scripts' main() runs (harness.cpu_threads), for tests that call their parts."""
+    with harness.cpu_threads("cpu"):
+        yield
+
+
+def test_capture_paired_on_cpu(capture, monkeypatch, one_thread):
     """The paired timing's code path with two CPU implementations (the captured ones need CUDA): its row, its
     target and its table."""
     args = capture.parse_args(["--device", "cpu", "--smoke", "--iters", "3", "--warmup", "1"])
@@ -1160,7 +1167,8 @@ def test_report_from_smoke_results(report, plot, loop_smoke, eager_smoke, memory
     assert text.count("No stored result yet") == 5 and "SMOKE RUN" not in text  # step (2 variants), eager, ...
     assert report.main(["--results", str(results), "--out", str(doc), "--allow-smoke"]) == 0
     text = doc.read_text()
-    assert text.count("No stored result yet") == 3  # the step variant, capture and memory
+    assert text.count("No stored result yet") == 4  # the step variant, eager on a GPU, capture and memory
+    assert "### On the CPU: flatopt.demo's model" in text  # an eager result of a CPU run has its own place
     assert "### The training loop's step" in text and "AdamW, `step`:" not in text
     assert "Result: [`step-cpu-1.json`](../results/step-cpu-1.json)" in text
     assert "Result: [`eager-cpu-1.json`](../results/eager-cpu-1.json)" in text
