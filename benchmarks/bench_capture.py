@@ -42,7 +42,7 @@ again, as a target whose name ends in " (back-to-back)", on the back-to-back tim
 
 Paired (skipped with --no-paired): torch-fused-graph, torch-fused-graph-none and flatopt-capture are built side by
 side on fresh models and, after the warm-up, timed alternately for --iters rounds (every one once per round, in an
-order that changes from round to round and never runs a step right after itself: round_orders; each step
+order that changes from round to round and never runs a step right after itself: harness.round_orders; each step
 synchronised as in the main figure, with the host time from the call to its return), so that the drift between
 cases run one after the other does not decide a difference of a few percent. An implementation that fails to build
 is recorded and the others are still timed; only a failure of flatopt-capture counts as flatopt's. Reported: each one's
@@ -303,9 +303,9 @@ def build(name, model, batches, device, compile_backend):
 
 def run_paired(model_name, cfg, device, args, names=PAIRED):
     """The implementations ``names`` (the last one flatopt's, the others compared with it) built side by side, each
-    on a fresh model from the same seed, ``args.warmup`` steps each, then ``args.iters`` rounds of time_paired. Never
-    raises: an implementation that fails to build is recorded under "failed" and the others are timed; ``ours`` says
-    whether flatopt's failed (to build, or while the steps were timed together)."""
+    on a fresh model from the same seed, ``args.warmup`` steps each, then ``args.iters`` rounds of
+    harness.time_paired. Never raises: an implementation that fails to build is recorded under "failed" and the others
+    are timed; ``ours`` says whether flatopt's failed (to build, or while the steps were timed together)."""
     row = dict(model=model_name, impls=list(names), status=None, ours=False)
     if device.type != "cuda" and any(IMPL_BY_NAME[n].needs_cuda for n in names):
         row.update(status="skipped", reason="CUDA graphs need a CUDA device")
