@@ -42,7 +42,7 @@ again, as a target whose name ends in " (back-to-back)", on the back-to-back tim
 
 Paired (skipped with --no-paired): torch-fused-graph, torch-fused-graph-none and flatopt-capture are built side by
 side on fresh models and, after the warm-up, timed alternately for --iters rounds (every one once per round, in an
-order that changes from round to round and never runs a step right after itself: round_orders; each step
+order that changes from round to round and never runs a step right after itself: harness.round_orders; each step
 synchronised as in the main figure, with the host time from the call to its return), so that the drift between
 cases run one after the other does not decide a difference of a few percent. An implementation that fails to build
 is recorded and the others are still timed; only a failure of flatopt-capture counts as flatopt's. Reported: each one's
@@ -63,10 +63,7 @@ Markdown table of a stored result: ``python3 benchmarks/bench_capture.py --repor
 
 import argparse
 import itertools
-import json
-import random
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -81,20 +78,15 @@ from torch import nn
 
 import flatopt
 from benchmarks import harness
-from benchmarks.bench_memory import time_steps
-from benchmarks.bench_step import RESULT_PREFIX, _csv, run_worker
+from benchmarks.harness import num
 
 HPARAMS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 N_BATCHES = 4  # the steps cycle through this many fixed batches
 MIN_COMPILE_S = 20.0  # a compile case is not started with less time than this left
-B2B_ROUNDS = 5  # back-to-back timing: rounds of b2b_steps_per_round(iters) steps each
+B2B_ROUNDS = 5  # back-to-back timing: rounds of harness.b2b_steps_per_round(iters) steps each
 B2B_SUFFIX = " (back-to-back)"  # the targets evaluated on the back-to-back time
 PAIRED = ("torch-fused-graph", "torch-fused-graph-none", "flatopt-capture")  # built side by side, timed alternately
 PAIRED_SUFFIX = " (paired)"  # the target evaluated on the paired time
-
-
-def b2b_steps_per_round(iters):
-    return max(5, iters // 4)
 
 
 @dataclass(frozen=True)
@@ -309,83 +301,11 @@ def build(name, model, batches, device, compile_backend):
     return captured, [opt, fwd], captured.release
 
 
-def time_back_to_back(step, device, rounds, per_round):
-    """Per-step milliseconds of ``rounds`` rounds of ``per_round`` back-to-back calls: one CUDA event before and one
-    after each round, no synchronisation inside a round (perf_counter on the CPU); synchronised between rounds."""
-    cuda = device.type == "cuda"
-    times = []
-    for _ in range(rounds):
-        if cuda:
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(per_round):
-                step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / per_round)
-        else:
-            t = time.perf_counter()
-            for _ in range(per_round):
-                step()
-            times.append((time.perf_counter() - t) * 1e3 / per_round)
-    return times
-
-
-def round_orders(names, rounds, seed=0):
-    """The order of each round: every name once, and never the same name twice in a row, also across rounds (a step
-    run right after itself may find its data still in the L2 cache). Two names alternate (ABAB: each always runs
-    right after the other); more are shuffled with a fixed seed, so that position and predecessor are spread over
-    them alike."""
-    rng, orders, last = random.Random(seed), [], None
-    for _ in range(rounds):
-        if len(names) == 2:
-            order = list(names) if last != names[0] else list(names[::-1])
-        else:
-            order = list(names)
-            rng.shuffle(order)
-            while order[0] == last:
-                rng.shuffle(order)
-        orders.append(order)
-        last = order[-1]
-    return orders
-
-
-def time_paired(steps, device, rounds):
-    """Time the ``steps`` (name -> callable) alternately, each call synchronised as in the main timing: each round
-    calls every step once, in the order of round_orders, so that drift (clocks, temperature, other tenants) falls on
-    all of them alike. Returns name -> (device ms per call, host us per call): CUDA events around the call
-    (perf_counter on the CPU), and the host time from the call to its return."""
-    names = list(steps)
-    out = {n: ([], []) for n in names}
-    cuda = device.type == "cuda"
-    for order in round_orders(names, rounds):
-        for name in order:
-            ms, us = out[name]
-            if cuda:
-                torch.cuda.synchronize(device)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                t = time.perf_counter()
-                steps[name]()
-                host = time.perf_counter() - t
-                end.record()
-                end.synchronize()
-                ms.append(start.elapsed_time(end))
-            else:
-                t = time.perf_counter()
-                steps[name]()
-                host = time.perf_counter() - t
-                ms.append(host * 1e3)
-            us.append(host * 1e6)
-    return out
-
-
 def run_paired(model_name, cfg, device, args, names=PAIRED):
     """The implementations ``names`` (the last one flatopt's, the others compared with it) built side by side, each
-    on a fresh model from the same seed, ``args.warmup`` steps each, then ``args.iters`` rounds of time_paired. Never
-    raises: an implementation that fails to build is recorded under "failed" and the others are timed; ``ours`` says
-    whether flatopt's failed (to build, or while the steps were timed together)."""
+    on a fresh model from the same seed, ``args.warmup`` steps each, then ``args.iters`` rounds of
+    harness.time_paired. Never raises: an implementation that fails to build is recorded under "failed" and the others
+    are timed; ``ours`` says whether flatopt's failed (to build, or while the steps were timed together)."""
     row = dict(model=model_name, impls=list(names), status=None, ours=False)
     if device.type != "cuda" and any(IMPL_BY_NAME[n].needs_cuda for n in names):
         row.update(status="skipped", reason="CUDA graphs need a CUDA device")
@@ -416,7 +336,7 @@ def run_paired(model_name, cfg, device, args, names=PAIRED):
             for one, _ in built.values():
                 for _ in range(args.warmup):
                     one()
-            timed = time_paired({n: one for n, (one, _) in built.items()}, device, args.iters)
+            timed = harness.time_paired({n: one for n, (one, _) in built.items()}, device, args.iters)
             for name, (ms, us) in timed.items():
                 med, q20, q80 = harness.quantiles(ms)
                 hmed, h20, h80 = harness.quantiles(us)
@@ -458,19 +378,15 @@ def train(step, batches, device, args, row):
     row["first_loss"] = last[0].item()
     for _ in range(args.warmup - 1):
         one()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    harness.sync(device)
     row["warmup_s"] = round(time.perf_counter() - t1, 2)
-    times = time_steps(one, device, args.iters)
+    times = harness.time_steps(one, device, args.iters)
     row["final_loss"] = last[0].item()
     row["steps"] = next(counter)
-    med, q20, q80 = harness.quantiles(times)
-    row.update(median_ms=med, q20_ms=q20, q80_ms=q80, iters=len(times))
-    per_round = b2b_steps_per_round(args.iters)
-    b2b = time_back_to_back(one, device, B2B_ROUNDS, per_round)
-    med, q20, q80 = harness.quantiles(b2b)
-    row.update(b2b_median_ms=med, b2b_q20_ms=q20, b2b_q80_ms=q80, b2b_rounds=len(b2b), b2b_steps_per_round=per_round,
-               status="ok")  # fmt: skip
+    row.update(harness.timing_fields(times), iters=len(times))
+    per_round = harness.b2b_steps_per_round(args.iters)
+    b2b = harness.time_back_to_back(one, device, B2B_ROUNDS, per_round)
+    row.update(harness.timing_fields(b2b, "b2b_"), b2b_rounds=len(b2b), b2b_steps_per_round=per_round, status="ok")
 
 
 def run_impl(model_name, impl, cfg, device, args):
@@ -480,27 +396,20 @@ def run_impl(model_name, impl, cfg, device, args):
         reason = "CUDA graphs and torch.compile's reduce-overhead mode need a CUDA device"
         row.update(status="skipped", reason=reason if impl.compiled else "CUDA graphs need a CUDA device")
         return row
-    t0 = time.perf_counter()
-    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-    model = batches = step = keep = release = None
-    try:
+
+    def body(row):
+        t0 = time.perf_counter()
         batches = make_batches(cfg, device, args.seed)
         model = make_model(cfg, device, args.seed)
         step, keep, release = build(impl.name, model, batches, device, args.compile_backend)
-        row["build_s"] = round(time.perf_counter() - t0, 2)
-        train(step, batches, device, args, row)
-    except Exception as e:  # recorded; the run goes on
-        row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
-    finally:
-        if release is not None:
-            release()
-        del model, batches, step, keep, release
         try:
-            harness.free_memory(device, baseline)
-        except Exception as e:  # a sticky CUDA error: the next cases will say so too
-            row["cleanup_error"] = f"{type(e).__name__}: {e}"[:500]
-    row["seconds"] = round(time.perf_counter() - t0, 2)
-    return row
+            row["build_s"] = round(time.perf_counter() - t0, 2)
+            train(step, batches, device, args, row)
+        finally:
+            if release is not None:
+                release()
+
+    return harness.run_guarded(row, device, body)
 
 
 # ------------------------------------------------------------------------------ compile subprocesses
@@ -515,8 +424,7 @@ def worker(args):
     """Subprocess entry: run one implementation on one model; print one result line."""
     device = torch.device(args.device)
     cfg = (SMOKE_MODELS if args.smoke else MODELS)[args.worker_model]
-    row = run_impl(args.worker_model, IMPL_BY_NAME[args.worker_impl], cfg, device, args)
-    print(RESULT_PREFIX + json.dumps(row), flush=True)
+    harness.print_result(run_impl(args.worker_model, IMPL_BY_NAME[args.worker_impl], cfg, device, args))
     return 0
 
 
@@ -532,7 +440,7 @@ def run_compiled(args, model_name, impl, deadline):
     else:
         t0 = time.perf_counter()
         timeout = min(args.compile_timeout_s, left)
-        row.update(run_worker(worker_command(args, model_name, impl.name), timeout))
+        row.update(harness.run_worker(worker_command(args, model_name, impl.name), timeout))
         row["seconds"] = round(time.perf_counter() - t0, 2)
     return row
 
@@ -540,12 +448,7 @@ def run_compiled(args, model_name, impl, deadline):
 # ------------------------------------------------------------------------------------------- targets
 def _target(what, model, value, threshold, why_missing):
     """Milliseconds, lower is better; margin > 0: met by that much."""
-    if value is None or threshold is None:
-        return dict(target=what, model=model, value=value, threshold=threshold, unit="ms", met=None, margin=None,
-                    note=why_missing)  # fmt: skip
-    margin = threshold - value
-    return dict(target=what, model=model, value=value, threshold=threshold, unit="ms", met=margin >= 0,
-                margin=margin, note=None)  # fmt: skip
+    return harness.target(what, value, threshold, "ms", note=why_missing, model=model)
 
 
 def evaluate_targets(rows, models, paired=()):
@@ -608,39 +511,28 @@ def loss_agreement(rows):
 
 
 # ------------------------------------------------------------------------------------------- output
-def _num(x, spec):
-    return format(x, spec) if isinstance(x, (int, float)) else "-"
-
-
 def markdown(record):
-    lines = []
-    if record.get("smoke"):
-        lines += [f"> **{record['note']}**", ""]
-    env = record["env"]
+    lines = harness.smoke_banner(record)
     lines += [
-        f"Capture benchmark (AdamW, bf16 autocast, one training step): {env.get('device_name')}, "
-        f"torch {env.get('torch')}, triton {env.get('triton')}, {env.get('date')}. "
+        f"Capture benchmark (AdamW, bf16 autocast, one training step): {harness.env_line(record)}. "
         f"{record['steps']} steps per implementation from the same init on the same batches.",
         "",
-        "| model | implementation | median ms (p20-p80) | back-to-back ms (p20-p80) | first loss | final loss "
-        "| final - torch-fused | note |",
-        "|---|---|---|---|---|---|---|---|",
+        f"Command: `{record.get('command')}`",
+        "",
     ]
+    head = ["model", "implementation", "median ms (p20-p80)", "back-to-back ms (p20-p80)", "first loss", "final loss",
+            "final - torch-fused", "note"]  # fmt: skip
+    rows = []
     for r in record["results"]:
         if r["status"] != "ok":
-            reason = (r.get("reason") or "").splitlines()[0][:150] if r.get("reason") else ""
-            lines.append(f"| {r['model']} | {r['impl']} | - | - | - | - | - | {r['status']}: {reason} |")
+            rows.append([r["model"], r["impl"], "-", "-", "-", "-", "-",
+                         f"{r['status']}: {harness.first_line(r.get('reason'))}"])  # fmt: skip
             continue
-        spread = f"{_num(r['median_ms'], '.3f')} ({_num(r['q20_ms'], '.3f')}-{_num(r['q80_ms'], '.3f')})"
-        b2b = "-"  # a result written before the back-to-back timing has none
-        if r.get("b2b_median_ms") is not None:
-            lo, hi = _num(r.get("b2b_q20_ms"), ".3f"), _num(r.get("b2b_q80_ms"), ".3f")
-            b2b = f"{_num(r['b2b_median_ms'], '.3f')} ({lo}-{hi})"
         note = f"warm-up {r.get('warmup_s', 0):.1f} s" + (f", build {r['build_s']:.1f} s" if r.get("build_s") else "")
-        lines.append(
-            f"| {r['model']} | {r['impl']} | {spread} | {b2b} | {_num(r['first_loss'], '.4f')} "
-            f"| {_num(r['final_loss'], '.4f')} | {_num(r.get('final_loss_minus_torch_fused'), '+.2e')} | {note} |"
-        )
+        losses = [num(r["first_loss"], ".4f"), num(r["final_loss"], ".4f")]
+        rows.append([r["model"], r["impl"], harness.spread(r), harness.spread(r, "b2b_"), *losses,
+                     num(r.get("final_loss_minus_torch_fused"), "+.2e"), note])  # fmt: skip
+    lines += harness.md_table(head, rows)
     lines += [
         "",
         "Back-to-back: rounds of steps with no synchronisation inside a round (the host ahead of the device); "
@@ -654,31 +546,21 @@ def markdown(record):
             f"synchronised (ms; host: from the call to its return; ratio: {paired[0]['impls'][-1]}'s time / this "
             "one's, round by round).",
             "",
-            "| model | implementation | median ms (p20-p80) | host us (p20-p80) | ratio (p20-p80) |",
-            "|---|---|---|---|---|",
         ]
+        rows = []
         for p in paired:
             if p["status"] != "ok":
-                reason = (p.get("reason") or "").splitlines()[0][:150] if p.get("reason") else ""
-                lines.append(f"| {p['model']} | {', '.join(p['impls'])} | - | - | {p['status']}: {reason} |")
+                rows.append([p["model"], ", ".join(p["impls"]), "-", "-",
+                             f"{p['status']}: {harness.first_line(p.get('reason'))}"])  # fmt: skip
                 continue
             for name in [n for n in p["impls"] if n in p]:
                 r, q = p[name], p["ratios"].get(name)
                 ratio = f"{q['median']:.4f} ({q['q20']:.4f}-{q['q80']:.4f})" if q else ""
-                lines.append(
-                    f"| {p['model']} | {name} | {r['median_ms']:.3f} ({r['q20_ms']:.3f}-{r['q80_ms']:.3f}) "
-                    f"| {r['host_median_us']:.1f} ({r['host_q20_us']:.1f}-{r['host_q80_us']:.1f}) | {ratio} |"
-                )
-    lines += ["", "| flatopt target | model | value | threshold | met | margin |", "|---|---|---|---|---|---|"]
-    for t in record["targets"]:
-        if t["met"] is None:
-            lines.append(f"| {t['target']} | {t['model']} | - | - | n/a | {t['note']} |")
-        else:
-            met = "yes" if t["met"] else "**no**"
-            lines.append(
-                f"| {t['target']} | {t['model']} | {t['value']:.3f} ms | {t['threshold']:.3f} ms | {met} "
-                f"| {t['margin']:+.3f} ms ({100 * t['margin'] / t['threshold']:+.1f} %) |"
-            )
+                host = f"{r['host_median_us']:.1f} ({r['host_q20_us']:.1f}-{r['host_q80_us']:.1f})"
+                rows.append([p["model"], name, harness.spread(r), host, ratio])
+        lines += harness.md_table(["model", "implementation", "median ms (p20-p80)", "host us (p20-p80)",
+                                   "ratio (p20-p80)"], rows)  # fmt: skip
+    lines += [""] + harness.targets_markdown(record["targets"], ("model",))
     return "\n".join(lines) + "\n"
 
 
@@ -686,7 +568,7 @@ def print_row(r):
     if r["status"] == "ok":
         detail = (
             f"{r['median_ms']:9.3f} ms [{r['q20_ms']:.3f}-{r['q80_ms']:.3f}]  back-to-back "
-            f"{_num(r.get('b2b_median_ms'), '.3f')} ms  loss {r['first_loss']:.4f} -> "
+            f"{num(r.get('b2b_median_ms'), '.3f')} ms  loss {r['first_loss']:.4f} -> "
             f"{r['final_loss']:.4f}  (warm-up {r.get('warmup_s', 0):.1f} s)"
         )
     else:
@@ -710,80 +592,47 @@ def print_paired(p):
 
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, budget_s=200.0)
     add = p.add_argument
-    add("--device", default="cuda", help="cuda (default), or cpu with --smoke")
-    add("--smoke", action="store_true", help="tiny models, few steps: a code-path check whose output is not a result")
-    add("--models", type=_csv(tuple(MODELS)), default=list(MODELS), help="default: small,gpt2")
-    add("--impls", type=_csv(tuple(IMPL_BY_NAME)), default=list(IMPL_BY_NAME), help="default: all")
+    add("--models", type=harness.csv_list(tuple(MODELS)), default=list(MODELS), help="default: small,gpt2")
+    add("--impls", type=harness.csv_list(tuple(IMPL_BY_NAME)), default=list(IMPL_BY_NAME), help="default: all")
     add("--warmup", type=int, default=None, help="steps before timing, counted in the training (default 10; smoke 2)")
     add("--iters", type=int, default=None, help="timed steps (default 40; smoke 3)")
     add("--no-compile", action="store_true", help="skip the torch.compile cases")
     add("--no-paired", action="store_true", help="skip the paired timing of " + " and ".join(PAIRED))
     add("--compile-timeout-s", type=float, default=120.0, help="per torch.compile case (default: 120)")
     add("--compile-backend", default="inductor", help="torch.compile backend (default: inductor)")
-    add("--budget-s", type=float, default=200.0, help="wall-clock budget; later cases are skipped (default: 200)")
-    add("--out", type=Path, default=None, help="directory for the JSON (default: benchmarks/results)")
-    add("--json", type=Path, default=None, help="exact JSON path (overrides --out)")
-    add("--markdown", type=Path, default=None, help="also write the markdown table to this file")
-    add("--report", type=Path, default=None, help="print the markdown table of a stored result and exit")
-    add("--seed", type=int, default=0)
     add("--worker", action="store_true", help=argparse.SUPPRESS)
     add("--worker-model", help=argparse.SUPPRESS)
     add("--worker-impl", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.report is None:
-        if torch.device(args.device).type == "cpu" and not args.smoke:
-            p.error("CPU timings answer nothing this benchmark asks; use --device cuda, or --smoke (a code-path check)")
-        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-            p.error("--device cuda, but CUDA is not available here; use --device cpu --smoke for a code-path check")
+    harness.check_device(p, args)
     args.warmup = max(1, args.warmup if args.warmup is not None else (2 if args.smoke else 10))
     args.iters = max(1, args.iters if args.iters is not None else (3 if args.smoke else 40))
     return args
 
 
-def output_path(args):
-    if args.json is not None:
-        return args.json
-    out = args.out or (Path(tempfile.gettempdir()) / "flatopt-smoke" if args.smoke else harness.RESULTS_DIR)
-    return out / f"{'smoke-' if args.smoke else ''}capture-{harness.timestamp()}.json"
-
-
 def main(argv=None):
-    args = parse_args(argv)
-    if args.report is not None:
-        print(markdown(json.loads(args.report.read_text())), end="")
-        return 0
-    device = torch.device(args.device)
-    saved_threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # tiny tensors; a busy machine makes OpenMP spinning very slow
-    try:
-        return worker(args) if args.worker else run(args, argv)
-    finally:
-        torch.set_num_threads(saved_threads)
+    return harness.main(argv, parse_args, run, markdown)
 
 
 def run(args, argv):
+    if args.worker:
+        return worker(args)
     start = time.monotonic()
     deadline = start + args.budget_s
     device = torch.device(args.device)
     configs = SMOKE_MODELS if args.smoke else MODELS
-    path = output_path(args)
-    record = dict(
-        schema=1,
-        benchmark="capture",
-        question="per training step (AdamW, bf16 autocast): eager, CUDA-graph captured and torch.compile'd, "
-                 "torch.optim against flatopt",
-        kind="smoke" if args.smoke else "measurement",
-        smoke=args.smoke,
-        note=harness.SMOKE_NOTE if args.smoke else None,
-        env=harness.environment(device),
-        command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+    path = harness.output_path(args, "capture")
+    record = harness.new_record(
+        "capture",
+        "per training step (AdamW, bf16 autocast): eager, CUDA-graph captured and torch.compile'd, torch.optim "
+        "against flatopt",
+        "bench_capture", args, argv, device,
         settings=dict(warmup=args.warmup, iters=args.iters, budget_s=args.budget_s, seed=args.seed,
                       compile_backend=args.compile_backend, compile_timeout_s=args.compile_timeout_s,
                       no_compile=args.no_compile, no_paired=args.no_paired, batches=N_BATCHES, b2b_rounds=B2B_ROUNDS,
-                      b2b_steps_per_round=b2b_steps_per_round(args.iters)),
+                      b2b_steps_per_round=harness.b2b_steps_per_round(args.iters)),
         steps=args.warmup + args.iters,
         hparams=HPARAMS,
         models={m: dict(asdict(configs[m]), params=gpt_numel(configs[m])) for m in args.models},
@@ -792,9 +641,7 @@ def run(args, argv):
         paired=[],
         targets=[],
     )  # fmt: skip
-    if args.smoke:
-        print(harness.SMOKE_NOTE)
-    print(f"device: {record['env']['device_name']}; torch {torch.__version__}; JSON: {path}")
+    harness.announce(record, path)
     rows = record["results"]
     chosen = [i for i in IMPLS if i.name in args.impls]
 
@@ -804,8 +651,7 @@ def run(args, argv):
                 if impl.compiled:
                     row = run_compiled(args, m, impl, deadline)
                 elif time.monotonic() > deadline:
-                    row = dict(model=m, impl=impl.name, ours=impl.ours, status="skipped",
-                               reason=f"time budget (--budget-s {args.budget_s:g}) spent")  # fmt: skip
+                    row = harness.budget_spent(dict(model=m, impl=impl.name, ours=impl.ours), args)
                 else:
                     row = run_impl(m, impl, configs[m], device, args)
                 rows.append(row)
@@ -818,8 +664,7 @@ def run(args, argv):
     if not args.no_paired and paired[-1:] == [PAIRED[-1]] and len(paired) >= 2:
         for m in args.models:
             if time.monotonic() > deadline:
-                p = dict(model=m, impls=paired, status="skipped",
-                         reason=f"time budget (--budget-s {args.budget_s:g}) spent")  # fmt: skip
+                p = harness.budget_spent(dict(model=m, impls=paired), args)
             else:
                 p = run_paired(m, configs[m], device, args, names=paired)
             record["paired"].append(p)
@@ -829,19 +674,7 @@ def run(args, argv):
     record["reference_final_loss"] = loss_agreement(rows)
     record["targets"] = evaluate_targets(rows, args.models, record["paired"])
     failed = [r for r in rows + record["paired"] if r.get("ours") and r["status"] == "failed"]
-    record["flatopt_failed"] = bool(failed)
-    record["total_s"] = round(time.monotonic() - start, 1)
-    harness.write_json(path, record)
-    text = markdown(record)
-    print("\n" + text, end="")
-    if args.markdown is not None:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
-    print(f"\nwrote {path} ({record['total_s']:.0f} s)")
-    if failed:
-        print(f"flatopt failed in {len(failed)} case(s); exit status 1", file=sys.stderr)
-        return 1
-    return 0
+    return harness.finish(record, path, args, markdown, failed, start)
 
 
 if __name__ == "__main__":

@@ -47,13 +47,9 @@ CPU smoke run (tiny model, CPU timer, no profiler; checks the code path, measure
 Markdown table of a stored result: ``python3 benchmarks/bench_memory.py --report RESULT.json``.
 """
 
-import argparse
 import gc
-import json
 import sys
-import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,7 +62,7 @@ from torch import nn
 
 import flatopt
 from benchmarks import harness
-from benchmarks.bench_step import _csv
+from benchmarks.harness import num
 
 GIB = 2**30
 HPARAMS = dict(lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
@@ -98,22 +94,18 @@ def model_numel(blocks=30, dim=2048, hidden=8192):
     return blocks * (2 * dim * hidden + hidden + dim)
 
 
-def element_size(dtype):
-    return torch.empty((), dtype=harness.DTYPES.get(dtype, dtype)).element_size()
-
-
 def param_bytes(numel, dtype):
-    return numel * element_size(dtype)
+    return numel * harness.element_size(dtype)
 
 
 def adamw_state_bytes(numel, dtype):
     """exp_avg and exp_avg_sq in the parameter's dtype (the step counters are negligible)."""
-    return 2 * numel * element_size(dtype)
+    return 2 * numel * harness.element_size(dtype)
 
 
 def bucket_bytes(bucket_size, dtype):
     """Bytes of an in-backward bucket's gradient: bucket_size elements of the parameter's dtype."""
-    return bucket_size * element_size(dtype)
+    return bucket_size * harness.element_size(dtype)
 
 
 class Block(nn.Module):
@@ -203,7 +195,7 @@ def build(case, model, x, device, sizes):
             loss_of(model, x).backward()
             opt.step()
 
-        return step, [opt], lambda: _torch_states([opt]), None
+        return step, [opt], lambda: harness.state_bytes(opt), None
     if case.name == "torch-in-backward":
         opts = {p: torch.optim.AdamW([p], **HPARAMS, fused=True) for p in params}
 
@@ -216,7 +208,7 @@ def build(case, model, x, device, sizes):
         def step():
             loss_of(model, x).backward()
 
-        return step, [opts, hooks], lambda: _torch_states(opts.values()), None
+        return step, [opts, hooks], lambda: harness.state_bytes(opts.values()), None
     kwargs = {}
     if case.bucket is not None:
         kwargs["in_backward"] = True
@@ -230,16 +222,7 @@ def build(case, model, x, device, sizes):
         loss_of(model, x).backward()
         opt.step()
 
-    return step, [opt], lambda: _flatopt_states(opt), opt
-
-
-def _torch_states(opts):
-    tensors = [t for opt in opts for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _flatopt_states(opt):
-    return sum(t.numel() * t.element_size() for b in flatopt.inspect(opt).buffers for t in b.states.values())
+    return step, [opt], lambda: harness.state_bytes(opt), opt
 
 
 def count_device_events(events):
@@ -268,82 +251,52 @@ def profile_step(step, device):
     return count_device_events(prof.events())
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _allocated(device):
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-
-
-def time_steps(step, device, iters, min_s=0.0, max_iters=None):
-    """Per-step milliseconds: CUDA events around each call on CUDA, perf_counter on the CPU. At least ``iters``
-    steps, and more until the timed steps add up to ``min_s`` seconds, up to ``max_iters`` (default: ``iters``)."""
-    times = []
-    max_iters = max(iters, max_iters or iters)
-    while len(times) < iters or (sum(times) < min_s * 1e3 and len(times) < max_iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t) * 1e3)
-    return times
-
-
 def run_case(case, dtype_name, sizes, device, args):
     """Build, measure and free one case; never raises (failures and OOMs are recorded in the row)."""
     row = dict(case=case.name, dtype=dtype_name, ours=case.ours, status=None)
     if case.bucket is not None:
-        row["bucket_size"] = sizes.small_bucket if case.bucket == "small" else flatopt.options.DEFAULT_BUCKET_SIZE
+        row["bucket_size"] = (
+            sizes.small_bucket if case.bucket == "small" else harness.FlatoptInternals.default_bucket_size()
+        )
     dtype = harness.DTYPES[dtype_name]
-    t0 = time.perf_counter()
-    model = x = step = keep = states = opt = None
     cuda = device.type == "cuda"
-    try:
+
+    def body(row):
         harness.free_memory(device)
-        base = _allocated(device)
+        base = harness.allocated(device)
         torch.manual_seed(args.seed)
         with torch.device(device):
             model = BlockStack(sizes, dtype)
-        _sync(device)
-        row["params_bytes"] = _allocated(device) - base if cuda else param_bytes(sizes.numel, dtype)
+        harness.sync(device)
+        row["params_bytes"] = harness.allocated(device) - base if cuda else param_bytes(sizes.numel, dtype)
         gen = torch.Generator(device=device).manual_seed(args.seed + 1)
         x = torch.randn(sizes.batch, sizes.tokens, sizes.dim, generator=gen, device=device, dtype=dtype)
         row["input_bytes"] = x.numel() * x.element_size()
         step, keep, states, opt = build(case, model, x, device, sizes)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        launches0 = flatopt.inspect(opt).engine.launches if opt is not None and opt.in_backward else None
-        if launches0 is not None:
-            spans = [b.end - b.start for b in flatopt.inspect(opt).engine.buckets]
-            row.update(buckets=len(spans), largest_bucket_elements=max(spans))
+        before = harness.in_backward_stats(opt) if opt is not None else None
+        if before is not None:
+            row.update(buckets=before["buckets"], largest_bucket_elements=before["largest_bucket_elements"])
         for _ in range(args.warmup):
             step()
-        _sync(device)
-        if launches0 is not None:
-            row["flatopt_launches_per_step"] = (flatopt.inspect(opt).engine.launches - launches0) / args.warmup
+        harness.sync(device)
+        if before is not None:
+            launches = harness.in_backward_stats(opt)["launches"] - before["launches"]
+            row["flatopt_launches_per_step"] = launches / args.warmup
         row["states_bytes"] = states() if states else 0
         if cuda:
             row["warmup_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
-            row["held_bytes"] = _allocated(device) - base
+            row["held_bytes"] = harness.allocated(device) - base
             torch.cuda.reset_peak_memory_stats(device)
-        times = time_steps(step, device, args.iters, args.min_time_s, MAX_ITERS_FACTOR * args.iters)
+        times = harness.time_steps(step, device, args.iters, args.min_time_s, MAX_ITERS_FACTOR * args.iters)
         if cuda:
             row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
-        med, q20, q80 = harness.quantiles(times)
-        row.update(median_ms=med, q20_ms=q20, q80_ms=q80, iters=len(times))
-        if launches0 is not None:  # how the buckets' launches went: replayed from their CUDA graphs, or not
-            graphs = [b.graph for b in flatopt.inspect(opt).engine.buckets]
-            row.update(bucket_graph_replays=sum(g.reused for g in graphs),
-                       bucket_graphs_recorded=sum(g.recorded for g in graphs),
-                       buckets_launching_directly=sum(g.failed for g in graphs))  # fmt: skip
+        row.update(harness.timing_fields(times), iters=len(times))
+        if before is not None:  # how the buckets' launches went: replayed from their CUDA graphs, or not
+            stats = harness.in_backward_stats(opt)
+            row.update({k: stats[k] for k in ("bucket_graph_replays", "bucket_graphs_recorded",
+                                              "buckets_launching_directly")})  # fmt: skip
         if cuda and not args.no_profile:
             try:
                 row.update(profile_step(step, device))
@@ -353,19 +306,11 @@ def run_case(case, dtype_name, sizes, device, args):
             row["profile_error"] = "kernels are counted with torch.profiler on a CUDA device"
         with torch.no_grad():
             row["final_loss"] = loss_of(model, x).item()
-        row["status"] = "ok"
-    except torch.cuda.OutOfMemoryError as e:
-        row.update(status="oom", reason=f"OutOfMemoryError: {str(e).splitlines()[0]}"[:500])
-    except Exception as e:  # recorded; the run goes on
-        row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
-    finally:
-        del model, x, step, keep, states, opt
-        gc.collect()
-        try:
-            harness.free_memory(device)
-        except Exception as e:  # a sticky CUDA error: the next cases will say so too
-            row["cleanup_error"] = f"{type(e).__name__}: {e}"[:500]
-    row["seconds"] = round(time.perf_counter() - t0, 2)
+        del keep  # the hooks and optimizers, before the models they refer to
+
+    harness.run_guarded(row, device, body)
+    gc.collect()
+    harness.free_memory(device)
     return row
 
 
@@ -375,18 +320,13 @@ def warm_libraries(device, dtypes):
     for name in dtypes:
         lin = nn.Linear(64, 64, device=device, dtype=harness.DTYPES[name])
         lin(torch.randn(8, 64, device=device, dtype=harness.DTYPES[name])).float().square().mean().backward()
-    _sync(device)
+    harness.sync(device)
 
 
 # ------------------------------------------------------------------------------------------ targets
 def _target(what, dtype, value, threshold, unit, why_missing=None):
     """Lower is better for every target here; margin > 0: met by that much."""
-    if value is None or threshold is None:
-        return dict(target=what, dtype=dtype, value=value, threshold=threshold, unit=unit, met=None, margin=None,
-                    note=why_missing or "not measured")  # fmt: skip
-    margin = threshold - value
-    return dict(target=what, dtype=dtype, value=value, threshold=threshold, unit=unit, met=margin >= 0,
-                margin=margin, note=None)  # fmt: skip
+    return harness.target(what, value, threshold, unit, note=why_missing, dtype=dtype)
 
 
 def derive(rows, dtypes):
@@ -439,53 +379,38 @@ def _gib(x):
     return f"{x / GIB:.2f}" if isinstance(x, (int, float)) else "-"
 
 
-def _num(x, spec):
-    return format(x, spec) if isinstance(x, (int, float)) else "-"
-
-
 def markdown(record):
-    lines = []
-    if record.get("smoke"):
-        lines += [f"> **{record['note']}**", ""]
-    env = record["env"]
+    lines = harness.smoke_banner(record)
     s = record["sizes"]
     lines += [
-        f"In-backward memory benchmark: {env.get('device_name')}, torch {env.get('torch')}, "
-        f"triton {env.get('triton')}, "
-        f"{env.get('date')}. Model: {s['blocks']} blocks {s['dim']}->{s['hidden']}->{s['dim']} "
-        f"({record['params']:,} parameters), batch {s['batch']}x{s['tokens']}, AdamW. GiB = 2**30 bytes.",
+        f"In-backward memory benchmark: {harness.env_line(record)}. Model: {s['blocks']} blocks "
+        f"{s['dim']}->{s['hidden']}->{s['dim']} ({record['params']:,} parameters), batch {s['batch']}x{s['tokens']}, "
+        "AdamW. GiB = 2**30 bytes.",
         "",
-        "| dtype | case | peak GiB | params GiB | states GiB | held between steps GiB | step ms (p20-p80) "
-        "| kernels+memops / step | adam kernels | flatopt launches |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"Command: `{record.get('command')}`",
+        "",
     ]
+    head = ["dtype", "case", "peak GiB", "params GiB", "states GiB", "held between steps GiB", "step ms (p20-p80)",
+            "kernels+memops / step", "adam kernels", "flatopt launches"]  # fmt: skip
+    rows = []
     for r in record["results"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['dtype']} | {r['case']} | {r['status'].upper()}: {r.get('reason', '')[:120]} |||||||")
+            rows.append([r["dtype"], r["case"], f"{r['status'].upper()}: {harness.first_line(r.get('reason'), 120)}"]
+                        + [""] * 7)  # fmt: skip
             continue
-        spread = f"{_num(r['median_ms'], '.1f')} ({_num(r['q20_ms'], '.1f')}-{_num(r['q80_ms'], '.1f')})"
         launches = r["kernels"] + r["memops"] if r.get("kernels") is not None else None
-        lines.append(
-            f"| {r['dtype']} | {r['case']} | {_gib(r.get('peak_bytes'))} | {_gib(r['params_bytes'])} | "
-            f"{_gib(r['states_bytes'])} | {_gib(r.get('held_bytes'))} | {spread} | {_num(launches, 'd')} | "
-            f"{_num(r.get('adam_kernels'), 'd')} | {_num(r.get('flatopt_launches_per_step'), '.0f')} |"
-        )
+        rows.append([r["dtype"], r["case"], _gib(r.get("peak_bytes")), _gib(r["params_bytes"]),
+                     _gib(r["states_bytes"]), _gib(r.get("held_bytes")), harness.spread(r, spec=".1f"),
+                     num(launches, "d"), num(r.get("adam_kernels"), "d"),
+                     num(r.get("flatopt_launches_per_step"), ".0f")])  # fmt: skip
+    lines += harness.md_table(head, rows)
     lines += ["", "Peak activations (fwd-bwd peak minus what it holds between steps; the torch recipe's peak minus "
               "params and states is an upper bound):", ""]  # fmt: skip
     for dt, a in record["activations"].items():
         lines.append(
             f"- {dt}: {_gib(a['measured_bytes'])} GiB measured; upper bound {_gib(a['recipe_upper_bound_bytes'])} GiB"
         )
-    lines += ["", "| flatopt target | dtype | value | threshold | met | margin |", "|---|---|---|---|---|---|"]
-    for t in record["targets"]:
-        if t["met"] is None:
-            lines.append(f"| {t['target']} | {t['dtype']} | - | - | n/a | {t['note']} |")
-        else:
-            met = "yes" if t["met"] else "**no**"
-            lines.append(
-                f"| {t['target']} | {t['dtype']} | {t['value']:.3f} {t['unit']} | {t['threshold']:.3f} {t['unit']} "
-                f"| {met} | {t['margin']:+.3f} {t['unit']} |"
-            )
+    lines += [""] + harness.targets_markdown(record["targets"], ("dtype",))
     return "\n".join(lines) + "\n"
 
 
@@ -493,8 +418,8 @@ def print_row(r):
     if r["status"] == "ok":
         detail = (
             f"peak {_gib(r.get('peak_bytes'))} GiB, params {_gib(r['params_bytes'])}, states {_gib(r['states_bytes'])}"
-            f", held {_gib(r.get('held_bytes'))}; {r['median_ms']:.2f} ms; kernels {_num(r.get('kernels'), 'd')} "
-            f"memops {_num(r.get('memops'), 'd')} adam {_num(r.get('adam_kernels'), 'd')}"
+            f", held {_gib(r.get('held_bytes'))}; {r['median_ms']:.2f} ms; kernels {num(r.get('kernels'), 'd')} "
+            f"memops {num(r.get('memops'), 'd')} adam {num(r.get('adam_kernels'), 'd')}"
         )
         if r.get("flatopt_launches_per_step") is not None:
             detail += f"; flatopt launches {r['flatopt_launches_per_step']:.0f}"
@@ -505,12 +430,10 @@ def print_row(r):
 
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, budget_s=150.0)
     add = p.add_argument
-    add("--device", default="cuda", help="cuda (default), or cpu with --smoke")
-    add("--smoke", action="store_true", help="tiny model and few steps: a code-path check whose output is not a result")
-    add("--dtypes", type=_csv(("fp32", "bf16")), default=["fp32", "bf16"], help="default: fp32,bf16")
-    add("--cases", type=_csv(tuple(CASE_BY_NAME)), default=list(CASE_BY_NAME), help="default: all")
+    add("--dtypes", type=harness.csv_list(("fp32", "bf16")), default=["fp32", "bf16"], help="default: fp32,bf16")
+    add("--cases", type=harness.csv_list(tuple(CASE_BY_NAME)), default=list(CASE_BY_NAME), help="default: all")
     add("--warmup", type=int, default=None, help="steps before timing (default 3; smoke 2)")
     add("--iters", type=int, default=None, help="timed steps, at least (default 10; smoke 2)")
     add(
@@ -520,56 +443,34 @@ def parse_args(argv=None):
         help=f"more timed steps until they add up to this, up to {MAX_ITERS_FACTOR}x --iters (default 2; smoke 0)",
     )
     add("--no-profile", action="store_true", help="do not count kernels with torch.profiler")
-    add("--budget-s", type=float, default=150.0, help="wall-clock budget; later cases are skipped (default: 150)")
-    add("--out", type=Path, default=None, help="directory for the JSON (default: benchmarks/results)")
-    add("--json", type=Path, default=None, help="exact JSON path (overrides --out)")
-    add("--markdown", type=Path, default=None, help="also write the markdown table to this file")
-    add("--report", type=Path, default=None, help="print the markdown table of a stored result and exit")
-    add("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.report is None:
-        if torch.device(args.device).type == "cpu" and not args.smoke:
-            p.error("CPU memory and timings answer nothing this benchmark asks; use --device cuda, or --smoke")
-        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-            p.error("--device cuda, but CUDA is not available here; use --device cpu --smoke for a code-path check")
+    harness.check_device(p, args)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.smoke else 3)
     args.iters = args.iters if args.iters is not None else (2 if args.smoke else 10)
     args.min_time_s = args.min_time_s if args.min_time_s is not None else (0.0 if args.smoke else 2.0)
     return args
 
 
-def output_path(args):
-    if args.json is not None:
-        return args.json
-    out = args.out or (Path(tempfile.gettempdir()) / "flatopt-smoke" if args.smoke else harness.RESULTS_DIR)
-    return out / f"{'smoke-' if args.smoke else ''}memory-{harness.timestamp()}.json"
-
-
 def main(argv=None):
-    args = parse_args(argv)
-    if args.report is not None:
-        print(markdown(json.loads(args.report.read_text())), end="")
-        return 0
+    return harness.main(argv, parse_args, run, markdown)
+
+
+def run(args, argv):
     start = time.monotonic()
     device = torch.device(args.device)
     sizes = SMOKE if args.smoke else FULL
-    path = output_path(args)
-    record = dict(
-        schema=1,
-        benchmark="memory",
-        question="in-backward AdamW on a ~1B-parameter model: peak memory, step time and kernel launches per step",
-        kind="smoke" if args.smoke else "measurement",
-        smoke=args.smoke,
-        note=harness.SMOKE_NOTE if args.smoke else None,
-        env=harness.environment(device),
-        command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+    path = harness.output_path(args, "memory")
+    record = harness.new_record(
+        "memory",
+        "in-backward AdamW on a ~1B-parameter model: peak memory, step time and kernel launches per step",
+        "bench_memory", args, argv, device,
         settings=dict(warmup=args.warmup, iters=args.iters, min_time_s=args.min_time_s, budget_s=args.budget_s,
                       seed=args.seed, profile=not args.no_profile),
         hparams=HPARAMS,
         sizes=asdict(sizes),
         params=sizes.numel,
         expected_bytes={dt: dict(params=param_bytes(sizes.numel, dt), states=adamw_state_bytes(sizes.numel, dt),
-                                 default_bucket=bucket_bytes(flatopt.options.DEFAULT_BUCKET_SIZE, dt),
+                                 default_bucket=bucket_bytes(harness.FlatoptInternals.default_bucket_size(), dt),
                                  small_bucket=bucket_bytes(sizes.small_bucket, dt)) for dt in args.dtypes},
         cases={c.name: c.note for c in CASES},
         targets_definition=dict(time_ratio=TARGET_TIME_RATIO, launch_fraction=TARGET_LAUNCH_FRACTION),
@@ -577,43 +478,23 @@ def main(argv=None):
         activations={},
         targets=[],
     )  # fmt: skip
-    if args.smoke:
-        print(harness.SMOKE_NOTE)
-    print(f"device: {record['env']['device_name']}; torch {torch.__version__}; {sizes.numel:,} params; JSON: {path}")
-    saved_threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # tiny tensors; a busy machine makes OpenMP spinning very slow
-    try:
-        if device.type == "cuda":
-            warm_libraries(device, args.dtypes)
-        for dt in args.dtypes:
-            for name in args.cases:
-                case = CASE_BY_NAME[name]
-                if time.monotonic() - start > args.budget_s:
-                    row = dict(case=name, dtype=dt, ours=case.ours, status="skipped", seconds=0.0,
-                               reason=f"time budget (--budget-s {args.budget_s:g}) spent")  # fmt: skip
-                else:
-                    row = run_case(case, dt, sizes, device, args)
-                record["results"].append(row)
-                print_row(row)
-                harness.write_json(path, record)
-    finally:
-        torch.set_num_threads(saved_threads)
+    harness.announce(record, path)
+    print(f"{sizes.numel:,} parameters")
+    if device.type == "cuda":
+        warm_libraries(device, args.dtypes)
+    for dt in args.dtypes:
+        for name in args.cases:
+            case = CASE_BY_NAME[name]
+            if time.monotonic() - start > args.budget_s:
+                row = harness.budget_spent(dict(case=name, dtype=dt, ours=case.ours, seconds=0.0), args)
+            else:
+                row = run_case(case, dt, sizes, device, args)
+            record["results"].append(row)
+            print_row(row)
+            harness.write_json(path, record)
     record["activations"], record["targets"] = derive(record["results"], args.dtypes)
     failed = [r for r in record["results"] if r["ours"] and r["status"] in ("failed", "oom")]
-    record["flatopt_failed"] = bool(failed)
-    record["total_s"] = round(time.monotonic() - start, 1)
-    harness.write_json(path, record)
-    text = markdown(record)
-    print("\n" + text, end="")
-    if args.markdown is not None:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
-    print(f"\nwrote {path} ({record['total_s']:.0f} s)")
-    if failed:
-        print(f"flatopt failed in {len(failed)} case(s); exit status 1", file=sys.stderr)
-        return 1
-    return 0
+    return harness.finish(record, path, args, markdown, failed, start)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
-"""Question: per optimizer step, how close does each implementation come to the memory-bandwidth floor,
-and what does ``step()`` cost on the host?
+"""Question: per optimizer step, how close does each implementation come to the memory-bandwidth floor, alone and
+as a training loop pays for it, and what does ``step()`` cost on the host?
 
-AdamW, SGD with momentum and Lion over three parameter sets (GPT-2 small shapes, 3000 small tensors,
-Llama-style 1.2B shapes), fp32 and bf16 parameters (states in the parameter's dtype), on one GPU in one run:
+AdamW, SGD with momentum and Lion over three parameter sets (GPT-2 small shapes, 3000 small tensors, Llama-style
+1.2B shapes), fp32 and bf16 parameters (states in the parameter's dtype), one param group or two (``--groups``:
+weight decay on the 2-D tensors, none on the 1-D ones, harness.DECAY_RULE), on one GPU in one run. Two variants
+(``--variants``):
+
+``step``: ``opt.step()`` alone, the gradients already in place (random normal). Floor: the step's bytes (AdamW fp32
+reads p, g, m, v and writes p, m, v: 28 B per element).
 
     torch-foreach      torch.optim, foreach=True                                        AdamW, SGD
     torch-fused        torch.optim, fused=True                                          AdamW, SGD
     torch-fused-graph  torch.optim fused (AdamW capturable=True) replayed from a CUDA graph  AdamW, SGD
-    torch-compile      torch.compile(opt.step) of a foreach AdamW, in a subprocess with a timeout
+    torch-compile      torch.compile(opt.step) of a foreach AdamW, in a subprocess with a timeout (one group)
     apex               apex.optimizers.FusedAdam(adam_w_mode=True), when apex is importable
     lion-pytorch       lion_pytorch.Lion, when importable
     foreach-lion       Lion written here with torch._foreach_* ops (torch.optim has no Lion)
@@ -15,26 +20,44 @@ Llama-style 1.2B shapes), fp32 and bf16 parameters (states in the parameter's dt
     flatopt-launch     flatopt's opt.step() with use_step_graph=False: one Triton launch per buffer  all three
     flatopt-graph      flatopt's opt.step() captured once, replayed from a CUDA graph   all three
 
-For each: median ms (20th-80th percentile) from CUDA events, GB/s, percent of the floor (bytes that
-must move / copy bandwidth measured in this run) and, on the GPT-2 and 3000-tensor sets, the host-side
-microseconds of one call; for flatopt also of a call that follows ``zero_grad()`` (every ``.grad`` compared
-with its view) and of one with a new lr (hyper-parameters validated and copied to the device), as in a training
-loop with an LR scheduler. flatopt's targets (>= 97 % of the floor; host step() <= 40 us and no slower
-with 3000 parameters than with 148) are reported as met or not, with the margin; they are not asserted.
-Failures and skips are recorded per implementation; the exit status is 1 when a flatopt case failed.
+``loop``: what a training loop pays for the optimizer: ``opt.zero_grad()``, then the gradients landing, then
+``opt.step()``. The landing is a real backward pass reduced to what every backward must do for the optimizer,
+write each parameter's gradient once: ``GradientSource``, an autograd Function over every parameter whose
+backward writes all the gradients with one write-only kernel (``fill_`` with a non-zero value that changes from
+call to call) into a fresh buffer and hands each parameter its view, as a layer's backward hands over its weight
+gradient. AccumulateGrad then does what it does in training: torch.optim's ``zero_grad()`` leaves ``.grad`` None
+and the view is stolen (no copy); flatopt's post-accumulate-grad hooks copy it into the flat buffer. Timed:
+``zero_grad()`` + the forward node + ``backward()`` + ``step()``. Floor: the step's bytes plus one write of every
+gradient (AdamW fp32 32 B per element). Implementations: torch-foreach, torch-fused (AdamW, SGD), foreach-lion and
+lion-pytorch (Lion), flatopt, and flatopt-keep-grads (``zero_grad(set_to_none=False)``: the buffer is zeroed and
+autograd adds each gradient into its view). Two timings each: ``median_ms``, the device's work, with the host's
+launch overhead hidden behind a device sleep queued first (harness.device_time(hide_host=True)); and ``wall_ms``,
+calls back to back, host included (a loop with no other work to overlap pays it). References per case:
+``gradients-only`` (zero_grad + the landing into torch's stolen views, no optimizer: floor one write per element)
+and ``copy-same-bytes``.
 
-The reference a step can reach: per set, dtype and optimizer, a ``dst.copy_(src)`` moving exactly the bytes
-the floor counts (row ``copy-same-bytes``, same timer); every row of the case records ``same_bytes_copy_ms``
-and ``same_bytes_copy_pct_of_floor``, and every measured row ``pct_of_same_bytes_copy``. The floor's 1 GiB
-copy amortises a launch's fixed cost of a few microseconds; a short step (bf16, 3000 small tensors, ~0.2 ms)
-cannot, and even a copy of its bytes misses 97 % of the floor. A missed percent-of-floor target says why:
-the fixed cost (flatopt within 1.5 % of the same-bytes copy, which itself misses 97 %) or the kernel
-(slower than a copy of its bytes by the stated percent).
+For each: median ms (20th-80th percentile) from CUDA events, GB/s, percent of the floor (bytes that must move /
+copy bandwidth measured in this run) and, on the GPT-2 and 3000-tensor sets, the host-side microseconds of one
+call; for flatopt's ``step`` also of a call that follows ``zero_grad()`` (every ``.grad`` compared with its view)
+and of one with a new lr (hyper-parameters validated and copied to the device), as in a training loop with an LR
+scheduler. flatopt's targets (step: >= 97 % of the floor, host step() <= 40 us and no slower with 3000 parameters
+than with 148; loop: >= 95 % of the floor, on the device time and on the back-to-back time) are reported as met or
+not, with the margin; they are not asserted. Failures and skips are recorded per implementation; the exit status is
+1 when a flatopt case failed.
 
-GPU run from the repository root (about 2-4 minutes of measurements on an H100, then the torch.compile
-section within what is left of --budget-s; --quick halves the repeats):
+The reference a step can reach: per case, a ``dst.copy_(src)`` moving exactly the bytes the floor counts (row
+``copy-same-bytes``, same timer); every row of the case records ``same_bytes_copy_ms`` and
+``same_bytes_copy_pct_of_floor``, and every measured row ``pct_of_same_bytes_copy``. The floor's 1 GiB copy
+amortises a launch's fixed cost of a few microseconds; a short step (bf16, 3000 small tensors, ~0.2 ms) cannot, and
+even a copy of its bytes misses 97 % of the floor. A missed percent-of-floor target says why: the fixed cost
+(flatopt within 1.5 % of the same-bytes copy, which itself misses the target) or the kernel (slower than a copy of
+its bytes by the stated percent).
 
-    PYTHONPATH=. python3 benchmarks/bench_step.py [--quick] [--out benchmarks/results]
+GPU run from the repository root (the step variant with one group, about 2-4 minutes of measurements on an H100,
+then the torch.compile section within what is left of --budget-s; --quick halves the repeats):
+
+    PYTHONPATH=. python3 benchmarks/bench_step.py --variants step --groups 1 [--quick] [--out benchmarks/results]
+    PYTHONPATH=. python3 benchmarks/bench_step.py --variants loop --groups 1,2 --quick
 
 CPU smoke run (tiny sets, CPU timer, flatopt's torch backend; checks the code path, measures nothing):
 
@@ -44,12 +67,8 @@ CPU smoke run (tiny sets, CPU timer, flatopt's torch backend; checks the code pa
 import argparse
 import functools
 import importlib
-import json
-import os
-import signal
-import subprocess
+import itertools
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -64,24 +83,26 @@ import torch
 
 import flatopt
 from benchmarks import harness
+from benchmarks.harness import Skip, num
 
 OPTIMIZERS = ("adamw", "sgd", "lion")
+OPTIMIZER_TITLES = {"adamw": "AdamW", "sgd": "SGD (momentum)", "lion": "Lion"}
+VARIANTS = ("step", "loop")
 HOST_SETS = ("gpt2", "many-small")  # host-side step() time is measured on these
 HPARAMS = {
     "adamw": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2),
     "sgd": dict(lr=1e-2, momentum=0.9, weight_decay=0.0),
     "lion": dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1),
 }
-TARGET_PCT = 97.0  # flatopt: percent of the floor, every set and dtype
+DECAY = {"adamw": 1e-2, "sgd": 5e-4, "lion": 0.1}  # the decay group's weight_decay with two groups; the other: 0
+TARGET_PCT = 97.0  # flatopt step: percent of the floor, every set and dtype
+TARGET_LOOP_PCT = 95.0  # flatopt loop (zero_grad + landing + step): percent of the floor
 TARGET_HOST_US = 40.0  # flatopt: host-side step() on the GPT-2 and 3000-tensor sets
 TARGET_HOST_RATIO = 1.10  # flatopt: host step() with 3000 parameters / with 148 ("the same")
-RESULT_PREFIX = "FLATOPT_BENCH_RESULT "  # the compile worker's result line on stdout
 MIN_COMPILE_S = 20.0  # a compile case is not started with less time than this left
 SAME_BYTES_TOLERANCE_PCT = 1.5  # flatopt this close to a copy of its bytes: a miss is the launch's fixed cost
-
-
-class Skip(Exception):
-    """An implementation that cannot run here, with the reason."""
+GRAD_ALIGN = 64  # elements: where GradientSource starts each gradient in its buffer (as flatopt's layout does)
+GRAD_VALUES = (0.5, -0.25, 1.0, -0.75)  # the gradient values GradientSource writes in turn (never zero)
 
 
 @dataclass
@@ -91,27 +112,36 @@ class Context:
     seed: int
 
 
+# ------------------------------------------------------------------------------------------ param groups
+def param_groups(params, optimizer, groups, shapes):
+    """torch-style param groups: one (the optimizer's HPARAMS), or two split by harness.decay_split, the decay
+    group with DECAY[optimizer] and the other with weight_decay 0."""
+    if groups == 1:
+        return [dict(params=list(params))]
+    decay, rest = harness.decay_split(shapes)
+    return [
+        dict(params=[params[i] for i in decay], weight_decay=DECAY[optimizer]),
+        dict(params=[params[i] for i in rest], weight_decay=0.0),
+    ]
+
+
 # ------------------------------------------------------------------------------------ implementations
-def torch_optimizer(optimizer, params, **flags):
+def torch_optimizer(optimizer, groups, **flags):
     cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
-    return cls(params, **HPARAMS[optimizer], **flags)
+    return cls(groups, **HPARAMS[optimizer], **flags)
 
 
-def build_torch_foreach(params, optimizer, ctx):
-    opt = torch_optimizer(optimizer, params, foreach=True)
-    return opt.step, [opt]
+def build_torch_foreach(groups, optimizer, ctx):
+    return torch_optimizer(optimizer, groups, foreach=True)
 
 
-def build_torch_fused(params, optimizer, ctx):
-    opt = torch_optimizer(optimizer, params, fused=True)
-    return opt.step, [opt]
+def build_torch_fused(groups, optimizer, ctx):
+    return torch_optimizer(optimizer, groups, fused=True)
 
 
-def build_torch_fused_graph(params, optimizer, ctx):
+def build_torch_fused_graph(groups, optimizer, ctx):
     flags = dict(fused=True, capturable=True) if optimizer == "adamw" else dict(fused=True)
-    opt = torch_optimizer(optimizer, params, **flags)
-    graph = harness.capture_cuda_graph(opt.step)
-    return graph.replay, [opt, graph]
+    return torch_optimizer(optimizer, groups, **flags)
 
 
 def optional_attr(module, attr):
@@ -125,48 +155,50 @@ def optional_attr(module, attr):
     return getattr(mod, attr)
 
 
-def build_apex(params, optimizer, ctx):
-    fused_adam = optional_attr("apex.optimizers", "FusedAdam")
-    opt = fused_adam(params, **HPARAMS["adamw"], adam_w_mode=True)
-    return opt.step, [opt]
+def build_apex(groups, optimizer, ctx):
+    return optional_attr("apex.optimizers", "FusedAdam")(groups, **HPARAMS["adamw"], adam_w_mode=True)
 
 
-def build_lion_pytorch(params, optimizer, ctx):
-    lion = optional_attr("lion_pytorch", "Lion")
-    opt = lion(params, **HPARAMS["lion"])
-    return opt.step, [opt]
+def build_lion_pytorch(groups, optimizer, ctx):
+    return optional_attr("lion_pytorch", "Lion")(groups, **HPARAMS["lion"])
 
 
 class ForeachLion:
-    """Lion (decoupled weight decay, as lion-pytorch) with torch._foreach_* ops over the parameter list."""
+    """Lion (decoupled weight decay, as lion-pytorch) with torch._foreach_* ops over each param group's list."""
 
-    def __init__(self, params, lr, betas, weight_decay):
-        self.params = list(params)
-        self.lr, (self.beta1, self.beta2), self.weight_decay = lr, betas, weight_decay
-        self.exp_avgs = [torch.zeros_like(p) for p in self.params]
+    def __init__(self, groups, lr, betas, weight_decay):
+        self.param_groups = [dict(g, weight_decay=g.get("weight_decay", weight_decay)) for g in groups]
+        self.lr, (self.beta1, self.beta2) = lr, betas
+        self.exp_avgs = [[torch.zeros_like(p) for p in g["params"]] for g in self.param_groups]
 
     @torch.no_grad()
     def step(self):
-        grads = [p.grad for p in self.params]
-        if self.weight_decay:
-            torch._foreach_mul_(self.params, 1.0 - self.lr * self.weight_decay)
-        update = torch._foreach_lerp(self.exp_avgs, grads, 1.0 - self.beta1)  # beta1 * m + (1 - beta1) * g
-        torch._foreach_sign_(update)
-        torch._foreach_add_(self.params, update, alpha=-self.lr)
-        torch._foreach_lerp_(self.exp_avgs, grads, 1.0 - self.beta2)
+        for group, exp_avgs in zip(self.param_groups, self.exp_avgs):
+            params = group["params"]
+            grads = [p.grad for p in params]
+            if group["weight_decay"]:
+                torch._foreach_mul_(params, 1.0 - self.lr * group["weight_decay"])
+            update = torch._foreach_lerp(exp_avgs, grads, 1.0 - self.beta1)  # beta1 * m + (1 - beta1) * g
+            torch._foreach_sign_(update)
+            torch._foreach_add_(params, update, alpha=-self.lr)
+            torch._foreach_lerp_(exp_avgs, grads, 1.0 - self.beta2)
+
+    def zero_grad(self, set_to_none=True):
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.grad = None
 
 
-def build_foreach_lion(params, optimizer, ctx):
-    opt = ForeachLion(params, **HPARAMS["lion"])
-    return opt.step, [opt]
+def build_foreach_lion(groups, optimizer, ctx):
+    return ForeachLion(groups, **HPARAMS["lion"])
 
 
 FLATOPT = {"adamw": flatopt.AdamW, "sgd": flatopt.SGD, "lion": flatopt.Lion}
 
 
-def flatopt_optimizer(optimizer, params, ctx):
-    """flatopt over ``params``, after its first step."""
-    opt = FLATOPT[optimizer](params, **HPARAMS[optimizer], backend=ctx.backend)
+def build_flatopt(groups, optimizer, ctx):
+    """flatopt over ``groups``, after its first step."""
+    opt = FLATOPT[optimizer](groups, **HPARAMS[optimizer], backend=ctx.backend)
     with warnings.catch_warnings():
         # the gradients were set by hand, not by backward(): the first step's no-gradient warning does not apply
         warnings.filterwarnings("ignore", message=".*received no gradient.*")
@@ -174,45 +206,29 @@ def flatopt_optimizer(optimizer, params, ctx):
     return opt
 
 
-def build_flatopt(params, optimizer, ctx):
-    opt = flatopt_optimizer(optimizer, params, ctx)
-    return opt.step, [opt]
-
-
-def build_flatopt_launch(params, optimizer, ctx):
-    opt = flatopt_optimizer(optimizer, params, ctx)
-    opt.use_step_graph = False
-    return opt.step, [opt]
-
-
-def build_flatopt_graph(params, optimizer, ctx):
-    # Valid because flatopt's buffers never move and its kernels advance the step counts on the device;
-    # hyper-parameters must not change between replays.
-    opt = flatopt_optimizer(optimizer, params, ctx)
-    graph = harness.capture_cuda_graph(opt.step)
-    return graph.replay, [opt, graph]
-
-
 @dataclass(frozen=True)
 class Impl:
     name: str
     optimizers: tuple
-    build: object  # (params, optimizer, ctx) -> (step callable, objects to keep alive); None: subprocess
+    build: object  # (param groups, optimizer, ctx) -> optimizer; None: a subprocess (torch-compile)
     note: str
+    variants: tuple = ("step",)
     needs_cuda: bool = False
     ours: bool = False
     host_variants: bool = False  # also time step() as a training loop calls it (see flatopt_host_variants)
+    mode: str = "step"  # step: opt.step; launch: use_step_graph=False; graph: captured; keep: set_to_none=False
 
 
 IMPLS = (
-    Impl("torch-foreach", ("adamw", "sgd"), build_torch_foreach, "torch.optim, foreach=True"),
-    Impl("torch-fused", ("adamw", "sgd"), build_torch_fused, "torch.optim, fused=True"),
+    Impl("torch-foreach", ("adamw", "sgd"), build_torch_foreach, "torch.optim, foreach=True", VARIANTS),
+    Impl("torch-fused", ("adamw", "sgd"), build_torch_fused, "torch.optim, fused=True", VARIANTS),
     Impl(
         "torch-fused-graph",
         ("adamw", "sgd"),
         build_torch_fused_graph,
         "torch.optim fused (AdamW with capturable=True), step captured once and replayed from a CUDA graph",
         needs_cuda=True,
+        mode="graph",
     ),
     Impl(
         "torch-compile",
@@ -221,46 +237,127 @@ IMPLS = (
         "torch.compile(opt.step) of torch.optim.AdamW(foreach=True), timed after warm-up, in a subprocess",
     ),
     Impl("apex", ("adamw",), build_apex, "apex.optimizers.FusedAdam(adam_w_mode=True)"),
-    Impl("lion-pytorch", ("lion",), build_lion_pytorch, "lion_pytorch.Lion (default arguments)"),
-    Impl("foreach-lion", ("lion",), build_foreach_lion, "Lion with torch._foreach_* ops, written in bench_step.py"),
+    Impl("lion-pytorch", ("lion",), build_lion_pytorch, "lion_pytorch.Lion (default arguments)", VARIANTS),
+    Impl(
+        "foreach-lion",
+        ("lion",),
+        build_foreach_lion,
+        "Lion with torch._foreach_* ops, written in bench_step.py",
+        VARIANTS,
+    ),
     Impl(
         "flatopt",
         OPTIMIZERS,
         build_flatopt,
-        "flatopt opt.step(): one launch per flat buffer, replayed from flatopt's internal CUDA graph on CUDA",
+        "flatopt opt.step(): one launch per flat buffer, replayed from flatopt's internal CUDA graph on CUDA; in the "
+        "loop, zero_grad() (set_to_none=True) and the post-accumulate-grad hooks' copies into the flat buffer",
+        VARIANTS,
         ours=True,
         host_variants=True,
     ),
     Impl(
+        "flatopt-keep-grads",
+        OPTIMIZERS,
+        build_flatopt,
+        "flatopt in the loop with zero_grad(set_to_none=False): the buffer zeroed, autograd adds each gradient into "
+        "its view",
+        ("loop",),
+        ours=True,
+        mode="keep",
+    ),
+    Impl(
         "flatopt-launch",
         OPTIMIZERS,
-        build_flatopt_launch,
+        build_flatopt,
         "flatopt opt.step() with use_step_graph=False: one Triton launch per flat buffer, no graph",
         ours=True,
+        mode="launch",
     ),
     Impl(
         "flatopt-graph",
         OPTIMIZERS,
-        build_flatopt_graph,
+        build_flatopt,
         "flatopt opt.step() captured once on a side stream, replayed from a CUDA graph",
         needs_cuda=True,
         ours=True,
+        mode="graph",
     ),
 )
 IMPL_BY_NAME = {i.name: i for i in IMPLS}
-# The reference, not an implementation (not in IMPLS nor --impls): timed once per set, dtype and optimizer.
+# References, not implementations (not in IMPLS nor --impls): timed once per case.
 SAME_BYTES_COPY = Impl(
     "copy-same-bytes",
     OPTIMIZERS,
     None,
     "dst.copy_(src) of float32 buffers reading + writing the bytes the floor counts for the case: what a step "
     "of that size can reach, a launch's fixed cost included",
+    VARIANTS,
+)
+GRADIENTS_ONLY = Impl(
+    "gradients-only",
+    OPTIMIZERS,
+    None,
+    "loop variant without an optimizer: .grad set to None, then GradientSource's backward, whose views "
+    "AccumulateGrad steals (floor: one write of every gradient)",
+    ("loop",),
 )
 
 
+# -------------------------------------------------------------------------------------- the loop's landing
+class GradientSource(torch.autograd.Function):
+    """A backward pass reduced to what every backward must do for the optimizer: write each parameter's gradient.
+
+    ``forward(spec, *params)`` returns an empty scalar that depends on every parameter. ``backward`` allocates one
+    buffer, writes every gradient into it with a single ``fill_`` (write-only, non-zero) and returns each
+    parameter's view (GRAD_ALIGN-aligned, the parameter's shape and strides). Nothing else references the views,
+    so AccumulateGrad takes each one as the parameter's ``.grad`` when ``.grad`` is None (no copy), and adds it
+    into ``.grad`` in place otherwise, as it does with a layer's weight gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, spec, *params):
+        ctx.spec = spec
+        return params[0].new_empty(())
+
+    @staticmethod
+    def backward(ctx, _):
+        spec = ctx.spec
+        flat = torch.empty(spec.total, dtype=spec.dtype, device=spec.device)
+        flat.fill_(next(spec.values))
+        return (None, *(flat[start : start + n].view(shape) for start, n, shape in spec.spans))
+
+
+class GradientSpec:
+    """Where GradientSource puts each gradient: (start, numel, shape) per parameter in one buffer of ``total``."""
+
+    def __init__(self, params):
+        self.spans, start = [], 0
+        for p in params:
+            if not p.is_contiguous():
+                raise ValueError("GradientSource hands out contiguous gradients; the parameters must be contiguous")
+            self.spans.append((start, p.numel(), tuple(p.shape)))
+            start += -(-p.numel() // GRAD_ALIGN) * GRAD_ALIGN
+        self.total = start
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.values = itertools.cycle(GRAD_VALUES)
+
+
+def landing(params):
+    """A callable that lands one gradient in every parameter as a backward pass does (GradientSource)."""
+    spec = GradientSpec(params)
+    one = torch.ones((), dtype=params[0].dtype, device=params[0].device)
+
+    def land():
+        torch.autograd.backward(GradientSource.apply(spec, *params), one)
+
+    return land
+
+
 # ------------------------------------------------------------------------------------------ one case
-def new_row(sset, dtype_name, optimizer, impl):
+def new_row(sset, dtype_name, optimizer, impl, variant="step", groups=1):
     return dict(
+        variant=variant,
+        groups=groups,
         set=sset.name,
         dtype=dtype_name,
         optimizer=optimizer,
@@ -272,15 +369,30 @@ def new_row(sset, dtype_name, optimizer, impl):
     )
 
 
+def row_variant(row):
+    return row.get("variant", "step")  # results written before the loop variant have none
+
+
+def row_groups(row):
+    return row.get("groups", 1)
+
+
 def add_derived(row, copy_gbps):
-    """Bytes that must move, the floor, GB/s and percent of the floor of a result row."""
-    bpe = harness.bytes_per_element(row["optimizer"], row["dtype"])
+    """Bytes that must move, the floor, GB/s and percent of the floor of a result row (and of its back-to-back
+    time ``wall_ms``, where it has one)."""
+    loop = row_variant(row) == "loop"
+    if row.get("impl") == GRADIENTS_ONLY.name:
+        bpe = harness.element_size(row["dtype"])  # one write of every gradient
+    else:
+        bpe = harness.bytes_per_element(row["optimizer"], row["dtype"], grad_write=loop)
     row["bytes_per_element"] = bpe
     row["bytes"] = row["elements"] * bpe
     row["floor_ms"] = harness.floor_ms(row["elements"], bpe, copy_gbps)
     if row.get("status") == "ok" and row.get("median_ms"):
         row["gbps"] = harness.gbps(row["bytes"], row["median_ms"])
         row["pct_floor"] = harness.pct_of_floor(row["floor_ms"], row["median_ms"])
+    if row.get("status") == "ok" and row.get("wall_ms"):
+        row["wall_pct_floor"] = harness.pct_of_floor(row["floor_ms"], row["wall_ms"])
     same = row.get("same_bytes_copy_ms")  # set by with_same_bytes_copy
     if same:
         row["same_bytes_copy_pct_of_floor"] = harness.pct_of_floor(row["floor_ms"], same)
@@ -291,44 +403,62 @@ def add_derived(row, copy_gbps):
 
 def with_same_bytes_copy(row, copy_row):
     """Attach the same-bytes copy's median to a row of its case (add_derived turns it into percentages)."""
-    if copy_row is not None and copy_row.get("status") == "ok":
+    if copy_row is not None and copy_row.get("status") == "ok" and row.get("impl") != GRADIENTS_ONLY.name:
         row["same_bytes_copy_ms"] = copy_row["median_ms"]
     return row
 
 
-def run_case(sset, dtype_name, optimizer, impl, ctx, settings, host):
+def build_case(sset, dtype_name, optimizer, impl, groups, ctx):
+    """Parameters and the implementation's optimizer over them; returns (params, optimizer, step callable)."""
+    params = harness.make_params(sset.shapes, harness.DTYPES[dtype_name], ctx.device, ctx.seed)
+    opt = impl.build(param_groups(params, optimizer, groups, sset.shapes), optimizer, ctx)
+    step = opt.step
+    if impl.mode == "launch":
+        opt.use_step_graph = False
+    elif impl.mode == "graph":
+        # Valid because the buffers never move and the kernels advance the step counts on the device;
+        # hyper-parameters must not change between replays.
+        step = harness.capture_cuda_graph(opt.step).replay
+    return params, opt, step
+
+
+def run_case(sset, dtype_name, optimizer, impl, ctx, settings, host, variant="step", groups=1):
     """Build, time and free one implementation; never raises (failures are recorded in the row)."""
-    row = new_row(sset, dtype_name, optimizer, impl)
+    row = new_row(sset, dtype_name, optimizer, impl, variant, groups)
     if impl.needs_cuda and ctx.device.type != "cuda":
         row.update(status="skipped", reason="CUDA graphs need a CUDA device")
         return row
-    t0 = time.perf_counter()
-    baseline = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
-    params = step = keep = None
-    try:
-        params = harness.make_params(sset.shapes, harness.DTYPES[dtype_name], ctx.device, ctx.seed)
-        step, keep = impl.build(params, optimizer, ctx)
+
+    def body(row):
+        t0 = time.perf_counter()
+        params, opt, step = build_case(sset, dtype_name, optimizer, impl, groups, ctx)
+        if variant == "loop":
+            land = landing(params)
+            zero = functools.partial(opt.zero_grad, set_to_none=impl.mode != "keep")
+
+            def step():  # noqa: F811 (the loop: zero_grad, the gradients landing, step)
+                zero()
+                land()
+                opt.step()
+
         row["setup_s"] = time.perf_counter() - t0
-        row.update(harness.device_time(step, ctx.device, settings).as_dict())
-        if host:
-            row["host_us"], row["host_us_q20"], row["host_us_q80"], row["host_calls"] = harness.host_time(
-                step, ctx.device, settings
-            )
-            if impl.host_variants:
-                row.update(flatopt_host_variants(keep[0], ctx.device, settings))
-        row["status"] = "ok"
-    except Skip as e:
-        row.update(status="skipped", reason=str(e))
-    except Exception as e:  # recorded; the run goes on
-        row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
-    finally:
-        del params, step, keep  # before freeing memory
-        try:
-            harness.free_memory(ctx.device, baseline)
-        except Exception as e:  # a sticky CUDA error: the next cases will say so too
-            row["cleanup_error"] = f"{type(e).__name__}: {e}"[:2000]
-    row["seconds"] = time.perf_counter() - t0
-    return row
+        time_row(row, step, ctx.device, settings, host, variant)
+        if host and impl.host_variants and variant == "step":
+            row.update(flatopt_host_variants(opt, ctx.device, settings))
+
+    return harness.run_guarded(row, ctx.device, body)
+
+
+def time_row(row, fn, device, settings, host, variant):
+    """Device time of ``fn`` (loop: host hidden, and back to back as ``wall_ms``) and, if ``host``, its host time."""
+    row.update(harness.device_time(fn, device, settings, hide_host=variant == "loop").as_dict())
+    if variant == "loop":
+        wall = harness.device_time(fn, device, settings)
+        row.update(wall_ms=wall.median_ms, wall_q20_ms=wall.q20_ms, wall_q80_ms=wall.q80_ms)
+    if host:
+        row["host_us"], row["host_us_q20"], row["host_us_q80"], row["host_calls"] = harness.host_time(
+            fn, device, settings
+        )
 
 
 def flatopt_host_variants(opt, device, settings):
@@ -352,30 +482,38 @@ def flatopt_host_variants(opt, device, settings):
     return out
 
 
-def run_same_bytes_copy(sset, dtype_name, optimizer, ctx, settings):
+def run_gradients_only(sset, dtype_name, optimizer, ctx, settings, host, groups):
+    """The loop's landing alone: every ``.grad`` set to None, then GradientSource's backward; never raises."""
+    row = new_row(sset, dtype_name, optimizer, GRADIENTS_ONLY, "loop", groups)
+
+    def body(row):
+        params = harness.make_params(sset.shapes, harness.DTYPES[dtype_name], ctx.device, ctx.seed, grads=False)
+        land = landing(params)
+
+        def fn():
+            for p in params:
+                p.grad = None
+            land()
+
+        time_row(row, fn, ctx.device, settings, host, "loop")
+
+    return harness.run_guarded(row, ctx.device, body)
+
+
+def run_same_bytes_copy(sset, dtype_name, optimizer, ctx, settings, variant="step", groups=1):
     """Time a ``dst.copy_(src)`` moving the bytes the floor counts for this case; never raises. No parameters
     are allocated (the Llama set leaves little room), and the buffers are freed before the next case."""
-    row = new_row(sset, dtype_name, optimizer, SAME_BYTES_COPY)
-    t0 = time.perf_counter()
-    baseline = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
-    src = dst = copy = None
-    try:
-        n = sset.numel * harness.bytes_per_element(optimizer, dtype_name) // 8  # float32: 4 B read + 4 B written
+    row = new_row(sset, dtype_name, optimizer, SAME_BYTES_COPY, variant, groups)
+
+    def body(row):
+        bpe = harness.bytes_per_element(optimizer, dtype_name, grad_write=variant == "loop")
+        n = sset.numel * bpe // 8  # float32: 4 B read + 4 B written
         src = torch.randn(n, device=ctx.device)
         dst = torch.empty_like(src)
-        copy = functools.partial(dst.copy_, src)  # not a closure, so that `del` below drops the buffers
-        row.update(harness.device_time(copy, ctx.device, settings).as_dict())
-        row.update(copy_elements=n, copy_bytes_moved=8 * n, status="ok")
-    except Exception as e:  # recorded; the run goes on
-        row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
-    finally:
-        del src, dst, copy
-        try:
-            harness.free_memory(ctx.device, baseline)
-        except Exception as e:
-            row["cleanup_error"] = f"{type(e).__name__}: {e}"[:2000]
-    row["seconds"] = time.perf_counter() - t0
-    return row
+        row.update(harness.device_time(functools.partial(dst.copy_, src), ctx.device, settings).as_dict())
+        row.update(copy_elements=n, copy_bytes_moved=8 * n)
+
+    return harness.run_guarded(row, ctx.device, body)
 
 
 # ----------------------------------------------------------------------------------- torch.compile
@@ -383,7 +521,7 @@ def compile_worker(args):
     """Subprocess entry: time torch.compile(opt.step) of a foreach AdamW on one set and dtype; print one result line."""
     device = torch.device(args.device)
     sset = harness.shape_set(args.worker_set, smoke=args.smoke)
-    settings = timer_settings(args)
+    settings = harness.timer_settings(args.smoke, args.quick)
     row = {}
     try:
         params = harness.make_params(sset.shapes, harness.DTYPES[args.worker_dtype], device, args.seed)
@@ -402,38 +540,8 @@ def compile_worker(args):
         row["status"] = "ok"
     except Exception as e:
         row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
-    print(RESULT_PREFIX + json.dumps(row), flush=True)
+    harness.print_result(row)
     return 0
-
-
-def run_worker(cmd, timeout_s):
-    """Run a worker command in its own process group; returns its result dict. On timeout the whole
-    group (the compiler's worker processes included) is killed."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:  # a process outside the group still holds the pipes
-            err = ""
-        return dict(
-            status="timeout",
-            reason=f"did not finish within {timeout_s:g} s (compilation, warm-up and timing); not measured",
-            stderr_tail=(err or "")[-2000:],
-        )
-    for line in reversed(out.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX) :])
-    return dict(
-        status="failed",
-        reason=f"worker exited with status {proc.returncode} and printed no result",
-        stderr_tail=(err or "")[-2000:],
-    )
 
 
 def compile_command(args, set_name, dtype_name):
@@ -450,7 +558,7 @@ def compile_order(sets, dtypes):
 
 
 def run_compile_cases(args, sets, dtypes, deadline, copies):
-    """torch.compile rows; ``copies``: the same-bytes copy row of each (set, dtype, optimizer)."""
+    """torch.compile rows (step variant, one group); ``copies``: the same-bytes copy row of each case."""
     impl = IMPL_BY_NAME["torch-compile"]
     rows = []
     for i, (sset, dtype_name) in enumerate(compile_order(sets, dtypes)):
@@ -465,95 +573,90 @@ def run_compile_cases(args, sets, dtypes, deadline, copies):
         else:
             t0 = time.perf_counter()
             timeout = min(args.compile_timeout_s, left)
-            row.update(run_worker(compile_command(args, sset.name, dtype_name), timeout))
+            row.update(harness.run_worker(compile_command(args, sset.name, dtype_name), timeout))
             row["seconds"] = time.perf_counter() - t0
-        rows.append(with_same_bytes_copy(row, copies.get((sset.name, dtype_name, "adamw"))))
+        rows.append(with_same_bytes_copy(row, copies.get(("step", 1, sset.name, dtype_name, "adamw"))))
         print_row(row)
     return rows
 
 
 # ------------------------------------------------------------------------------------------- targets
-def _target(what, row_set, dtype, optimizer, value, threshold, unit, higher_is_better, why_missing=None, why=None):
-    met = margin = None
-    if value is not None:
-        margin = value - threshold if higher_is_better else threshold - value
-        met = margin >= 0
-    return dict(
-        target=what,
-        set=row_set,
-        dtype=dtype,
-        optimizer=optimizer,
-        value=value,
-        threshold=threshold,
-        unit=unit,
-        met=met,
-        margin=margin,
-        note=None if value is not None else why_missing,
-        why=why,  # why a missed target was missed, where the results tell
-    )
-
-
-def _why(row):
-    if row is None:
-        return "not run"
-    return f"{row['status']}: {row.get('reason', '')}".strip()
-
-
-def pct_floor_why(row, copy_row=None):
+def pct_floor_why(row, copy_row=None, threshold=TARGET_PCT):
     """Why a flatopt row missed the percent-of-floor target, from the copy of the same bytes; None if not missed."""
-    if row is None or row.get("pct_floor") is None or row["pct_floor"] >= TARGET_PCT:
+    if row is None or row.get("pct_floor") is None or row["pct_floor"] >= threshold:
         return None
     of_copy, copy_pct = row.get("pct_of_same_bytes_copy"), row.get("same_bytes_copy_pct_of_floor")
     if of_copy is None or copy_pct is None:
-        return f"no copy of the same bytes to compare with ({_why(copy_row)})"
+        return f"no copy of the same bytes to compare with ({harness.why_not(copy_row)})"
     text = f"a copy of the same bytes reaches {copy_pct:.1f} % of the floor; "
     text += f"flatopt reaches {of_copy:.1f} % of that copy"
-    if of_copy >= 100.0 - SAME_BYTES_TOLERANCE_PCT and copy_pct < TARGET_PCT:
+    if of_copy >= 100.0 - SAME_BYTES_TOLERANCE_PCT and copy_pct < threshold:
         return text + ": the shortfall is the fixed cost of a launch this short"
     return text + f": the kernel itself is slower than a copy of its bytes by {100.0 * (100.0 / of_copy - 1.0):.1f} %"
 
 
-def evaluate_targets(rows, set_names, dtypes, optimizers):
+def evaluate_targets(rows, set_names, dtypes, optimizers, variants=("step",), groups=(1,)):
     """flatopt's targets, met or not and by how much (margin > 0: met by that much)."""
-    idx = {(r["set"], r["dtype"], r["optimizer"], r["impl"]): r for r in rows}
+    idx = {(row_variant(r), row_groups(r), r["set"], r["dtype"], r["optimizer"], r["impl"]): r for r in rows}
     out = []
-    for opt in optimizers:
-        for dt in dtypes:
-            for s in set_names:
-                r = idx.get((s, dt, opt, "flatopt"))
-                pct = r.get("pct_floor") if r else None
-                why = pct_floor_why(r, idx.get((s, dt, opt, SAME_BYTES_COPY.name)))
-                what = f">= {TARGET_PCT:g}% of floor"
-                out.append(_target(what, s, dt, opt, pct, TARGET_PCT, "%", True, _why(r), why))
-            host = {}
-            for s in [s for s in HOST_SETS if s in set_names]:
-                r = idx.get((s, dt, opt, "flatopt"))
-                host[s] = r.get("host_us") if r else None
-                what = f"host step() <= {TARGET_HOST_US:g} us"
-                out.append(_target(what, s, dt, opt, host[s], TARGET_HOST_US, "us", False, _why(r)))
-            if len(host) == 2:
-                a, b = host["gpt2"], host["many-small"]
-                ratio = b / a if a and b else None
-                what = f"host step() 3000 vs 148 params <= {TARGET_HOST_RATIO:g}x"
-                out.append(
-                    _target(
-                        what, "many-small/gpt2", dt, opt, ratio, TARGET_HOST_RATIO, "x", False, "host times missing"
-                    )
-                )
+    for variant in variants:
+        for g in groups:
+            for opt in optimizers:
+                for dt in dtypes:
+                    if variant == "step":
+                        out += _step_targets(idx, g, set_names, dt, opt)
+                    else:
+                        out += _loop_targets(idx, g, set_names, dt, opt)
+    return out
+
+
+def _step_targets(idx, g, set_names, dt, opt):
+    out = []
+    where = dict(variant="step", groups=g, optimizer=opt, dtype=dt)
+    for s in set_names:
+        r = idx.get(("step", g, s, dt, opt, "flatopt"))
+        why = pct_floor_why(r, idx.get(("step", g, s, dt, opt, SAME_BYTES_COPY.name)))
+        out.append(harness.target(f">= {TARGET_PCT:g}% of floor", r.get("pct_floor") if r else None, TARGET_PCT, "%",
+                                  higher_is_better=True, note=harness.why_not(r), why=why, set=s, **where))  # fmt: skip
+    host = {}
+    for s in [s for s in HOST_SETS if s in set_names]:
+        r = idx.get(("step", g, s, dt, opt, "flatopt"))
+        host[s] = r.get("host_us") if r else None
+        out.append(harness.target(f"host step() <= {TARGET_HOST_US:g} us", host[s], TARGET_HOST_US, "us",
+                                  note=harness.why_not(r), set=s, **where))  # fmt: skip
+    if len(host) == 2:
+        a, b = host["gpt2"], host["many-small"]
+        ratio = b / a if a and b else None
+        what = f"host step() 3000 vs 148 params <= {TARGET_HOST_RATIO:g}x"
+        out.append(harness.target(what, ratio, TARGET_HOST_RATIO, "x", note="host times missing", set="many-small/gpt2",
+                                  **where))  # fmt: skip
+    return out
+
+
+def _loop_targets(idx, g, set_names, dt, opt):
+    out = []
+    where = dict(variant="loop", groups=g, optimizer=opt, dtype=dt)
+    for s in set_names:
+        r = idx.get(("loop", g, s, dt, opt, "flatopt"))
+        why = pct_floor_why(r, idx.get(("loop", g, s, dt, opt, SAME_BYTES_COPY.name)), TARGET_LOOP_PCT)
+        out.append(harness.target(f">= {TARGET_LOOP_PCT:g}% of floor (device)", r.get("pct_floor") if r else None,
+                                  TARGET_LOOP_PCT, "%", higher_is_better=True, note=harness.why_not(r), why=why, set=s,
+                                  **where))  # fmt: skip
+        out.append(harness.target(f">= {TARGET_LOOP_PCT:g}% of floor (back-to-back)",
+                                  r.get("wall_pct_floor") if r else None, TARGET_LOOP_PCT, "%", higher_is_better=True,
+                                  note=harness.why_not(r), set=s, **where))  # fmt: skip
     return out
 
 
 # ------------------------------------------------------------------------------------------- output
-def _fmt(x, spec):
-    return format(x, spec) if isinstance(x, (int, float)) else "-"
-
-
 def print_row(row):
     if row["status"] == "ok":
         line = (
-            f"{_fmt(row['median_ms'], '10.3f')} ms [{_fmt(row['q20_ms'], '.3f')}-{_fmt(row['q80_ms'], '.3f')}]"
-            f" {_fmt(row.get('gbps'), '7.0f')} GB/s {_fmt(row.get('pct_floor'), '6.1f')} % floor"
+            f"{num(row['median_ms'], '10.3f')} ms [{num(row['q20_ms'], '.3f')}-{num(row['q80_ms'], '.3f')}]"
+            f" {num(row.get('gbps'), '7.0f')} GB/s {num(row.get('pct_floor'), '6.1f')} % floor"
         )
+        if row.get("wall_ms") is not None:
+            line += f"; back-to-back {row['wall_ms']:.3f} ms {num(row.get('wall_pct_floor'), '.1f')} %"
         if row.get("pct_of_same_bytes_copy") is not None:
             line += f" {row['pct_of_same_bytes_copy']:6.1f} % same-bytes copy"
         if row.get("host_us") is not None:
@@ -564,21 +667,99 @@ def print_row(row):
             line += f"  (compile {row['compile_s']:.1f} s)"
     else:
         line = f"{row['status'].upper()}: {row.get('reason', '')}"
-    print(f"  {row['set']:10} {row['dtype']:4} {row['optimizer']:5} {row['impl']:17} {line}", flush=True)
+    case = f"{row_variant(row)} {row_groups(row)}g {row['set']:10} {row['dtype']:4} {row['optimizer']:5}"
+    print(f"  {case} {row['impl']:18} {line}", flush=True)
 
 
-def print_targets(targets):
-    print("\nflatopt targets (reported, not asserted):")
-    for t in targets:
-        if t["met"] is None:
-            verdict, detail = "N/A ", t["note"]
+IMPL_ORDER = [
+    "flatopt",
+    "flatopt-keep-grads",
+    "flatopt-launch",
+    "flatopt-graph",
+    "torch-fused",
+    "torch-foreach",
+    "torch-fused-graph",
+    "torch-compile",
+    "apex",
+    "lion-pytorch",
+    "foreach-lion",
+]
+REFERENCES = [SAME_BYTES_COPY.name, GRADIENTS_ONLY.name]
+
+
+def _cell(r, loop):
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return r["status"]
+    text = f"{num(r.get('median_ms'), '.3f')} ({num(r.get('pct_floor'), '.1f')} %)"
+    if loop and r.get("wall_ms") is not None:
+        text += f"; b2b {num(r['wall_ms'], '.3f')} ({num(r.get('wall_pct_floor'), '.1f')} %)"
+    return text
+
+
+def markdown(record):
+    """Per variant and optimizer, one table: a row per (set, dtype, groups), a column per implementation with
+    its median ms and percent of the floor (loop: device time, then back-to-back time); then flatopt's host
+    times, the targets, and what did not run."""
+    rows = record["results"]
+    lines = harness.smoke_banner(record)
+    lines += [f"Optimizer step benchmark: {harness.env_line(record)}.", "", f"Command: `{record.get('command')}`", ""]
+    copy = record.get("copy") or {}
+    if copy.get("gbps"):
+        lines += [f"Floor = bytes that must move / copy bandwidth {copy['gbps']:.0f} GB/s (`dst.copy_(src)`, read + "
+                  "write, measured in the same run). Cells: median ms (% of floor).", ""]  # fmt: skip
+    sets = list(record.get("sets") or dict.fromkeys(r["set"] for r in rows))
+    for variant in [v for v in VARIANTS if any(row_variant(r) == v for r in rows)]:
+        if variant == "step":
+            lines += ["Variant `step`: `opt.step()` alone, the gradients in place (floor: the step's bytes).", ""]
         else:
-            verdict = "MET " if t["met"] else "MISS"
-            unit = {"%": "pp"}.get(t["unit"], t["unit"])
-            detail = f"{t['value']:.3f} {t['unit']} (margin {t['margin']:+.3f} {unit})"
-        print(f"  {verdict} {t['optimizer']:5} {t['dtype']:4} {t['set']:15} {t['target']:36} {detail}")
-        if t.get("why"):
-            print(f"       why: {t['why']}")
+            lines += ["Variant `loop`: `zero_grad()` + the gradients landing (GradientSource's backward) + `step()` "
+                      "(floor: the step's bytes + one write of every gradient). Cells: device time with the host "
+                      "hidden (% of floor); b2b: calls back to back, host included.", ""]  # fmt: skip
+        for opt in OPTIMIZERS:
+            mine = [r for r in rows if row_variant(r) == variant and r["optimizer"] == opt]
+            if not mine:
+                continue
+            present = {r["impl"] for r in mine}
+            cols = [n for n in IMPL_ORDER + REFERENCES if n in present]
+            cols += sorted(present - set(cols))
+            cases = sorted(dict.fromkeys((r["set"], r["dtype"], row_groups(r)) for r in mine),
+                           key=lambda c: (sets.index(c[0]) if c[0] in sets else 99, c[1] != "fp32", c[2]))  # fmt: skip
+            idx = {(r["set"], r["dtype"], row_groups(r), r["impl"]): r for r in mine}
+            table = []
+            for s, dt, g in cases:
+                floor = next((r.get("floor_ms") for r in mine if (r["set"], r["dtype"], row_groups(r)) == (s, dt, g)
+                              and r["impl"] not in REFERENCES), None)  # fmt: skip
+                table.append([s, dt, g, num(floor, ".3f")] + [_cell(idx.get((s, dt, g, c)), variant == "loop")
+                                                              for c in cols])  # fmt: skip
+            lines += [f"{OPTIMIZER_TITLES[opt]}, `{variant}`:", ""]
+            lines += harness.md_table(["set", "dtype", "groups", "floor ms", *cols], table) + [""]
+    host = [r for r in rows if r.get("host_us") is not None and r["impl"] == "flatopt" and row_variant(r) == "step"]
+    if host:
+        lines += ["flatopt's host time of `step()` (us, median): bare; after `zero_grad(set_to_none=False)`; with a "
+                  "new lr.", ""]  # fmt: skip
+        lines += harness.md_table(
+            ["optimizer", "set", "dtype", "groups", "step()", "after zero_grad()", "new lr"],
+            [[OPTIMIZER_TITLES[r["optimizer"]], r["set"], r["dtype"], row_groups(r), num(r["host_us"], ".1f"),
+              num(r.get("host_after_zero_grad_us"), ".1f"), num(r.get("host_new_lr_us"), ".1f")] for r in host],
+        ) + [""]  # fmt: skip
+    if record.get("targets"):
+        lines += harness.targets_markdown(record["targets"], ("variant", "groups", "optimizer", "set", "dtype"))
+    missing = {}
+    for r in rows:
+        if r["status"] != "ok":
+            key = (r["impl"], r["status"], harness.first_line(r.get("reason"), 300))
+            missing.setdefault(key, []).append(f"{row_variant(r)} {r['optimizer']} {r['set']} {r['dtype']}")
+    if missing:
+        lines += ["", "Not measured:", ""]
+        attempted = {}
+        for r in rows:
+            attempted[r["impl"]] = attempted.get(r["impl"], 0) + 1
+        for (impl, status, reason), cases in missing.items():
+            which = f"all {len(cases)} cases" if len(cases) == attempted[impl] else "; ".join(cases)
+            lines.append(f"- {impl}, {status} ({which}): {reason}")
+    return "\n".join(lines) + "\n"
 
 
 @contextmanager
@@ -594,55 +775,27 @@ def section(record, name):
 
 
 # ---------------------------------------------------------------------------------------------- main
-def timer_settings(args):
-    if args.smoke:
-        return harness.TimerSettings(
-            warmup_ms=1.0, rep_ms=2.0, min_reps=3, max_reps=10, host_calls=5, host_budget_s=0.01
-        )
-    if args.quick:
-        return harness.TimerSettings(
-            warmup_ms=10.0, rep_ms=40.0, min_reps=10, max_reps=500, host_calls=100, host_budget_s=0.2
-        )
-    return harness.TimerSettings()
-
-
-def _csv(choices):
-    def parse(text):
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in items if x not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {', '.join(choices)}; got {text!r}")
-        return items
-
-    return parse
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = harness.parser(__doc__, budget_s=480.0)
     add = p.add_argument
-    add("--device", default="cuda", help="cuda (default), or cpu with --smoke")
-    add("--smoke", action="store_true", help="tiny sets and repeats: a code-path check whose output is not a result")
     add("--quick", action="store_true", help="fewer repeats (about half the time)")
-    add("--sets", type=_csv(harness.SET_NAMES), default=list(harness.SET_NAMES), help="default: all")
-    add("--dtypes", type=_csv(("fp32", "bf16", "fp16")), default=["fp32", "bf16"], help="default: fp32,bf16")
-    add("--optimizers", type=_csv(OPTIMIZERS), default=list(OPTIMIZERS), help="default: all")
-    add("--impls", type=_csv(tuple(IMPL_BY_NAME)), default=list(IMPL_BY_NAME), help="default: all")
-    add("--out", type=Path, default=None, help="directory for the JSON (default: benchmarks/results)")
-    add("--json", type=Path, default=None, help="exact JSON path (overrides --out)")
-    add("--budget-s", type=float, default=480.0, help="wall-clock budget; later cases are skipped (default: 480)")
+    add("--variants", type=harness.csv_list(VARIANTS), default=list(VARIANTS), help="default: step,loop")
+    add("--groups", type=harness.csv_list(("1", "2")), default=["1", "2"], help="param groups (default: 1,2)")
+    add("--sets", type=harness.csv_list(harness.SET_NAMES), default=list(harness.SET_NAMES), help="default: all")
+    dtypes = harness.csv_list(("fp32", "bf16", "fp16"))
+    add("--dtypes", type=dtypes, default=["fp32", "bf16"], help="default: fp32,bf16")
+    add("--optimizers", type=harness.csv_list(OPTIMIZERS), default=list(OPTIMIZERS), help="default: all")
+    add("--impls", type=harness.csv_list(tuple(IMPL_BY_NAME)), default=list(IMPL_BY_NAME), help="default: all")
     add("--compile-timeout-s", type=float, default=None, help="per torch.compile case (default: 150, quick 90)")
     add("--compile-backend", default=None, help="torch.compile backend (default: inductor; smoke runs: eager)")
     add("--no-compile", action="store_true", help="skip the torch.compile cases")
     add("--copy-mib", type=int, default=None, help="copy-bandwidth buffer size (default: 1024; smoke: 4)")
-    add("--seed", type=int, default=0)
     add("--compile-worker", action="store_true", help=argparse.SUPPRESS)
     add("--worker-set", help=argparse.SUPPRESS)
     add("--worker-dtype", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if torch.device(args.device).type == "cpu" and not args.smoke:
-        p.error("CPU timings answer nothing this benchmark asks; use --device cuda, or --smoke for a code-path check")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but CUDA is not available here; use --device cpu --smoke for a code-path check")
+    harness.check_device(p, args)
+    args.groups = [int(g) for g in args.groups]
     if args.compile_timeout_s is None:
         args.compile_timeout_s = 90.0 if args.quick or args.smoke else 150.0
     if args.compile_backend is None:
@@ -652,114 +805,63 @@ def parse_args(argv=None):
     return args
 
 
-def output_path(args, stamp):
-    if args.json is not None:
-        return args.json
-    if args.out is not None:
-        out = args.out
-    elif args.smoke:
-        out = Path(tempfile.gettempdir()) / "flatopt-smoke"
-    else:
-        out = harness.RESULTS_DIR
-    return out / (f"smoke-step-{stamp}.json" if args.smoke else f"step-{stamp}.json")
-
-
-@contextmanager
-def cpu_threads(device, n=1):
-    """Smoke runs on the CPU use one thread: tiny tensors gain nothing from more, and a busy machine makes
-    OpenMP's spinning threads slow them down by orders of magnitude."""
-    if device.type != "cpu":
-        yield
-        return
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
-
-
 def main(argv=None):
-    args = parse_args(argv)
-    with cpu_threads(torch.device(args.device)):
-        if args.compile_worker:
-            return compile_worker(args)
-        return run(args, argv)
+    return harness.main(argv, parse_args, run, markdown)
 
 
 def run(args, argv):
+    if args.compile_worker:
+        return compile_worker(args)
     start = time.monotonic()
     deadline = start + args.budget_s
     device = torch.device(args.device)
     ctx = Context(device=device, backend="triton" if device.type == "cuda" else "torch", seed=args.seed)
-    settings = timer_settings(args)
+    settings = harness.timer_settings(args.smoke, args.quick)
     sets = [harness.shape_set(name, smoke=args.smoke) for name in args.sets]
-    path = output_path(args, harness.timestamp())
-    record = dict(
-        schema=1,
-        question="per optimizer step: time as a fraction of the memory-bandwidth floor, and host-side step() cost",
-        kind="smoke" if args.smoke else "measurement",
-        smoke=args.smoke,
-        note=harness.SMOKE_NOTE if args.smoke else None,
-        env=harness.environment(device),
-        command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+    path = harness.output_path(args, "step" if "step" in args.variants else "step-loop")
+    record = harness.new_record(
+        "step",
+        "per optimizer step, alone and as a training loop pays for it (zero_grad + gradient landing + step): time "
+        "as a fraction of the memory-bandwidth floor, and host-side step() cost",
+        "bench_step", args, argv, device,
         settings=dict(vars(settings), quick=args.quick, budget_s=args.budget_s, seed=args.seed,
                       compile_backend=args.compile_backend, compile_timeout_s=args.compile_timeout_s,
-                      flatopt_backend=ctx.backend),
+                      flatopt_backend=ctx.backend, variants=args.variants, groups=args.groups),
         hparams=HPARAMS,
-        bytes_per_element={o: {d: harness.bytes_per_element(o, d) for d in args.dtypes} for o in OPTIMIZERS},
-        impls={i.name: i.note for i in (*IMPLS, SAME_BYTES_COPY)},
+        decay=dict(weight_decay=DECAY, rule=harness.DECAY_RULE),
+        bytes_per_element={v: {o: {d: harness.bytes_per_element(o, d, grad_write=v == "loop") for d in args.dtypes}
+                               for o in OPTIMIZERS} for v in VARIANTS},
+        impls={i.name: i.note for i in (*IMPLS, SAME_BYTES_COPY, GRADIENTS_ONLY)},
         sets={s.name: s.summary() for s in sets},
-        targets_definition=dict(pct_floor=TARGET_PCT, host_us=TARGET_HOST_US, host_ratio=TARGET_HOST_RATIO,
-                                host_sets=list(HOST_SETS)),
+        targets_definition=dict(pct_floor=TARGET_PCT, loop_pct_floor=TARGET_LOOP_PCT, host_us=TARGET_HOST_US,
+                                host_ratio=TARGET_HOST_RATIO, host_sets=list(HOST_SETS)),
         sections=[],
         copy=None,
         results=[],
         targets=[],
     )  # fmt: skip
-    if args.smoke:
-        print(harness.SMOKE_NOTE)
-    print(f"device: {record['env']['device_name']}; torch {torch.__version__}; JSON: {path}")
+    harness.announce(record, path)
 
     with section(record, "copy bandwidth"):
         copy = harness.copy_bandwidth(device, args.copy_mib * 2**20, settings)
         record["copy"] = dict(start=copy, end=None, gbps=copy["gbps"])
-        print(
-            f"  dst.copy_(src) of {args.copy_mib} MiB: {copy['median_ms']:.3f} ms, {copy['gbps']:.0f} GB/s (read+write)"
-        )
+        print(f"  dst.copy_(src) of {args.copy_mib} MiB: {copy['median_ms']:.3f} ms, {copy['gbps']:.0f} GB/s (r+w)")
     harness.write_json(path, record)
 
     rows = record["results"]
-    copies = {}  # (set, dtype, optimizer): the same-bytes copy row
-    for sset in sets:
-        for dtype_name in args.dtypes:
-            name = f"{sset.name} {dtype_name} ({sset.tensors} tensors, {sset.numel:,} elements)"
-            with section(record, name):
-                for optimizer in args.optimizers:
-                    if not any(optimizer in i.optimizers and i.name in args.impls for i in IMPLS):
-                        continue
-                    if time.monotonic() > deadline:
-                        ref = new_row(sset, dtype_name, optimizer, SAME_BYTES_COPY)
-                        ref.update(status="skipped", reason=f"time budget (--budget-s {args.budget_s:g}) spent")
-                    else:
-                        ref = run_same_bytes_copy(sset, dtype_name, optimizer, ctx, settings)
-                    copies[(sset.name, dtype_name, optimizer)] = ref
-                    rows.append(add_derived(ref, record["copy"]["gbps"]))
-                    print_row(ref)
-                    for impl in IMPLS:
-                        if impl.build is None or optimizer not in impl.optimizers or impl.name not in args.impls:
-                            continue
-                        if time.monotonic() > deadline:
-                            row = new_row(sset, dtype_name, optimizer, impl)
-                            row.update(status="skipped", reason=f"time budget (--budget-s {args.budget_s:g}) spent")
-                        else:
-                            row = run_case(sset, dtype_name, optimizer, impl, ctx, settings, sset.name in HOST_SETS)
-                        with_same_bytes_copy(row, ref)
-                        rows.append(add_derived(row, record["copy"]["gbps"]))
-                        print_row(row)
-            harness.write_json(path, record)
+    copies = {}  # (variant, groups, set, dtype, optimizer): the same-bytes copy row
+    for variant in args.variants:
+        for groups in args.groups:
+            for sset in sets:
+                for dtype_name in args.dtypes:
+                    name = f"{variant}, {groups} group(s), {sset.name} {dtype_name} ({sset.tensors} tensors, "
+                    with section(record, name + f"{sset.numel:,} elements)"):
+                        for optimizer in args.optimizers:
+                            rows += run_optimizer_cases(args, ctx, settings, sset, dtype_name, optimizer, variant,
+                                                        groups, deadline, copies, record["copy"]["gbps"])  # fmt: skip
+                    harness.write_json(path, record)
 
-    if "torch-compile" in args.impls and "adamw" in args.optimizers:
+    if "torch-compile" in args.impls and "adamw" in args.optimizers and "step" in args.variants and 1 in args.groups:
         with section(record, f"torch.compile ({args.compile_backend}), one subprocess per case"):
             for row in run_compile_cases(args, sets, args.dtypes, deadline, copies):
                 rows.append(add_derived(row, record["copy"]["gbps"]))
@@ -771,23 +873,46 @@ def run(args, argv):
         print(f"  {end['gbps']:.0f} GB/s; the floor uses the higher of the two: {record['copy']['gbps']:.0f} GB/s")
     for row in rows:
         add_derived(row, record["copy"]["gbps"])
-    record["targets"] = evaluate_targets(rows, [s.name for s in sets], args.dtypes, args.optimizers)
-    failed = [r for r in rows if r["ours"] and r["status"] in ("failed", "timeout")]
-    record["flatopt_failed"] = bool(failed)
-    record["total_s"] = round(time.monotonic() - start, 1)
-    harness.write_json(path, record)
+    record["targets"] = evaluate_targets(
+        rows, [s.name for s in sets], args.dtypes, args.optimizers, args.variants, args.groups
+    )
+    failed = [r for r in rows if r["ours"] and r["status"] in ("failed", "timeout", "oom")]
+    return harness.finish(record, path, args, markdown, failed, start)
 
-    print("\nresults (floor from the higher copy bandwidth):")
-    for row in rows:
+
+def run_optimizer_cases(args, ctx, settings, sset, dtype_name, optimizer, variant, groups, deadline, copies, copy_gbps):
+    """The references and every chosen implementation of one case; returns their rows."""
+    impls = [i for i in IMPLS if i.build is not None and optimizer in i.optimizers and i.name in args.impls
+             and variant in i.variants]  # fmt: skip
+    if not impls:
+        return []
+    out = []
+    host = sset.name in HOST_SETS
+
+    def later(row, fn):
+        return harness.budget_spent(row, args) if time.monotonic() > deadline else fn()
+
+    ref = later(new_row(sset, dtype_name, optimizer, SAME_BYTES_COPY, variant, groups),
+                lambda: run_same_bytes_copy(sset, dtype_name, optimizer, ctx, settings, variant, groups))  # fmt: skip
+    copies[(variant, groups, sset.name, dtype_name, optimizer)] = ref
+    out.append(ref)
+    if variant == "loop":
+        out.append(
+            later(
+                new_row(sset, dtype_name, optimizer, GRADIENTS_ONLY, variant, groups),
+                lambda: run_gradients_only(sset, dtype_name, optimizer, ctx, settings, host, groups),
+            )
+        )
+    for impl in impls:
+        row = later(
+            new_row(sset, dtype_name, optimizer, impl, variant, groups),
+            lambda impl=impl: run_case(sset, dtype_name, optimizer, impl, ctx, settings, host, variant, groups),
+        )
+        out.append(with_same_bytes_copy(row, ref))  # fmt: skip
+    for row in out:
+        add_derived(row, copy_gbps)  # again at the end, with the higher of the two copy bandwidths
         print_row(row)
-    print_targets(record["targets"])
-    if args.smoke:
-        print("\n" + harness.SMOKE_NOTE)
-    print(f"\nwrote {path} ({record['total_s']:.0f} s)")
-    if failed:
-        print(f"flatopt failed in {len(failed)} case(s); exit status 1", file=sys.stderr)
-        return 1
-    return 0
+    return out
 
 
 if __name__ == "__main__":

@@ -1,38 +1,55 @@
-"""Shared benchmark harness: timers, the copy-bandwidth floor, parameter sets, environment records.
+"""The plumbing every benchmark script shares, so that each script keeps only its question.
 
-Every script measures the same way:
-
-* device time: CUDA events around each call, after a first call (lazy state, JIT compilation) and a
-  warm-up; the median and the 20th/80th percentiles of many repeats. The optimizer working sets are
-  10x or more the size of an H100's L2 cache, so back-to-back calls do not hit a warm cache and no
-  flush is needed between them.
-* the floor: bytes that must move / device-to-device copy bandwidth measured in the same run
-  (``dst.copy_(src)`` of a large buffer, counting read + write bytes).
-* host time: ``time.perf_counter`` around each call, no synchronisation inside the timed region, in
-  bursts of back-to-back calls between synchronisations (see ``host_time``).
-* inputs: random normal parameters and gradients, never zeros.
-
-On the CPU the same functions time with ``time.perf_counter``; that is only for smoke runs, which
-check the code path and measure nothing (``SMOKE_NOTE``).
+* Timing. Device time: CUDA events around each call, after a first call (lazy state, JIT compilation)
+  and a warm-up; the median and the 20th/80th percentiles (``QUANTILES``, as ``triton.testing.do_bench``
+  reports them) of many repeats (``device_time``). With ``hide_host=True`` a device sleep queued before
+  each call lets the host enqueue the whole call first, so that the events time the device's work and not
+  the host's launch overhead (nvbench's blocking kernel). Host time: ``time.perf_counter`` around each
+  call in short bursts between synchronisations (``host_time``). Whole training steps: synchronised
+  (``time_steps``), back to back (``time_back_to_back``), or several implementations alternately, round
+  by round (``time_paired``). The optimizer working sets are 10x or more an H100's L2 cache, so
+  back-to-back calls do not hit a warm cache. On the CPU every timer uses ``perf_counter``.
+* The floor: bytes that must move / device-to-device copy bandwidth measured in the same run
+  (``copy_bandwidth``: ``dst.copy_(src)`` of a large buffer, counting read + write).
+* Inputs: random normal parameters and gradients, never zeros (``make_params``); the parameter sets
+  (GPT-2 small, 3000 small tensors, Llama-style 1.2B shapes) and their decay / no-decay split.
+* Cases: ``run_guarded`` runs one case, records a failure, skip or out-of-memory in its row instead of
+  raising, and frees the device memory after it; ``run_worker`` runs one in a subprocess with a timeout.
+* Targets: ``target`` (met or not, with the margin) and their markdown table.
+* Records: ``new_record`` (device name, library versions, date, git commit and command in every result),
+  ``write_json``, markdown helpers, the command-line options every script takes (``parser``) and the
+  tail of every ``main()`` (``main``, ``finish``).
+* flatopt's internals: ``internals(opt)`` is the one place in benchmarks/ that reads a private attribute
+  of a flatopt optimizer or imports a private module of flatopt.
 
 Import only; nothing here changes global state.
 """
 
+import argparse
 import datetime
 import gc
 import json
 import math
 import os
 import platform
+import signal
 import subprocess
+import sys
+import tempfile
 import time
+import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+import flatopt
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
+PROFILES_DIR = RESULTS_DIR / "profiles"
+SCHEMA = 1  # of every result this harness writes; plot.py and report.py read it
 QUANTILES = (0.5, 0.2, 0.8)
 SMOKE_NOTE = (
     "SMOKE RUN: tiny parameter sets, few repeats; checks that the benchmark code runs and measures nothing. "
@@ -46,12 +63,17 @@ TENSOR_PASSES = {"adamw": (4, 3), "sgd": (3, 2), "lion": (3, 2)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def bytes_per_element(optimizer, dtype):
-    """Bytes that must move per parameter element in one step: AdamW fp32 28, SGD-momentum/Lion fp32 20."""
+def element_size(dtype):
+    """Bytes of one element of ``dtype`` (a torch dtype or a key of DTYPES)."""
+    return torch.empty((), dtype=DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype).element_size()
+
+
+def bytes_per_element(optimizer, dtype, grad_write=False):
+    """Bytes that must move per parameter element in one step: AdamW fp32 28, SGD-momentum/Lion fp32 20.
+    ``grad_write=True`` adds the write of the gradient that a backward pass must make (a training loop's
+    landing: AdamW fp32 32)."""
     reads, writes = TENSOR_PASSES[optimizer]
-    if isinstance(dtype, str):
-        dtype = DTYPES[dtype]
-    return (reads + writes) * torch.empty((), dtype=dtype).element_size()
+    return (reads + writes + bool(grad_write)) * element_size(dtype)
 
 
 def floor_ms(numel, bytes_per_el, copy_gbps):
@@ -105,30 +127,82 @@ class TimerSettings:
     host_budget_s: float = 0.4  # ... or this long, whichever comes first (at least 5 calls)
 
 
+def timer_settings(smoke=False, quick=False):
+    """The timer settings of a smoke run (a code-path check), a quick run (about half the repeats) or a full one."""
+    if smoke:
+        return TimerSettings(warmup_ms=1.0, rep_ms=2.0, min_reps=3, max_reps=10, host_calls=5, host_budget_s=0.01)
+    if quick:
+        return TimerSettings(warmup_ms=10.0, rep_ms=40.0, min_reps=10, max_reps=500, host_calls=100, host_budget_s=0.2)
+    return TimerSettings()
+
+
+def is_cuda(device):
+    return torch.device(device).type == "cuda"
+
+
+def sync(device):
+    """Wait for the device (nothing to wait for on the CPU)."""
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def allocated(device):
+    """Bytes allocated on ``device`` by torch's caching allocator (0 on the CPU, which has no such count)."""
+    return torch.cuda.memory_allocated(device) if is_cuda(device) else 0
+
+
 def _clamp(x, lo, hi):
     return max(lo, min(hi, x))
 
 
-def device_time(fn, device, settings):
-    """Time ``fn`` on ``device``: CUDA events around each call on CUDA, ``perf_counter`` on the CPU."""
-    cuda = torch.device(device).type == "cuda"
-    sync = torch.cuda.synchronize if cuda else _no_sync
-    sync()
+_SLEEP_CYCLES_PER_MS = {}
+
+
+def sleep_cycles_per_ms(device):
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on ``device``, measured once."""
+    key = torch.device(device).index or 0
+    if key not in _SLEEP_CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)  # load the kernel
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize(device)
+            start.record()
+            torch.cuda._sleep(2_000_000)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end))
+        _SLEEP_CYCLES_PER_MS[key] = 2_000_000 / best
+    return _SLEEP_CYCLES_PER_MS[key]
+
+
+def device_time(fn, device, settings, hide_host=False):
+    """Time ``fn`` on ``device``: CUDA events around each call on CUDA, ``perf_counter`` on the CPU.
+
+    The calls run back to back, so a call whose host work takes longer than its device work is timed at its
+    host time. ``hide_host=True`` (CUDA): each call is preceded by a device sleep longer than twice the call's
+    host time, with a synchronisation before it, so the host has enqueued the whole call before the device
+    reaches the first event and the events time the device's work alone (a call that launches more kernels
+    than the launch queue holds still waits on the device for the rest).
+    """
+    cuda = is_cuda(device)
+    sync(device)
     fn()  # lazy state, compilation
-    sync()
+    sync(device)
     t0 = time.perf_counter()
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(3):
             fn()
+        host_ms = (time.perf_counter() - t0) * 1e3 / 3
         end.record()
         end.synchronize()
         est = start.elapsed_time(end) / 3
     else:
         for _ in range(3):
             fn()
-        est = (time.perf_counter() - t0) * 1e3 / 3
+        est = host_ms = (time.perf_counter() - t0) * 1e3 / 3
     est = max(est, 1e-3)
     for _ in range(_clamp(math.ceil(settings.warmup_ms / est), 1, settings.max_reps)):
         fn()
@@ -136,12 +210,21 @@ def device_time(fn, device, settings):
     if cuda:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        sync()
-        for s, e in zip(starts, ends, strict=True):
-            s.record()
-            fn()
-            e.record()
-        sync()
+        sync(device)
+        if hide_host:
+            cycles = int(sleep_cycles_per_ms(device) * (2.0 * host_ms + 0.05))
+            for s, e in zip(starts, ends, strict=True):
+                torch.cuda._sleep(cycles)
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
+        else:
+            for s, e in zip(starts, ends, strict=True):
+                s.record()
+                fn()
+                e.record()
+        sync(device)
         times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
     else:
         times = []
@@ -170,14 +253,13 @@ def host_time(fn, device, settings, before=None):
 
     Returns (median, 20th, 80th percentile, calls). The garbage collector is paused while timing.
     """
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else _no_sync
     times = []
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         deadline = time.perf_counter() + settings.host_budget_s
         while len(times) < settings.host_calls and (len(times) < 5 or time.perf_counter() < deadline):
-            sync()
+            sync(device)
             if before is not None:
                 before()
             fn()  # the burst's first call follows the synchronisation: not timed
@@ -187,7 +269,7 @@ def host_time(fn, device, settings, before=None):
                 t = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t) * 1e6)
-        sync()
+        sync(device)
     finally:
         if was_enabled:
             gc.enable()
@@ -195,8 +277,109 @@ def host_time(fn, device, settings, before=None):
     return med, q20, q80, len(times)
 
 
-def _no_sync():
-    return None
+def time_steps(step, device, iters, min_s=0.0, max_iters=None):
+    """Per-step milliseconds of synchronised steps: CUDA events around each call and a wait for the second, so
+    every step starts on an idle device and its host work before the first kernel counts (perf_counter on the
+    CPU). At least ``iters`` steps, and more until they add up to ``min_s`` seconds, up to ``max_iters``."""
+    times = []
+    max_iters = max(iters, max_iters or iters)
+    while len(times) < iters or (sum(times) < min_s * 1e3 and len(times) < max_iters):
+        if is_cuda(device):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def b2b_steps_per_round(iters):
+    """Steps per back-to-back round for a run of ``iters`` timed steps."""
+    return max(5, iters // 4)
+
+
+def time_back_to_back(step, device, rounds, per_round):
+    """Per-step milliseconds of ``rounds`` rounds of ``per_round`` back-to-back calls: one CUDA event before and one
+    after each round, no synchronisation inside a round (perf_counter on the CPU); synchronised between rounds.
+    The training loop's throughput with the host running ahead of the device."""
+    times = []
+    for _ in range(rounds):
+        sync(device)
+        if is_cuda(device):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_round):
+                step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / per_round)
+        else:
+            t = time.perf_counter()
+            for _ in range(per_round):
+                step()
+            times.append((time.perf_counter() - t) * 1e3 / per_round)
+    return times
+
+
+def round_orders(names, rounds, seed=0):
+    """The order of each round: every name once, and never the same name twice in a row, also across rounds (a step
+    run right after itself may find its data still in the L2 cache). Two names alternate (ABAB: each always runs
+    right after the other); more are shuffled with a fixed seed, so that position and predecessor are spread over
+    them alike."""
+    import random
+
+    rng, orders, last = random.Random(seed), [], None
+    for _ in range(rounds):
+        if len(names) == 2:
+            order = list(names) if last != names[0] else list(names[::-1])
+        else:
+            order = list(names)
+            rng.shuffle(order)
+            while len(names) > 1 and order[0] == last:
+                rng.shuffle(order)
+        orders.append(order)
+        last = order[-1]
+    return orders
+
+
+def time_paired(steps, device, rounds, per_turn=1):
+    """Time the ``steps`` (name -> callable) alternately, so that drift (clocks, temperature, other tenants) falls
+    on all of them alike: each round gives every step one turn, in the order of round_orders. A turn is
+    ``per_turn`` calls back to back after a synchronisation, with a CUDA event before and after them and a wait
+    for the second (perf_counter on the CPU): ``per_turn=1`` times synchronised steps, more times back-to-back
+    steps. Returns name -> (device ms per call, host us per call: from the first call to the last one's return)."""
+    out = {n: ([], []) for n in steps}
+    cuda = is_cuda(device)
+    for order in round_orders(list(steps), rounds):
+        for name in order:
+            ms, us = out[name]
+            sync(device)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t = time.perf_counter()
+            for _ in range(per_turn):
+                steps[name]()
+            host = time.perf_counter() - t
+            if cuda:
+                end.record()
+                end.synchronize()
+                ms.append(start.elapsed_time(end) / per_turn)
+            else:
+                ms.append(host * 1e3 / per_turn)
+            us.append(host * 1e6 / per_turn)
+    return out
+
+
+def timing_fields(times, prefix=""):
+    """{prefix + median_ms, q20_ms, q80_ms}: the quantiles of a list of milliseconds."""
+    med, q20, q80 = quantiles(times)
+    return {f"{prefix}median_ms": med, f"{prefix}q20_ms": q20, f"{prefix}q80_ms": q80}
 
 
 def copy_bandwidth(device, nbytes, settings):
@@ -233,12 +416,110 @@ def capture_cuda_graph(fn, warmup=3):
 def free_memory(device, baseline=None):
     """Return released device memory to the driver. The (slow) cycle collector runs only when more than
     ``baseline`` bytes are still allocated, i.e. when something the caller dropped is held by a cycle."""
-    if torch.device(device).type != "cuda":
+    if not is_cuda(device):
         return
     torch.cuda.synchronize()
     if baseline is None or torch.cuda.memory_allocated(device) > baseline:
         gc.collect()
     torch.cuda.empty_cache()
+
+
+@contextmanager
+def cpu_threads(device, n=1):
+    """Runs on the CPU use ``n`` threads: tiny tensors gain nothing from more, and on a busy machine OpenMP's
+    spinning threads slow them down by orders of magnitude."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+# ----------------------------------------------------------------------------------------------- cases
+class Skip(Exception):
+    """A case that cannot run here, with the reason."""
+
+
+def error_fields(e, with_traceback=True):
+    """``reason`` (and ``traceback``) of an exception, for a result row."""
+    out = dict(reason=f"{type(e).__name__}: {e}"[:2000])
+    if with_traceback:
+        out["traceback"] = traceback.format_exc()[-4000:]
+    return out
+
+
+def run_guarded(row, device, body):
+    """Run ``body(row)``, which fills ``row``; never raises. Sets ``status`` ("ok" unless ``body`` set another),
+    or records why not: "skipped" (``Skip``), "oom" (out of device memory) or "failed" (any other exception,
+    with its traceback). Frees the device memory ``body`` left (its locals are gone when it returns), and
+    records how long the case took in ``seconds``."""
+    t0 = time.perf_counter()
+    baseline = allocated(device) if is_cuda(device) else None
+    try:
+        body(row)
+        if row.get("status") is None:
+            row["status"] = "ok"
+    except Skip as e:
+        row.update(status="skipped", reason=str(e))
+    except torch.cuda.OutOfMemoryError as e:
+        row.update(status="oom", reason=f"OutOfMemoryError: {str(e).splitlines()[0]}"[:500])
+    except Exception as e:  # recorded; the run goes on
+        row.update(status="failed", **error_fields(e))
+    finally:
+        try:
+            free_memory(device, baseline)
+        except Exception as e:  # a sticky CUDA error: the next cases will say so too
+            row["cleanup_error"] = f"{type(e).__name__}: {e}"[:500]
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def budget_spent(row, args):
+    """Mark ``row`` skipped because the run's --budget-s is spent; returns it."""
+    row.update(status="skipped", reason=f"time budget (--budget-s {args.budget_s:g}) spent")
+    return row
+
+
+RESULT_PREFIX = "FLATOPT_BENCH_RESULT "  # a worker subprocess's result line on stdout
+
+
+def print_result(row):
+    """A worker subprocess's last word: its result row, on one line of stdout."""
+    print(RESULT_PREFIX + json.dumps(row, default=str), flush=True)
+
+
+def run_worker(cmd, timeout_s):
+    """Run a worker command in its own process group; returns the result row it printed (print_result). On
+    timeout the whole group (the compiler's worker processes included) is killed."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process outside the group still holds the pipes
+            err = ""
+        return dict(
+            status="timeout",
+            reason=f"did not finish within {timeout_s:g} s (compilation, warm-up and timing); not measured",
+            stderr_tail=(err or "")[-2000:],
+        )
+    for line in reversed(out.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    return dict(
+        status="failed",
+        reason=f"worker exited with status {proc.returncode} and printed no result",
+        stderr_tail=(err or "")[-2000:],
+    )
 
 
 # -------------------------------------------------------------------------------------- parameter sets
@@ -342,15 +623,265 @@ def shape_set(name, smoke=False):
     return ShapeSet(name, title, rule, shapes)
 
 
-def make_params(shapes, dtype, device, seed=0):
-    """Leaf parameters with random normal values and random normal ``.grad`` (never zeros)."""
+def make_params(shapes, dtype, device, seed=0, grads=True):
+    """Leaf parameters with random normal values and (``grads=True``) random normal ``.grad`` (never zeros)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     params = []
     for _, shape in shapes:
         p = torch.nn.Parameter(torch.randn(shape, generator=gen, device=device, dtype=dtype))
-        p.grad = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        if grads:
+            p.grad = torch.randn(shape, generator=gen, device=device, dtype=dtype)
         params.append(p)
     return params
+
+
+DECAY_RULE = (
+    "weight decay on the tensors of 2 or more dimensions, none on the 1-D ones (biases, norms), as GPT and Llama "
+    "recipes set it; a set of 1-D tensors only (the 3000 small tensors) is split alternately, every other tensor"
+)
+
+
+def decay_split(shapes):
+    """Indices of the tensors with weight decay and of those without (DECAY_RULE): two non-empty lists when the
+    set has two tensors or more."""
+    decay = [i for i, (_, s) in enumerate(shapes) if len(s) >= 2]
+    if not decay or len(decay) == len(shapes):
+        decay = list(range(0, len(shapes), 2))
+    chosen = set(decay)
+    return decay, [i for i in range(len(shapes)) if i not in chosen]
+
+
+# ---------------------------------------------------------------------------------- flatopt's internals
+class FlatoptInternals:
+    """What a flatopt optimizer builds, read for benchmarks that explain its costs (launches per bucket, the step
+    graph, the kernel launch configuration), through ``flatopt.inspect(opt)`` and the engine's own methods. This
+    class is the one place in benchmarks/ that reads them."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.look = flatopt.inspect(opt)
+
+    @property
+    def buffers(self):
+        """The optimizer's flat buffers (flatopt.FlatBuffer: data, grad, states, grad_views, meta, device)."""
+        return self.look.buffers
+
+    def hparams(self, device):
+        """The device table of hyper-parameters the kernels read on ``device``."""
+        return self.look.tables[torch.device(device)]
+
+    @property
+    def in_backward(self):
+        """In-backward mode's engine (``launches``, ``buckets``), or None in step mode."""
+        return self.look.engine if self.opt.in_backward else None
+
+    @property
+    def step_graph(self):
+        """The CUDA graph step() replays (``graph``, ``reused``, ``recorded``, ``failed``); its key is
+        ``step_graph_key()``."""
+        return self.look.step_graph
+
+    def step_graph_key(self):
+        """The key step() looks its graph up by."""
+        from flatopt.step_graph import StepGraph
+
+        return StepGraph.key_of(self.buffers, self.hparams(self.buffers[0].device))
+
+    def new_step_graph(self):
+        """Replace the step graph by a fresh one (it records again); returns it."""
+        from flatopt.step_graph import StepGraph
+
+        self.look.engine.step_graph = StepGraph()
+        return self.look.engine.step_graph
+
+    def check_bindings_at_step(self):
+        """The binding check step() runs without a full check (the first and last parameter of each buffer)."""
+        return self.opt.check_bindings(full=False)
+
+    def refresh_hparams(self):
+        """The hyper-parameter refresh step() runs (a copy to the device only when they changed)."""
+        return self.look.engine.refresh_hparams()
+
+    @staticmethod
+    def default_bucket_size():
+        """In-backward mode's bucket_size when none is given (elements)."""
+        from flatopt.options import DEFAULT_BUCKET_SIZE
+
+        return DEFAULT_BUCKET_SIZE
+
+    @staticmethod
+    def kernels():
+        """flatopt's Triton kernels (``adamw_step``, ``sgd_step``, ``lion_step``)."""
+        from flatopt import kernels
+
+        return kernels
+
+    @staticmethod
+    def launch_config():
+        """(elements per program, warps per program) of the step kernels."""
+        from flatopt.kernels import common
+
+        return common.BLOCK_SIZE, common.NUM_WARPS
+
+    @staticmethod
+    def set_launch_config(block_size, num_warps):
+        from flatopt.kernels import common
+
+        common.BLOCK_SIZE, common.NUM_WARPS = block_size, num_warps
+
+    @staticmethod
+    def grad_sources(buf, grads):
+        """A gathering launch's ``sources=``: the kernel reads each gradient where it lies (flatopt.layout)."""
+        from flatopt.layout import GradSources
+
+        return GradSources.of(buf, grads)
+
+
+def internals(opt):
+    """The private parts of flatopt optimizer ``opt`` that benchmarks read (FlatoptInternals)."""
+    return FlatoptInternals(opt)
+
+
+def state_bytes(opt):
+    """Bytes of optimizer state: of every flat state buffer for a flatopt optimizer, of every tensor in ``state``
+    for torch.optim ones (an iterable of optimizers is summed)."""
+    if hasattr(opt, "flat") and hasattr(opt, "use_step_graph"):  # flatopt
+        return sum(t.numel() * t.element_size() for b in internals(opt).buffers for t in b.states.values())
+    opts = [opt] if isinstance(opt, torch.optim.Optimizer) else list(opt)
+    tensors = [t for o in opts for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def in_backward_stats(opt):
+    """In-backward mode's counters (None in step mode): kernel launches so far, buckets, the largest bucket's
+    elements, and how its buckets' launches went (replayed from their CUDA graphs, recorded, or launched
+    directly after recording failed)."""
+    ib = internals(opt).in_backward
+    if ib is None:
+        return None
+    graphs = [b.graph for b in ib.buckets]
+    return dict(
+        launches=ib.launches,
+        buckets=len(ib.buckets),
+        largest_bucket_elements=max(b.end - b.start for b in ib.buckets),
+        bucket_graph_replays=sum(g.reused for g in graphs),
+        bucket_graphs_recorded=sum(g.recorded for g in graphs),
+        buckets_launching_directly=sum(g.failed for g in graphs),
+    )
+
+
+# --------------------------------------------------------------------------------------------- targets
+def target(what, value, threshold, unit, *, higher_is_better=False, note=None, why=None, **where):
+    """One target: ``met`` and ``margin`` (> 0: met by that much, in ``unit``), or ``met=None`` with ``note``
+    saying why it was not evaluated. ``where``: the case's keys (model, set, dtype, ...), stored as fields."""
+    met = margin = None
+    if value is not None and threshold is not None:
+        margin = value - threshold if higher_is_better else threshold - value
+        met = margin >= 0
+    return dict(
+        target=what,
+        **where,
+        value=value,
+        threshold=threshold,
+        unit=unit,
+        met=met,
+        margin=margin,
+        note=None if met is not None else (note or "not measured"),
+        why=why,
+    )
+
+
+def why_not(row):
+    """Why a row has no value: not run, or its status and reason."""
+    if row is None:
+        return "not run"
+    return f"{row['status']}: {row.get('reason') or ''}".strip()
+
+
+def _unit_value(x, unit):
+    return f"{x:.3f} {unit}" if unit != "%" else f"{x:.1f} %"
+
+
+def targets_markdown(targets, where):
+    """The table of ``targets``: columns target, the ``where`` keys, value, threshold, met, margin."""
+    head = ["target", *where, "value", "threshold", "met", "margin"]
+    rows = []
+    for t in targets:
+        keys = ["" if t.get(k) is None else str(t[k]) for k in where]
+        if t["met"] is None:
+            rows.append([t["target"], *keys, "-", num(t.get("threshold"), ".3f"), "n/a", t.get("note") or "-"])
+            continue
+        unit = t["unit"]
+        margin = f"{t['margin']:+.3f} {'pp' if unit == '%' else unit}"
+        if unit == "ms" and t["threshold"]:
+            margin += f" ({100 * t['margin'] / t['threshold']:+.1f} %)"
+        rows.append([t["target"], *keys, _unit_value(t["value"], unit), _unit_value(t["threshold"], unit),
+                     "yes" if t["met"] else "**no**", margin])  # fmt: skip
+    lines = md_table(head, rows)
+    whys = [t for t in targets if t.get("why")]
+    if whys:
+        lines += ["", "Why missed:", ""]
+        lines += [f"- {', '.join(str(t[k]) for k in where if t.get(k) is not None)}, {t['target']}: {t['why']}"
+                  for t in whys]  # fmt: skip
+    return lines
+
+
+def targets_summary(targets):
+    """(met, missed, not evaluated) counts."""
+    return (
+        sum(t["met"] is True for t in targets),
+        sum(t["met"] is False for t in targets),
+        sum(t["met"] is None for t in targets),
+    )
+
+
+# -------------------------------------------------------------------------------------------- markdown
+def num(x, spec):
+    """``format(x, spec)``, or "-" when x is not a number."""
+    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
+
+
+def spread(row, prefix="", spec=".3f"):
+    """ "median (p20-p80)" of a row's ``{prefix}median_ms``, ``q20_ms``, ``q80_ms``; "-" without a median."""
+    med = row.get(f"{prefix}median_ms")
+    if med is None:
+        return "-"
+    return f"{num(med, spec)} ({num(row.get(f'{prefix}q20_ms'), spec)}-{num(row.get(f'{prefix}q80_ms'), spec)})"
+
+
+def md_table(head, rows):
+    """Markdown lines of a table."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def env_line(record):
+    """Device, library versions, date and commit of a result, on one line."""
+    env = record.get("env") or record.get("environment") or {}
+    commit = env.get("git_commit")
+    parts = [
+        str(env.get("device_name", env.get("device"))),
+        f"torch {env.get('torch')}",
+        f"triton {env.get('triton')}",
+    ]
+    if env.get("cuda"):
+        parts.append(f"CUDA {env['cuda']}")
+    if env.get("cpu_threads"):
+        parts.append(f"{env['cpu_threads']} torch thread(s)")
+    if env.get("load_average_1_5_15_min"):
+        parts.append(f"load average {env['load_average_1_5_15_min'][0]:g} at the start")
+    parts.append(str(env.get("date")))
+    if commit:
+        parts.append(f"commit {commit[:12]}" + (" (with uncommitted changes)" if env.get("git_dirty") else ""))
+    return ", ".join(parts)
+
+
+def smoke_banner(record):
+    return [f"> **{record.get('note') or SMOKE_NOTE}**", ""] if record.get("smoke") else []
+
+
+def first_line(text, most=150):
+    return (text or "").strip().splitlines()[0][:most] if (text or "").strip() else ""
 
 
 # ----------------------------------------------------------------------------------------- environment
@@ -396,6 +927,9 @@ def environment(device):
         )
     else:
         env["device_name"] = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        env["cpu_threads"] = torch.get_num_threads()
+        if hasattr(os, "getloadavg"):  # other work on the machine slows a CPU run down
+            env["load_average_1_5_15_min"] = [round(x, 2) for x in os.getloadavg()]
     repo = _git()
     given = os.environ.get(GIT_COMMIT_VARIABLE, "").strip()
     if given:
@@ -433,3 +967,115 @@ def write_json(path, obj):
 
 def timestamp():
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def command_line(script, argv):
+    """The command that produced a result, as run from the repository root."""
+    args = list(argv if argv is not None else sys.argv[1:])
+    return " ".join([f"python3 benchmarks/{script}.py", *args])
+
+
+def new_record(benchmark, question, script, args, argv, device, **fields):
+    """A result's common fields: schema, benchmark (its kind), question, smoke or measurement, environment
+    (device, versions, date, commit) and command; then ``fields``."""
+    smoke = bool(getattr(args, "smoke", False))
+    return dict(
+        schema=SCHEMA,
+        benchmark=benchmark,
+        question=question,
+        kind="smoke" if smoke else "measurement",
+        smoke=smoke,
+        note=SMOKE_NOTE if smoke else None,
+        env=environment(device),
+        command=command_line(script, argv),
+        **fields,
+    )
+
+
+# ------------------------------------------------------------------------------------------- arguments
+def csv_list(choices):
+    """An argparse type: a comma-separated, non-empty subset of ``choices``."""
+
+    def parse(text):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {', '.join(choices)}; got {text!r}")
+        return items
+
+    return parse
+
+
+def parser(doc, budget_s, report=True):
+    """The options every benchmark takes: --device, --smoke, --out, --json, --markdown, --budget-s, --seed and
+    (``report``) --report."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    add = p.add_argument
+    add("--device", default="cuda", help="cuda (default), or cpu with --smoke")
+    add("--smoke", action="store_true", help="tiny sizes, few repeats: a code-path check whose output is not a result")
+    add("--out", type=Path, default=None, help="directory for the JSON (default: benchmarks/results)")
+    add("--json", type=Path, default=None, help="exact JSON path (overrides --out)")
+    add("--markdown", type=Path, default=None, help="also write the markdown tables to this file")
+    add("--budget-s", type=float, default=budget_s, help=f"wall-clock budget; later cases are skipped ({budget_s:g})")
+    add("--seed", type=int, default=0)
+    if report:
+        add("--report", type=Path, default=None, help="print the markdown tables of a stored result and exit")
+    return p
+
+
+def check_device(p, args, cpu_ok=False):
+    """Refuse a CPU run that is not a smoke run (unless ``cpu_ok``) and a CUDA run without CUDA, saying what to do."""
+    if getattr(args, "report", None) is not None:
+        return
+    if torch.device(args.device).type == "cpu" and not (args.smoke or cpu_ok):
+        p.error("CPU timings answer nothing this benchmark asks; use --device cuda, or --smoke for a code-path check")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but CUDA is not available here; use --device cpu --smoke for a code-path check")
+
+
+def output_path(args, kind):
+    """--json, else ``--out`` (default: benchmarks/results, or a temporary folder for smoke runs) /
+    ``[smoke-]KIND-STAMP.json``."""
+    if args.json is not None:
+        return Path(args.json)
+    out = args.out or (Path(tempfile.gettempdir()) / "flatopt-smoke" if args.smoke else RESULTS_DIR)
+    return Path(out) / f"{'smoke-' if args.smoke else ''}{kind}-{timestamp()}.json"
+
+
+# ------------------------------------------------------------------------------------------- main tail
+def main(argv, parse_args, run, markdown):
+    """Every benchmark's main(): parse; --report prints a stored result's tables; otherwise ``run(args, argv)``
+    (on the CPU with one thread, see cpu_threads) and return its exit status."""
+    args = parse_args(argv)
+    if getattr(args, "report", None) is not None:
+        print(markdown(json.loads(Path(args.report).read_text())), end="")
+        return 0
+    with cpu_threads(args.device):
+        return run(args, argv)
+
+
+def announce(record, path):
+    """What a run prints first: the smoke note, the device and versions, where the JSON goes."""
+    if record.get("smoke"):
+        print(SMOKE_NOTE)
+    print(f"{env_line(record)}; JSON: {path}", flush=True)
+
+
+def finish(record, path, args, markdown, failed, start):
+    """Every benchmark's last steps: record whether a flatopt case failed and the run's time, write the JSON,
+    print the markdown (and write it to --markdown), say where; exit status 1 when a flatopt case failed."""
+    record["flatopt_failed"] = bool(failed)
+    record["total_s"] = round(time.monotonic() - start, 1)
+    write_json(path, record)
+    text = markdown(record)
+    print("\n" + text, end="")
+    if getattr(args, "markdown", None) is not None:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(text)
+    if record.get("smoke"):
+        print("\n" + SMOKE_NOTE)
+    print(f"\nwrote {path} ({record['total_s']:.0f} s)")
+    if failed:
+        print(f"flatopt failed in {len(failed)} case(s); exit status 1", file=sys.stderr)
+        return 1
+    return 0

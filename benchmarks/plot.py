@@ -1,20 +1,23 @@
-"""Draw a stored benchmark result: a PNG, and a markdown table of every result and target.
+"""Draw a stored benchmark result as a PNG, and print its markdown tables.
 
 Reads only the JSON that a benchmark script wrote, so figures and tables always come from stored results. The
-kind of result is read from the JSON's "benchmark" field (bench_step.py writes none; the others write "memory"
-and "capture"), and its "schema" (1):
+kind of result is read from the JSON's "benchmark" field (results of bench_step.py written before it had one are
+"step"), and its "schema" (1):
 
-    step      bench_step.py: percent of the copy-bandwidth floor per parameter set and implementation, with a
-              copy of the same bytes as each case's reference (a thick black line across the group, with its value;
-              results from before it was measured are drawn without it)
+    step      bench_step.py: percent of the copy-bandwidth floor per case and implementation, one panel per variant
+              (step alone; zero_grad + gradient landing + step) and optimizer, with a copy of the same bytes as each
+              case's reference (a thick black line across the group, with its value) and the target as a dashed
+              line; in the loop variant a marker on each bar gives its back-to-back (host included) percent
     memory    bench_memory.py: per dtype, peak memory per case against params + states and flatopt's target
               (params + states + input + activations + largest bucket), then step time with kernel launches per step
     capture   bench_capture.py: per model, median ms per training step and implementation (20th-80th percentile),
               with flatopt's targets
+    eager     bench_eager.py: per model, ms per training step of each implementation (paired timing, synchronised
+              and back to back) with flatopt's ratio to torch-fused, and the peak memory of each
 
     python3 benchmarks/plot.py benchmarks/results/step-<stamp>.json                # PNG next to the JSON
     python3 benchmarks/plot.py RESULT.json --png out.png --markdown out.md
-    python3 benchmarks/plot.py RESULT.json --no-png --markdown                      # table to stdout
+    python3 benchmarks/plot.py RESULT.json --no-png --markdown                      # tables to stdout
 
 Cases that did not run (skipped, failed, out of memory, timed out) are drawn as labelled gaps, never as zeros. A
 capture JSON may carry published torch numbers to compare with, added by hand as
@@ -23,8 +26,8 @@ as markers when present, and nothing is drawn when absent.
 
 Smoke runs are refused unless ``--allow-smoke`` is given; their PNG and markdown are then labelled
 as smoke runs across the figure and at the top of the table. The PNG needs matplotlib; without it the
-PNG is skipped with a message and the markdown is still written. The markdown of a memory or capture result
-is the benchmark script's own (``--report``), which imports torch and flatopt.
+PNG is skipped with a message and the markdown is still written. The markdown of a result is the benchmark
+script's own (``--report``).
 """
 
 import argparse
@@ -38,6 +41,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable (after any installed flatopt)
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import harness
+
 OPTIMIZER_TITLES = {"adamw": "AdamW", "sgd": "SGD (momentum)", "lion": "Lion"}
 IMPL_ORDER = (
     "torch-foreach",
@@ -48,19 +53,22 @@ IMPL_ORDER = (
     "lion-pytorch",
     "foreach-lion",
     "flatopt",
+    "flatopt-keep-grads",
+    "flatopt-launch",
     "flatopt-graph",
+    "gradients-only",
 )
 SAME_BYTES = "copy-same-bytes"  # bench_step.py's reference row: dst.copy_(src) of the bytes the floor counts
 SMOKE_LABEL = "SMOKE RUN: NOT A MEASUREMENT"
 
 
-KINDS = ("step", "memory", "capture")
+KINDS = ("step", "memory", "capture", "eager")
 SCHEMAS = (1,)
 
 
 def kind_of(record, path="the JSON"):
-    """The kind of result, step, memory or capture, from the record's "benchmark" and "schema" fields
-    (bench_step.py writes no "benchmark" field); ValueError for anything else."""
+    """The kind of result (KINDS) from the record's "benchmark" and "schema" fields (bench_step.py's results written
+    before it had a "benchmark" field are "step"); ValueError for anything else."""
     if not isinstance(record, dict) or "results" not in record or "env" not in record:
         raise ValueError(f"{path} is not a benchmark result (no 'results'/'env')")
     kind = record.get("benchmark", "step")
@@ -77,8 +85,23 @@ def load(path):
     return record
 
 
+def markdown(record, kind=None):
+    """The benchmark script's own markdown tables of ``record``."""
+    module = importlib.import_module(f"benchmarks.bench_{kind or kind_of(record)}")
+    return module.markdown(record)
+
+
+# ------------------------------------------------------------------------------------------- step result
+def _variant(r):
+    return r.get("variant", "step")
+
+
+def _groups(r):
+    return r.get("groups", 1)
+
+
 def _order(rows, record=None):
-    """Optimizer, then parameter set in run order, dtype (fp32 first), implementation."""
+    """Variant, optimizer, then parameter set in run order, dtype (fp32 first), param groups, implementation."""
     impl_rank = {n: i for i, n in enumerate(IMPL_ORDER)} | {SAME_BYTES: 100}  # the reference after the rest
     opt_rank = {n: i for i, n in enumerate(OPTIMIZER_TITLES)}
     set_rank = {n: i for i, n in enumerate((record or {}).get("sets", {}))}
@@ -86,105 +109,24 @@ def _order(rows, record=None):
 
     def key(r):
         return (
+            _variant(r) != "step",
             opt_rank.get(r["optimizer"], 9),
             set_rank.get(r["set"], 99),
             r["set"],
             dtype_rank.get(r["dtype"], 9),
+            _groups(r),
             impl_rank.get(r["impl"], 99),
         )
 
     return sorted(rows, key=key)
 
 
-def _num(x, spec):
-    return format(x, spec) if isinstance(x, (int, float)) else "-"
-
-
-def headline(record):
-    env = record["env"]
-    return (
-        f"{env.get('device_name', env.get('device'))}, torch {env.get('torch')}, triton {env.get('triton')}, "
-        f"CUDA {env.get('cuda')}, {env.get('date')}"
-    )
-
-
-def markdown(record):
-    """Markdown: a header with the environment and copy bandwidth, the results, the targets, what did not run."""
-    lines = []
-    if record.get("smoke"):
-        lines += [f"> **{record.get('note') or SMOKE_LABEL}**", ""]
-    copy = record.get("copy") or {}
-    lines += [f"Step benchmark: {headline(record)}.", ""]
-    if copy.get("gbps"):
-        lines += [
-            f"Floor = bytes that must move / copy bandwidth {copy['gbps']:.0f} GB/s "
-            "(`dst.copy_(src)`, read + write, measured in the same run).",
-            "",
-        ]
-    if any(r["impl"] == SAME_BYTES for r in record["results"]):
-        lines += [
-            f"`{SAME_BYTES}`: a `dst.copy_(src)` moving exactly the bytes the floor counts for the case, a launch's "
-            "fixed cost included; the column % of same-bytes copy is its time / the implementation's time.",
-            "",
-        ]
-    same = any(r.get("pct_of_same_bytes_copy") is not None for r in record["results"])  # not in older results
-    loop = any(r.get("host_after_zero_grad_us") is not None for r in record["results"])  # nor in these
-    head = ["optimizer", "set", "dtype", "implementation", "median ms (p20-p80)", "GB/s", "% of floor"]
-    head += ["% of same-bytes copy", "host us"] if same else ["host us"]
-    head += ["host us after zero_grad()", "host us, new lr"] if loop else []
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in _order(record["results"], record):
-        if r["status"] != "ok":
-            continue
-        spread = f"{_num(r.get('median_ms'), '.3f')} ({_num(r.get('q20_ms'), '.3f')}-{_num(r.get('q80_ms'), '.3f')})"
-        title = OPTIMIZER_TITLES.get(r["optimizer"], r["optimizer"])
-        cells = [_num(r.get("gbps"), ".0f"), _num(r.get("pct_floor"), ".1f")]
-        cells += [_num(r.get("pct_of_same_bytes_copy"), ".1f")] if same else []
-        cells += [_num(r.get("host_us"), ".1f")]
-        cells += [_num(r.get("host_after_zero_grad_us"), ".1f"), _num(r.get("host_new_lr_us"), ".1f")] if loop else []
-        numbers = " | ".join(cells)
-        lines.append(f"| {title} | {r['set']} | {r['dtype']} | {r['impl']} | {spread} | {numbers} |")
-    if record.get("targets"):
-        lines += [
-            "",
-            "| flatopt target | optimizer | set | dtype | value | met | margin |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for t in record["targets"]:
-            if t["met"] is None:
-                met, value, margin = "n/a", "-", t.get("note") or "-"
-            else:
-                met = "yes" if t["met"] else "**no**"
-                value = f"{t['value']:.3f} {t['unit']}"
-                margin = f"{t['margin']:+.3f} {'pp' if t['unit'] == '%' else t['unit']}"
-            lines.append(
-                f"| {t['target']} | {t['optimizer']} | {t['set']} | {t['dtype']} | {value} | {met} | {margin} |"
-            )
-        whys = [t for t in record["targets"] if t.get("why")]
-        if whys:
-            lines += ["", "Why missed:", ""]
-            lines += [f"- {t['optimizer']} {t['set']} {t['dtype']}, {t['target']}: {t['why']}" for t in whys]
-    missing = {}
-    for r in _order(record["results"], record):
-        if r["status"] != "ok":
-            reason = (r.get("reason") or "").splitlines()[0] if r.get("reason") else ""
-            missing.setdefault((r["impl"], r["status"], reason), []).append(f"{r['optimizer']} {r['set']} {r['dtype']}")
-    if missing:
-        lines += ["", "Not measured:", ""]
-        attempted = {}
-        for r in record["results"]:
-            attempted[r["impl"]] = attempted.get(r["impl"], 0) + 1
-        for (impl, status, reason), cases in missing.items():
-            which = f"all {len(cases)} cases" if len(cases) == attempted[impl] else "; ".join(cases)
-            lines.append(f"- {impl}, {status} ({which}): {reason}")
-    return "\n".join(lines) + "\n"
-
-
 def same_bytes_pct(record):
-    """{(optimizer, set, dtype): percent of the floor} of the copy of the same bytes; {} in older results."""
+    """{(variant, optimizer, set, dtype, groups): percent of the floor} of the copy of the same bytes; {} in
+    results written before it was measured."""
     out = {}
     for r in record["results"]:
-        key = (r["optimizer"], r["set"], r["dtype"])
+        key = (_variant(r), r["optimizer"], r["set"], r["dtype"], _groups(r))
         if r["impl"] == SAME_BYTES and r["status"] == "ok" and r.get("pct_floor") is not None:
             out[key] = r["pct_floor"]
         elif r.get("same_bytes_copy_pct_of_floor") is not None:
@@ -192,60 +134,61 @@ def same_bytes_pct(record):
     return out
 
 
+def step_target(record, variant):
+    """The percent-of-floor target of a variant, from the record's targets_definition."""
+    defs = record.get("targets_definition", {})
+    return defs.get("pct_floor") if variant == "step" else defs.get("loop_pct_floor")
+
+
 def plot_png(record, path):
-    """Bars of percent of the floor: one panel per optimizer, groups = (set, dtype), one bar per implementation;
-    the copy of the same bytes as a thick black line across its group, where the result has it."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
+    """Bars of percent of the floor: one panel per (variant, optimizer), groups = (set, dtype, param groups), one bar
+    per implementation; the copy of the same bytes as a thick black line across its group, where the result has it;
+    in the loop variant a black tick on each bar at its back-to-back percent."""
+    plt = _pyplot()
     rows = [r for r in record["results"] if r["status"] == "ok" and r.get("pct_floor") is not None]
-    optimizers = [o for o in OPTIMIZER_TITLES if any(r["optimizer"] == o for r in record["results"])]
-    fig, axes = plt.subplots(len(optimizers), 1, figsize=(12, 3.6 * max(1, len(optimizers))), squeeze=False)
-    cmap = plt.get_cmap("tab10")
-    colors = {n: cmap(i % 10) for i, n in enumerate(IMPL_ORDER)}
+    panels = list(dict.fromkeys((_variant(r), r["optimizer"]) for r in _order(record["results"], record)))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.8 * max(1, len(panels))), squeeze=False)
+    cmap = plt.get_cmap("tab20")
+    colors = {n: cmap(i % 20) for i, n in enumerate(IMPL_ORDER)}
     same = same_bytes_pct(record)
-    for ax, opt in zip(axes[:, 0], optimizers, strict=True):
-        groups = list(
-            dict.fromkeys((r["set"], r["dtype"]) for r in _order(record["results"], record) if r["optimizer"] == opt)
-        )
-        impls = [n for n in IMPL_ORDER if any(r["optimizer"] == opt and r["impl"] == n for r in rows)]
+    for ax, (variant, opt) in zip(axes[:, 0], panels, strict=True):
+        mine = [r for r in _order(record["results"], record) if (_variant(r), r["optimizer"]) == (variant, opt)]
+        groups = list(dict.fromkeys((r["set"], r["dtype"], _groups(r)) for r in mine))
+        impls = [n for n in IMPL_ORDER if any(r["impl"] == n for r in mine if r in rows)]
         width = 0.8 / max(1, len(impls))
         for j, impl in enumerate(impls):
-            xs, ys = [], []
-            for g, (s, d) in enumerate(groups):
-                hit = [r for r in rows if (r["optimizer"], r["set"], r["dtype"], r["impl"]) == (opt, s, d, impl)]
+            xs, ys, walls = [], [], []
+            for g, case in enumerate(groups):
+                hit = [r for r in mine if (r["set"], r["dtype"], _groups(r), r["impl"]) == (*case, impl) and r in rows]
                 if hit:
                     xs.append(g - 0.4 + width * (j + 0.5))
                     ys.append(hit[0]["pct_floor"])
+                    walls.append(hit[0].get("wall_pct_floor"))
             bars = ax.bar(xs, ys, width, label=impl, color=colors.get(impl))
             ax.bar_label(bars, fmt="%.0f", fontsize=6, padding=1)
+            for x, w in zip(xs, walls, strict=True):
+                if w is not None:
+                    ax.plot([x - width / 2, x + width / 2], [w, w], color="black", lw=1.2)
         label = "copy of the same bytes"
-        for g, (s, d) in enumerate(groups):
-            pct = same.get((opt, s, d))
+        for g, (s, d, n) in enumerate(groups):
+            pct = same.get((variant, opt, s, d, n))
             if pct is not None:  # close to the 100 % and target lines: thicker, with its value
                 ax.hlines(pct, g - 0.42, g + 0.42, color="black", lw=2.4, label=label)
                 y = min(pct, 96.0) - 2.0  # under the 100 % and target lines
                 ax.text(g - 0.42, y, f"copy {pct:.1f}", color="black", fontsize=6, ha="left", va="top")
                 label = None  # one legend entry
-        target = record.get("targets_definition", {}).get("pct_floor")
+        target = step_target(record, variant)
         ax.axhline(100, color="black", lw=0.8)
         if target:
             ax.axhline(target, color="black", lw=0.8, ls="--", label=f"target {target:g} %")
-        ax.set_xticks(range(len(groups)), [f"{s}\n{d}" for s, d in groups])
-        ax.set_ylim(0, max([115.0] + [r["pct_floor"] * 1.08 for r in rows if r["optimizer"] == opt]))
+        ax.set_xticks(range(len(groups)), [f"{s}\n{d}, {n} group{'s' * (n > 1)}" for s, d, n in groups], fontsize=8)
+        ax.set_ylim(0, max([115.0] + [r["pct_floor"] * 1.08 for r in mine if r in rows]))
         ax.set_ylabel("% of floor")
-        ax.set_title(OPTIMIZER_TITLES.get(opt, opt), loc="left", fontsize=10)
-        ax.legend(fontsize=7, ncol=5, loc="upper left", bbox_to_anchor=(0, -0.18), frameon=False)
-    title = f"Optimizer step, percent of the copy-bandwidth floor: {headline(record)}"
-    if record.get("smoke"):
-        title = f"{SMOKE_LABEL}\n{title}"
-        fig.text(0.5, 0.5, SMOKE_LABEL, fontsize=40, color="red", alpha=0.35, ha="center", va="center", rotation=25)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+        what = "step() alone" if variant == "step" else "zero_grad + gradient landing + step (ticks: back to back)"
+        ax.set_title(f"{OPTIMIZER_TITLES.get(opt, opt)}, {what}", loc="left", fontsize=10)
+        ax.legend(fontsize=7, ncol=6, loc="upper left", bbox_to_anchor=(0, -0.2), frameon=False)
+    title = f"Optimizer step, percent of the copy-bandwidth floor\n{harness.env_line(record)}"
+    _finish(fig, record, title, path)
     plt.close(fig)
 
 
@@ -517,7 +460,7 @@ def plot_memory_png(record, path):
         if s
         else ""
     )
-    _finish(fig, record, f"In-backward AdamW, {model}\n{headline(record)}", path, memory_caption(record))
+    _finish(fig, record, f"In-backward AdamW, {model}\n{harness.env_line(record)}", path, memory_caption(record))
     plt.close(fig)
 
 
@@ -639,27 +582,100 @@ def plot_capture_png(record, path):
             ax.legend(fontsize=7, loc="upper right", frameon=False)
     title = (
         f"One training step (zero_grad + forward + backward + AdamW step, bf16 autocast), "
-        f"{record.get('steps', '?')} steps per implementation\n{headline(record)}"
+        f"{record.get('steps', '?')} steps per implementation\n{harness.env_line(record)}"
     )
     _finish(fig, record, title, path, capture_caption(record))
     plt.close(fig)
 
 
-def memory_or_capture_markdown(record, kind):
-    """The benchmark script's own markdown for a memory or capture result (imports torch and flatopt)."""
-    module = importlib.import_module(f"benchmarks.bench_{kind}")
-    return module.markdown(record)
+# ------------------------------------------------------------------------------------------- eager result
+EAGER_COLORS = {"torch-default": "tab:gray", "torch-foreach": "tab:orange", "torch-fused": "tab:green",
+                "flatopt": "tab:blue"}  # fmt: skip
+
+
+def eager_slots(record, model, key):
+    """Bars of one model: (impl, value or None, low, high, gap label). ``key``: "median_ms" or "b2b_median_ms" (paired
+    timing), or "peak" (GiB, alone)."""
+    paired = next((p for p in record["paired"] if p["model"] == model), None)
+    alone = {r["impl"]: r for r in record["results"] if r["model"] == model}
+    names = list(dict.fromkeys([*(paired or {}).get("impls", []), *alone]))
+    slots = []
+    for impl in names:
+        if key == "peak":
+            r = alone.get(impl)
+            ok = r is not None and r["status"] == "ok" and r.get("peak_bytes") is not None
+            gap = gap_label(r, "no peak:\nnot a CUDA run")
+            slots.append((impl, r["peak_bytes"] / GIB if ok else None, None, None, gap))
+            continue
+        prefix = key[: -len("median_ms")]
+        t = paired.get(impl) if paired and paired["status"] == "ok" else None
+        ok = t is not None and t.get(key) is not None
+        slots.append((impl, t[key] if ok else None, t.get(f"{prefix}q20_ms") if ok else None,
+                      t.get(f"{prefix}q80_ms") if ok else None, gap_label(paired if not ok else None)))  # fmt: skip
+    return slots
+
+
+def plot_eager_png(record, path):
+    """One column per model: ms per training step (paired timing: synchronised, then back to back) with flatopt's ratio
+    to each implementation, then the peak memory of each (alone), where it was measured."""
+    models = [m for m in record.get("models", {}) if any(p["model"] == m for p in record["paired"])]
+    if not models:
+        raise ValueError("the eager result has no cases: nothing to draw")
+    plt = _pyplot()
+    with_peak = any(r.get("peak_bytes") is not None for r in record["results"])
+    rows = 3 if with_peak else 2
+    fig, axes = plt.subplots(rows, len(models), figsize=(4.6 * len(models), 3.6 * rows), squeeze=False)
+    targets = {(t.get("model"), t["target"]): t for t in record.get("targets", [])}
+    for col, model in enumerate(models):
+        keys = [("median_ms", "synchronised"), ("b2b_median_ms", "back to back")] + ([("peak", "peak")] if with_peak
+                                                                                       else [])  # fmt: skip
+        for row, (key, label) in enumerate(keys):
+            ax = axes[row, col]
+            slots = eager_slots(record, model, key)
+            values = [hi if hi is not None else v for _, v, _, hi, _ in slots if v is not None]
+            top = 1.3 * max(values) if values else 1.0
+            drawn = _draw_bars(ax, slots, EAGER_COLORS, top)
+            mine = next((v for n, v, *_ in slots if n == "flatopt"), None)
+            for impl, bar in drawn.items():
+                text = _fmt3(bar.get_height())
+                if impl != "flatopt" and mine is not None:
+                    text += f"\nflatopt {mine / bar.get_height():.3f}x"
+                y = max(bar.get_height(), next(hi for n, _, _, hi, _ in slots if n == impl) or 0)
+                ax.text(bar.get_x() + bar.get_width() / 2, y + 0.01 * top, text, ha="center", va="bottom", fontsize=7)
+            names = [n for n, *_ in slots]
+            ax.set_xticks(range(len(names)), names, fontsize=7)
+            ax.set_xlim(-0.6, len(names) - 0.4)
+            ax.set_ylim(0, top)
+            ax.set_ylabel("GiB" if key == "peak" else "ms per step (p20-p80)", fontsize=8)
+            info = record["models"][model]
+            title = f"{model} ({info.get('params', 0) / 1e6:.1f}M params, {info.get('tensors')} tensors), {label}"
+            ax.set_title(title, loc="left", fontsize=8)
+            want = "flatopt peak" if key == "peak" else f"({label.replace(' to ', '-to-')})"
+            hit = [t for (m, name), t in targets.items() if m == model and want in name]
+            if hit and hit[0].get("threshold") is not None:
+                t = hit[0]
+                ax.text(0.99, 0.97, f"target {t['threshold']:.2f}x: {_met(t)}", transform=ax.transAxes, ha="right",
+                        va="top", fontsize=7)  # fmt: skip
+    share = record.get("optimizer_share") or {}
+    caption = "; ".join(f"{m}: {100 * s['share']:.1f} %" for m, s in share.items())
+    caption = f"optimizer share (torch-fused step() / its training step): {caption}" if caption else None
+    title = f"Eager training step (zero_grad, forward, backward, AdamW step)\n{harness.env_line(record)}"
+    _finish(fig, record, title, path, caption)
+    plt.close(fig)
 
 
 def draw(record, path, kind=None):
     """Draw ``record`` (of any kind) to the PNG ``path``."""
     kind = kind or kind_of(record)
-    {"step": plot_png, "memory": plot_memory_png, "capture": plot_capture_png}[kind](record, path)
+    {"step": plot_png, "memory": plot_memory_png, "capture": plot_capture_png, "eager": plot_eager_png}[kind](
+        record, path
+    )
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", type=Path, help="a JSON written by bench_step.py, bench_memory.py or bench_capture.py")
+    p.add_argument("json", type=Path, help="a JSON written by bench_step.py, bench_memory.py, bench_capture.py or "
+                   "bench_eager.py")  # fmt: skip
     p.add_argument("--png", type=Path, default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-png", action="store_true", help="do not draw the PNG")
     p.add_argument("--markdown", nargs="?", const="-", default=None, help="write the markdown table (default: stdout)")
@@ -679,7 +695,7 @@ def main(argv=None):
         )
         return 2
     if args.markdown is not None:
-        text = markdown(record) if kind == "step" else memory_or_capture_markdown(record, kind)
+        text = markdown(record, kind)
         if args.markdown == "-":
             print(text, end="")
         else:

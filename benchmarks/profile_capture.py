@@ -17,13 +17,16 @@ GPU run from the repository root (well under a minute for the small model):
     PYTHONPATH=. python3 benchmarks/profile_capture.py [--models small,gpt2] [--out benchmarks/results/profiles]
 
 Writes ``profile-capture-STAMP.json`` (and prints everything). It explains results; bench_capture.py measures them.
+CPU smoke run (tiny models; the CUDA-graph implementations are recorded as skipped and the trace has no kernels;
+measures nothing):
+
+    PYTHONPATH=. python3 benchmarks/profile_capture.py --device cpu --smoke --out /tmp/flatopt-smoke
 """
 
-import argparse
 import collections
 import itertools
 import sys
-import traceback
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,7 +38,6 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import bench_capture, harness
-from benchmarks.bench_memory import time_steps
 
 DEFAULT_IMPLS = [
     "torch-fused",
@@ -64,13 +66,14 @@ def category(name):
     return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
 
 
-def profile_steps(one, steps, top):
+def profile_steps(one, steps, top, device):
     """Trace ``steps`` back-to-back steps; device time per step, in total, by category and by kernel."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    harness.sync(device)
+    cuda = harness.is_cuda(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             one()
-        torch.cuda.synchronize()
+        harness.sync(device)
     dev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     by_name, cats, mem = collections.defaultdict(lambda: [0, 0.0]), dict.fromkeys(CATEGORY_NAMES, 0.0), [0.0, 0.0]
     kernels = kernel_us = 0
@@ -97,7 +100,11 @@ def profile_steps(one, steps, top):
              for n, (c, us) in ranked],
     )  # fmt: skip
     if not kernels:
-        out["note"] = "no CUDA kernels in the trace: CUPTI did not report the kernels of these steps (graph replays?)"
+        out["note"] = (
+            "no CUDA kernels in the trace: CUPTI did not report the kernels of these steps (graph replays?)"
+            if cuda
+            else "no CUDA kernels: a CPU run traces host operations only"
+        )
     return out
 
 
@@ -109,43 +116,43 @@ def stepper(step, batches):
 
 def run_impl(model_name, impl, device, args):
     """Build, warm up, time and profile one implementation; never raises (failures are recorded in the row)."""
-    row = dict(model=model_name, impl=impl, note=bench_capture.IMPL_BY_NAME[impl].note, status="ok")
-    cfg, settings = bench_capture.MODELS[model_name], harness.TimerSettings()
-    baseline = torch.cuda.memory_allocated(device)
-    model = batches = step = keep = release = one = None
-    try:
+    row = dict(model=model_name, impl=impl, note=bench_capture.IMPL_BY_NAME[impl].note, status=None)
+    if bench_capture.IMPL_BY_NAME[impl].needs_cuda and device.type != "cuda":
+        return dict(row, status="skipped", reason="CUDA graphs need a CUDA device")
+    cfg = (bench_capture.SMOKE_MODELS if args.smoke else bench_capture.MODELS)[model_name]
+    settings = harness.timer_settings(args.smoke)
+
+    def body(row):
         batches = bench_capture.make_batches(cfg, device, args.seed)
         model = bench_capture.make_model(cfg, device, args.seed)
         step, keep, release = bench_capture.build(impl, model, batches, device, args.compile_backend)
-        one = stepper(step, batches)
-        for _ in range(args.warmup):
-            one()
-        torch.cuda.synchronize()
-        row["event_ms"] = harness.device_time(one, device, settings).as_dict()
-        med, q20, q80 = harness.quantiles(time_steps(one, device, args.iters))
-        row["synced_ms"] = dict(median_ms=med, q20_ms=q20, q80_ms=q80, iters=args.iters)
-        med, q20, q80, n = harness.host_time(one, device, settings)
-        row["host_us"] = dict(median_us=med, q20_us=q20, q80_us=q80, calls=n)
-        graph = getattr(step, "graph", None) or next((k for k in keep if isinstance(k, torch.cuda.CUDAGraph)), None)
-        if graph is not None:
-            row["replay_ms"] = harness.device_time(graph.replay, device, settings).as_dict()
-            med, q20, q80, n = harness.host_time(graph.replay, device, settings)  # the call's host time less this:
-            row["replay_host_us"] = dict(median_us=med, q20_us=q20, q80_us=q80, calls=n)  # its Python and copies
-        row["profile"] = profile_steps(one, args.steps, args.top)
-    except Exception as e:  # recorded; the run goes on
-        row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
-    finally:
-        if release is not None:
-            release()
-        model = batches = step = keep = release = one = None
-        harness.free_memory(device, baseline)
-    return row
+        try:
+            one = stepper(step, batches)
+            for _ in range(args.warmup):
+                one()
+            harness.sync(device)
+            row["event_ms"] = harness.device_time(one, device, settings).as_dict()
+            times = harness.time_steps(one, device, args.iters)
+            row["synced_ms"] = dict(harness.timing_fields(times), iters=args.iters)
+            med, q20, q80, n = harness.host_time(one, device, settings)
+            row["host_us"] = dict(median_us=med, q20_us=q20, q80_us=q80, calls=n)
+            graph = getattr(step, "graph", None) or next((k for k in keep if isinstance(k, torch.cuda.CUDAGraph)), None)
+            if graph is not None:
+                row["replay_ms"] = harness.device_time(graph.replay, device, settings).as_dict()
+                med, q20, q80, n = harness.host_time(graph.replay, device, settings)  # the call's host time less
+                row["replay_host_us"] = dict(median_us=med, q20_us=q20, q80_us=q80, calls=n)  # this: its Python
+            row["profile"] = profile_steps(one, args.steps, args.top, device)
+        finally:
+            if release is not None:
+                release()
+
+    return harness.run_guarded(row, device, body)
 
 
 def print_row(r):
     print(f"\n== {r['model']} {r['impl']}: {r['note']}")
     if r["status"] != "ok":
-        print(f"  FAILED: {r['reason']}")
+        print(f"  {r['status'].upper()}: {r['reason']}")
         return
     replay = ""
     if "replay_ms" in r:
@@ -201,48 +208,69 @@ def summary(rows, model):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.parser(__doc__, budget_s=600.0, report=False)
+    p.set_defaults(out=harness.PROFILES_DIR)
     add = p.add_argument
-    add("--models", type=bench_capture._csv(tuple(bench_capture.MODELS)), default=["small"], help="default: small")
-    add("--impls", type=bench_capture._csv(tuple(bench_capture.IMPL_BY_NAME)), default=DEFAULT_IMPLS,
+    add("--models", type=harness.csv_list(tuple(bench_capture.MODELS)), default=["small"], help="default: small")
+    add("--impls", type=harness.csv_list(tuple(bench_capture.IMPL_BY_NAME)), default=DEFAULT_IMPLS,
         help=f"default: {','.join(DEFAULT_IMPLS)}")  # fmt: skip
-    add("--warmup", type=int, default=20, help="training steps before any timing (default: 20)")
-    add("--iters", type=int, default=40, help="steps timed with a synchronisation after each (default: 40)")
-    add("--steps", type=int, default=20, help="steps traced by torch.profiler (default: 20)")
+    add("--warmup", type=int, default=None, help="training steps before any timing (default: 20; smoke 1)")
+    add("--iters", type=int, default=None, help="steps timed with a synchronisation after each (default: 40; smoke 2)")
+    add("--steps", type=int, default=None, help="steps traced by torch.profiler (default: 20; smoke 2)")
     add("--top", type=int, default=15, help="kernels listed per implementation (default: 15)")
     add("--compile-backend", default="inductor", help="for the torch.compile implementations (default: inductor)")
-    add("--seed", type=int, default=0)
-    add(
-        "--out",
-        type=Path,
-        default=harness.RESULTS_DIR / "profiles",
-        help="directory for the JSON (default: benchmarks/results/profiles)",
-    )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if torch.device(args.device).type == "cpu" and not args.smoke:
+        print("profile_capture.py profiles CUDA graphs and kernels and needs a CUDA GPU; none here "
+              "(--device cpu --smoke runs its code path)", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    harness.check_device(p, args)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 20)
+    args.iters = args.iters if args.iters is not None else (2 if args.smoke else 40)
+    args.steps = args.steps if args.steps is not None else (2 if args.smoke else 20)
+    return args
+
+
+def markdown(record):
+    """Per model, the summary's metrics side by side."""
+    lines = harness.smoke_banner(record) + [f"Capture profile: {harness.env_line(record)}.", ""]
+    for model, summary in (record.get("summary") or {}).items():
+        impls = list(dict.fromkeys(k for v in summary.values() for k in v))
+        rows = [[label] + [harness.num(vals.get(i), ".4f") for i in impls] for label, vals in summary.items()]
+        lines += [f"{model}, per step:", ""] + harness.md_table(["metric", *impls], rows) + [""]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("profile_capture.py profiles CUDA graphs and kernels and needs a CUDA GPU; none here", file=sys.stderr)
-        return 2
-    device = torch.device("cuda")
-    path = args.out / f"profile-capture-{harness.timestamp()}.json"
-    record = dict(
-        question="where the device time of one captured training step goes: flatopt-capture vs torch-fused-graph",
-        environment=harness.environment(device), command=" ".join(sys.argv), settings=vars(args),
-        models={m: asdict(bench_capture.MODELS[m]) for m in args.models}, categories=CATEGORIES, results=[], summary={},
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return e.code
+    with harness.cpu_threads(args.device):
+        return run(args, argv)
+
+
+def run(args, argv):
+    start = time.monotonic()
+    device = torch.device(args.device)
+    path = harness.output_path(args, "profile-capture")
+    models = bench_capture.SMOKE_MODELS if args.smoke else bench_capture.MODELS
+    record = harness.new_record(
+        "profile-capture",
+        "where the device time of one captured training step goes: flatopt-capture vs torch-fused-graph",
+        "profile_capture", args, argv, device,
+        settings={k: str(v) for k, v in vars(args).items()},
+        models={m: asdict(models[m]) for m in args.models}, categories=CATEGORIES, results=[], summary={},
     )  # fmt: skip
-    print(f"device: {record['environment']['device_name']}; torch {torch.__version__}; JSON: {path}")
+    harness.announce(record, path)
     for m in args.models:
         for impl in args.impls:
             record["results"].append(run_impl(m, impl, device, args))
             print_row(record["results"][-1])
             harness.write_json(path, record)
         record["summary"][m] = summary(record["results"], m)
-    harness.write_json(path, record)
-    print(f"\nwrote {path}")
-    return 1 if any(r["status"] != "ok" for r in record["results"]) else 0
+    failed = [r for r in record["results"] if r["status"] == "failed"]
+    return harness.finish(record, path, args, markdown, failed, start)
 
 
 if __name__ == "__main__":

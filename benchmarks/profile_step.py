@@ -10,13 +10,17 @@ GPU run from the repository root (about one minute on an H100):
 
     PYTHONPATH=. python3 benchmarks/profile_step.py [--out benchmarks/results/profiles] [--sections gather]
 
-Writes ``profile-STAMP.json`` (and prints everything). It explains results; bench_step.py measures them.
+Writes ``profile-step-STAMP.json`` (and prints everything). It explains results; bench_step.py measures them.
+CPU smoke run (tiny sets, the torch backend; the device section and the CUDA-graph rows are recorded as skipped,
+the gather section runs under the Triton interpreter when TRITON_INTERPRET=1; measures nothing):
+
+    PYTHONPATH=. python3 benchmarks/profile_step.py --device cpu --smoke --out /tmp/flatopt-smoke
 """
 
-import argparse
 import cProfile
 import functools
 import io
+import os
 import pstats
 import sys
 import time
@@ -27,13 +31,9 @@ if __package__ in (None, ""):
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import torch
-from flatopt.kernels import common
 
 import flatopt
 from benchmarks import harness
-from flatopt import kernels
-from flatopt.layout import GradSources
-from flatopt.step_graph import StepGraph
 
 OPTS = {"adamw": flatopt.AdamW, "sgd": flatopt.SGD, "lion": flatopt.Lion}
 HP = {
@@ -43,8 +43,8 @@ HP = {
 }
 
 
-def build(set_name, dtype, optimizer, device, **kw):
-    params = harness.make_params(harness.shape_set(set_name).shapes, dtype, device)
+def build(set_name, dtype, optimizer, device, smoke=False, **kw):
+    params = harness.make_params(harness.shape_set(set_name, smoke=smoke).shapes, dtype, device)
     opt = OPTS[optimizer](params, **HP[optimizer], **kw)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*received no gradient.*")
@@ -59,17 +59,18 @@ def host_us(fn, device, settings, before=None):
     return dict(median_us=med, q20_us=q20, q80_us=q80, calls=n)
 
 
-def host_section(device, settings):
+def host_section(device, settings, smoke=False):
     out = {}
     for set_name in ("gpt2", "many-small"):
-        out[set_name] = host_rows(set_name, device, settings)
+        out[set_name] = host_rows(set_name, device, settings, smoke)
         harness.free_memory(device)
     return out
 
 
-def host_rows(set_name, device, settings):
-    params, opt = build(set_name, torch.float32, "adamw", device)
-    buf = flatopt.inspect(opt).buffers[0]
+def host_rows(set_name, device, settings, smoke=False):
+    params, opt = build(set_name, torch.float32, "adamw", device, smoke)
+    inside = harness.internals(opt)
+    buf = inside.buffers[0]
     rows = {}
     rows["step (internal graph)"] = host_us(opt.step, device, settings)
 
@@ -80,19 +81,19 @@ def host_rows(set_name, device, settings):
         opt.step()
 
     rows["step, lr changed every call"] = host_us(step_new_lr, device, settings)
-    rows["check_bindings (amortised)"] = host_us(lambda: opt.check_bindings(full=False), device, settings)
-    rows["refresh_hparams (unchanged)"] = host_us(opt.engine.refresh_hparams, device, settings)
-    table = opt.hparams.on(buf.device)
-    rows["step graph key"] = host_us(lambda: StepGraph.key_of(flatopt.inspect(opt).buffers, table), device, settings)
-    if opt.engine.step_graph.graph is not None:
-        rows["graph.replay()"] = host_us(opt.engine.step_graph.graph.replay, device, settings)
-    kernel = kernels.adamw_step
-    hp = opt.hparams.on(buf.device)
+    rows["check_bindings (amortised)"] = host_us(inside.check_bindings_at_step, device, settings)
+    rows["refresh_hparams (unchanged)"] = host_us(inside.refresh_hparams, device, settings)
+    rows["step graph key"] = host_us(inside.step_graph_key, device, settings)
+    if inside.step_graph.graph is not None:
+        rows["graph.replay()"] = host_us(inside.step_graph.graph.replay, device, settings)
+    if triton_runs(device):
+        kernel = inside.kernels().adamw_step
+        hp = inside.hparams(buf.device)
 
-    def bare():
-        kernel(buf.data, buf.grad, buf.states["exp_avg"], buf.states["exp_avg_sq"], hparams=hp, meta=buf.meta)
+        def bare():
+            kernel(buf.data, buf.grad, buf.states["exp_avg"], buf.states["exp_avg_sq"], hparams=hp, meta=buf.meta)
 
-    rows["one Triton launch (adamw_step)"] = host_us(bare, device, settings)
+        rows["one Triton launch (adamw_step)"] = host_us(bare, device, settings)
     zero = functools.partial(opt.zero_grad, set_to_none=False)  # untimed: step() then compares every .grad
     rows["step after zero_grad() (untimed)"] = host_us(opt.step, device, settings, before=zero)
     rows["zero_grad() (set_to_none=True)"] = host_us(opt.zero_grad, device, settings)
@@ -101,9 +102,10 @@ def host_rows(set_name, device, settings):
     rows.update(amp.pop("host"))
     opt.use_step_graph = False
     rows["step, direct launch"] = host_us(opt.step, device, settings)
-    listing = profile(opt.step)
+    calls = 10 if smoke else 200
+    listing = profile(opt.step, device, calls)
     opt.use_step_graph = True
-    listing = profile(opt.step) + "\n-- step, direct launch --\n" + listing
+    listing = profile(opt.step, device, calls) + "\n-- step, direct launch --\n" + listing
     for k, v in rows.items():
         print(f"host {set_name:10s} {k:36s} {v['median_us']:8.1f} us (p20 {v['q20_us']:.1f}, p80 {v['q80_us']:.1f})")
     print(listing)
@@ -117,7 +119,7 @@ def amp_rows(opt, device, settings):
     Also how often the step graph replayed, and how many graphs it recorded, under the real scaler."""
     scaler = torch.amp.GradScaler(device.type)
     scaler.scale(torch.ones((), device=device))  # creates the scale tensor, as the first scale(loss) does
-    graph = opt.engine.step_graph = StepGraph()
+    graph = harness.internals(opt).new_step_graph()
     calls = [0]
 
     def scaler_step():
@@ -146,21 +148,26 @@ def amp_rows(opt, device, settings):
     return dict(host=rows, **stats)
 
 
-def profile(fn, calls=200):
+def triton_runs(device):
+    """Whether flatopt's Triton kernels can be launched on ``device``: on CUDA, or under the Triton interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def profile(fn, device, calls=200):
     """cProfile's listing of ``calls`` calls of ``fn``, by own time."""
     prof = cProfile.Profile()
-    torch.cuda.synchronize()
+    harness.sync(device)
     prof.enable()
     for _ in range(calls):
         fn()
     prof.disable()
-    torch.cuda.synchronize()
+    harness.sync(device)
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
     return text.getvalue()
 
 
-def gather_section(device, settings, copy_gbps):
+def gather_section(device, settings, copy_gbps, smoke=False):
     """Device time of landing the gradients and stepping, two ways, AdamW: a batched copy of gradients lying
     elsewhere (one tensor each, as autograd leaves them in a captured step's pool) into the flat buffer and then
     the step (what capture() records now), against one launch that reads them where they lie and stores them
@@ -171,22 +178,24 @@ def gather_section(device, settings, copy_gbps):
     so the two sets differ in that too."""
     out = []
     for set_name, dtype_name in (("gpt2", "fp32"), ("gpt2", "bf16"), ("many-small", "bf16")):
-        out += gather_rows(set_name, dtype_name, device, settings, copy_gbps)
+        out += gather_rows(set_name, dtype_name, device, settings, copy_gbps, smoke)
         harness.free_memory(device)
     return out
 
 
-def gather_rows(set_name, dtype_name, device, settings, copy_gbps):
+def gather_rows(set_name, dtype_name, device, settings, copy_gbps, smoke=False):
     dtype = harness.DTYPES[dtype_name]
-    _, opt = build(set_name, dtype, "adamw", device)
-    buf = flatopt.inspect(opt).buffers[0]
+    _, opt = build(set_name, dtype, "adamw", device, smoke, backend="triton")
+    inside = harness.internals(opt)
+    buf = inside.buffers[0]
     grads = [torch.randn_like(v) for v in buf.grad_views]
-    sources = GradSources.of(buf, grads)
-    hp = opt.hparams.on(buf.device)
+    sources = inside.grad_sources(buf, grads)
+    hp = inside.hparams(buf.device)
     args = (buf.data, buf.grad, buf.states["exp_avg"], buf.states["exp_avg_sq"])
+    kernel = inside.kernels().adamw_step
 
     def step(gather=None):
-        kernels.adamw_step(*args, hparams=hp, meta=buf.meta, sources=gather)
+        kernel(*args, hparams=hp, meta=buf.meta, sources=gather)
 
     def copy_then_step():
         torch._foreach_copy_(buf.grad_views, grads)
@@ -223,8 +232,9 @@ def device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps):
     out = []
     dtype = harness.DTYPES[dtype_name]
     _, opt = build(set_name, dtype, optimizer, device)
-    defaults = common.BLOCK_SIZE, common.NUM_WARPS
-    numel = flatopt.inspect(opt).buffers[0].numel
+    inside = harness.internals(opt)
+    defaults = inside.launch_config()
+    numel = inside.buffers[0].numel
     bpe = harness.bytes_per_element(optimizer, dtype)
     nbytes = numel * bpe
     floor = harness.floor_ms(numel, bpe, copy_gbps)
@@ -238,14 +248,12 @@ def device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps):
         f"({100 * floor / same:.1f} % of floor)"
     )
     out.append(dict(base, variant="same-bytes copy", ms=same, pct_of_floor=100 * floor / same))
-    configs = [(True, b, w) for b in (2048, 4096, 8192) for w in (4, 8)] + [
-        (False, common.BLOCK_SIZE, common.NUM_WARPS)
-    ]
+    configs = [(True, b, w) for b in (2048, 4096, 8192) for w in (4, 8)] + [(False, *defaults)]
     try:
         for graph, block, warps in configs:
             opt.use_step_graph = graph
-            common.BLOCK_SIZE, common.NUM_WARPS = block, warps
-            opt.engine.step_graph = StepGraph()  # its key does not cover the block size: record again
+            inside.set_launch_config(block, warps)
+            inside.new_step_graph()  # its key does not cover the block size: record again
             for _ in range(3):  # compile, record, replay
                 opt.step()
             t = harness.device_time(opt.step, device, settings).median_ms
@@ -255,49 +263,91 @@ def device_rows(set_name, dtype_name, optimizer, device, settings, copy_gbps):
             )
             out.append(dict(base, variant=v, ms=t, pct_of_floor=100 * floor / t, pct_of_copy=100 * same / t))
     finally:
-        common.BLOCK_SIZE, common.NUM_WARPS = defaults
+        inside.set_launch_config(*defaults)
     return out
 
 
+SECTIONS = ("host", "device", "gather")
+
+
+def parse_args(argv=None):
+    p = harness.parser(__doc__, budget_s=600.0, report=False)
+    p.set_defaults(out=harness.PROFILES_DIR)
+    p.add_argument("--sections", type=harness.csv_list(SECTIONS), default=list(SECTIONS),
+                   help="comma-separated, some of host,device,gather (default: all three)")  # fmt: skip
+    args = p.parse_args(argv)
+    if torch.device(args.device).type == "cpu" and not args.smoke:
+        print("profile_step.py profiles Triton launches and CUDA graphs and needs a CUDA GPU; none here "
+              "(--device cpu --smoke runs its code path)", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    harness.check_device(p, args)
+    return args
+
+
+def markdown(record):
+    """The host rows of each set, and the device and gather sections' percent of the floor."""
+    lines = harness.smoke_banner(record) + [f"Step profile: {harness.env_line(record)}.", ""]
+    for set_name, part in (record.get("host") or {}).items():
+        rows = [[k, f"{v['median_us']:.1f} ({v['q20_us']:.1f}-{v['q80_us']:.1f})"] for k, v in part["host"].items()]
+        lines += [f"Host, {set_name} ({part['params']} parameters), us:", ""]
+        lines += harness.md_table(["call", "median (p20-p80)"], rows) + [""]
+    for key in ("device", "gather"):
+        part = record.get(key)
+        if isinstance(part, list) and part:
+            rows = [[r["set"], r["dtype"], r.get("optimizer", "adamw"), r["variant"], f"{r['ms']:.4f}",
+                     f"{r['pct_of_floor']:.1f}"] for r in part]  # fmt: skip
+            lines += [f"{key}:", ""]
+            lines += harness.md_table(["set", "dtype", "optimizer", "variant", "ms", "% of floor"], rows) + [""]
+        elif isinstance(part, dict):
+            lines += [f"{key}: {part.get('status')}: {part.get('reason')}", ""]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/profiles")
-    ap.add_argument(
-        "--sections",
-        default="host,device,gather",
-        help="comma-separated, some of host,device,gather (default: all three)",
-    )
-    args = ap.parse_args(argv)
-    sections = [s for s in args.sections.split(",") if s]
-    unknown = sorted(set(sections) - {"host", "device", "gather"})
-    if unknown:
-        ap.error(f"unknown section(s) {', '.join(unknown)}; expected some of host,device,gather")
-    if not torch.cuda.is_available():
-        print(
-            "profile_step.py profiles Triton launches and CUDA graphs and needs a CUDA GPU; none here", file=sys.stderr
-        )
-        return 2
-    device = torch.device("cuda")
-    settings = harness.TimerSettings()
-    copy = harness.copy_bandwidth(device, 1024 * 2**20, settings)
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return e.code
+    with harness.cpu_threads(args.device):
+        return run(args, argv)
+
+
+def run(args, argv):
+    start = time.monotonic()
+    device = torch.device(args.device)
+    settings = harness.timer_settings(args.smoke)
+    path = harness.output_path(args, "profile-step")
+    copy = harness.copy_bandwidth(device, (4 if args.smoke else 1024) * 2**20, settings)
+    record = harness.new_record(
+        "profile-step", "where the time of one flatopt step goes, on the host and on the device", "profile_step",
+        args, argv, device, copy=copy, sections=args.sections,
+    )  # fmt: skip
+    harness.announce(record, path)
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
-    record = dict(environment=harness.environment(device), copy=copy)
-    t0 = time.time()
-    if "host" in sections:
-        record["host"] = host_section(device, settings)
-    if "device" in sections:
-        record["device"] = device_section(device, settings, copy["gbps"])
-    if "gather" in sections:
+    if "host" in args.sections:
+        record["host"] = host_section(device, settings, args.smoke)
+    for name, needs, fn in (
+        ("device", device.type == "cuda", lambda: device_section(device, settings, copy["gbps"])),
+        ("gather", triton_runs(device), lambda: gather_section(device, settings, copy["gbps"], args.smoke)),
+    ):
+        if name not in args.sections:
+            continue
+        if not needs:
+            record[name] = dict(
+                status="skipped",
+                reason="launch configurations are measured on a CUDA GPU"
+                if name == "device"
+                else "the Triton kernels need a CUDA GPU or TRITON_INTERPRET=1",
+            )
+            continue  # fmt: skip
         try:
-            record["gather"] = gather_section(device, settings, copy["gbps"])
-        except Exception as e:  # a new kernel mode: its failure is a result, and the rest is kept
-            record["gather"] = dict(status="failed", reason=f"{type(e).__name__}: {e}"[:2000])
-            print(f"gather section failed: {record['gather']['reason']}")
-    record["seconds"] = time.time() - t0
-    path = Path(args.out) / f"profile-{harness.timestamp()}.json"
-    harness.write_json(path, record)
-    print(f"wrote {path}")
-    return 0
+            record[name] = fn()
+        except Exception as e:  # a kernel mode's failure is a result, and the rest is kept
+            record[name] = dict(status="failed", **harness.error_fields(e))
+            print(f"{name} section failed: {record[name]['reason']}")
+    failed = [record[k] for k in ("device", "gather") if isinstance(record.get(k), dict)
+              and record[k].get("status") == "failed"]  # fmt: skip
+    return harness.finish(record, path, args, markdown, failed, start)
 
 
 if __name__ == "__main__":

@@ -1,35 +1,40 @@
 #!/usr/bin/env bash
-# One command on a GPU machine, from anywhere, needing no network: the test suite (GPU tests included), the
-# optimizer-step benchmark (bench_step.py), the in-backward memory benchmark (bench_memory.py), the capture
-# benchmark (bench_capture.py), then the step plot and one markdown summary.
+# One command on a GPU machine, from anywhere, needing no network: the sections named in FLATOPT_SECTIONS, each
+# writing its result JSON and plot (PNG) to $OUT, then one markdown summary of their tables.
 #
-#   benchmarks/run_gpu.sh                                            # tests, then the capture benchmark
-#   FLATOPT_SECTIONS="step memory" benchmarks/run_gpu.sh [more bench_step.py options, e.g. --no-compile]
-#   FLATOPT_SECTIONS="tests step memory capture" FLATOPT_RUN_BUDGET_S=1500 benchmarks/run_gpu.sh   # all, given time
-#   FLATOPT_DRY_RUN=1 FLATOPT_SECTIONS="tests step memory capture" benchmarks/run_gpu.sh   # CPU check, smoke runs
+#   tests     the whole test suite, GPU tests included (JUnit XML)                      about 190 s on an H100
+#   capture   bench_capture.py: captured training steps against CUDA graphs, torch.compile  about 210 s
+#   step      bench_step.py --variants step --groups 1: step() alone, percent of the floor  200-350 s
+#   loop      bench_step.py --variants loop --groups 1,2: zero_grad + gradient landing + step  not yet measured
+#   eager     bench_eager.py: eager training steps against torch fused and foreach AdamW   not yet measured
+#   memory    bench_memory.py: in-backward mode's peak memory on a 1B model                about 40 s
 #
-# The four sections do not fit in one command of the GPU machine (600 s): on an H100 the tests take about
-# 190 s, the capture benchmark about 210 s, the step benchmark 200-350 s, the memory benchmark about 40 s.
-# Two commands cover them: the default (tests, capture), then FLATOPT_SECTIONS="step memory".
+# A command on the GPU machine may run 600 s and return 8 files, so the sections go in three calls:
+#
+#   FLATOPT_GIT_COMMIT=$(git rev-parse HEAD) FLATOPT_SECTIONS="loop eager" benchmarks/run_gpu.sh
+#   FLATOPT_GIT_COMMIT=$(git rev-parse HEAD) FLATOPT_SECTIONS="step memory" benchmarks/run_gpu.sh [--no-compile]
+#   FLATOPT_GIT_COMMIT=$(git rev-parse HEAD) benchmarks/run_gpu.sh                     # "tests capture"
+#   FLATOPT_DRY_RUN=1 FLATOPT_SECTIONS="tests step loop eager memory capture" benchmarks/run_gpu.sh  # CPU check
+#
+# Extra arguments go to bench_step.py (the step and loop sections). FLATOPT_DRY_RUN=1 runs every section as a CPU
+# smoke run (the test section runs tests/test_benchmarks.py only): it checks this script and measures nothing.
 #
 # First installs the package (pip install --no-deps --no-build-isolation -e .); if that fails, maps
 # flatopt.kernels to kernels/ with a sitecustomize.py on PYTHONPATH, as an editable install does.
 #
-# Sections: tests step memory capture (FLATOPT_SECTIONS, default "tests capture"; FLATOPT_SKIP_TESTS=1 drops
-# tests).
 # Time: everything ends within FLATOPT_RUN_BUDGET_S seconds (default 560; the device stops commands at 600).
-# Before each section the time left (minus FLATOPT_RESERVE_S, default 15, for the plot and summary) is shared
-# among the sections still to run in proportion to their weights, FLATOPT_SHARE_TESTS / _STEP / _MEMORY /
-# _CAPTURE (defaults 220 / 150 / 60 / 250), so time a section does not use goes to the next ones. Each
-# benchmark gets its share as --budget-s (minus 15 s for writing) and is stopped by `timeout` at its share;
-# the step benchmark runs with --quick when its share is under 240 s.
+# Before each section the time left (minus FLATOPT_RESERVE_S, default 25, for the plots and summary) is shared
+# among the sections still to run in proportion to their weights, FLATOPT_SHARE_TESTS / _STEP / _LOOP / _EAGER /
+# _MEMORY / _CAPTURE (defaults 220 / 150 / 300 / 220 / 60 / 250), so time a section does not use goes to the next
+# ones. Each benchmark gets its share as --budget-s (minus 15 s for writing) and is stopped by `timeout` at its
+# share; the step section runs with --quick when its share is under 240 s, the loop section always.
 #
-# Writes at most 7 files to $OUT (default: benchmarks/results), every name stamped with the run's UTC time:
-#   run-STAMP.log (everything printed, nvidia-smi included), junit-STAMP.xml, step-STAMP.json,
-#   memory-STAMP.json, capture-STAMP.json, step-STAMP.png, summary-STAMP.md (the three markdown tables)
-# The memory and capture PNGs are drawn where the JSONs are fetched to (`python3 benchmarks/plot.py FILE.json`):
-# the GPU machine returns at most 8 files.
-# Exit status: non-zero when a test failed, a benchmark failed (a flatopt case failed), or the plot failed.
+# Writes to $OUT (default: benchmarks/results), every name stamped with the run's UTC time: run-STAMP.log
+# (everything printed, nvidia-smi included), junit-STAMP.xml (tests), step-STAMP.json (step), step-loop-STAMP.json
+# (loop), eager-STAMP.json, memory-STAMP.json, capture-STAMP.json, a PNG beside each JSON, and summary-STAMP.md (the
+# benchmarks' markdown tables). Commit the JSON and PNG files to benchmarks/results/ (with the device in the name,
+# e.g. eager-h100-STAMP.json) and run `python3 benchmarks/report.py` to regenerate docs/performance.md.
+# Exit status: non-zero when a test failed, a benchmark failed (a flatopt case failed), or a plot failed.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -40,14 +45,15 @@ STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 START=$SECONDS
 DRY=${FLATOPT_DRY_RUN:-0}
 BUDGET=${FLATOPT_RUN_BUDGET_S:-560}
-RESERVE=${FLATOPT_RESERVE_S:-15}
+RESERVE=${FLATOPT_RESERVE_S:-25}
 SECTIONS=${FLATOPT_SECTIONS:-tests capture}
 if [ "${FLATOPT_SKIP_TESTS:-0}" = 1 ]; then SECTIONS=${SECTIONS//tests/}; fi
 declare -A SHARE=([tests]=${FLATOPT_SHARE_TESTS:-220} [step]=${FLATOPT_SHARE_STEP:-150}
-  [memory]=${FLATOPT_SHARE_MEMORY:-60} [capture]=${FLATOPT_SHARE_CAPTURE:-250})
+  [loop]=${FLATOPT_SHARE_LOOP:-300} [eager]=${FLATOPT_SHARE_EAGER:-220} [memory]=${FLATOPT_SHARE_MEMORY:-60}
+  [capture]=${FLATOPT_SHARE_CAPTURE:-250})
 for s in $SECTIONS; do
   if [ -z "${SHARE[$s]+x}" ]; then
-    echo "run_gpu.sh: unknown section '$s' in FLATOPT_SECTIONS; expected some of: tests step memory capture" >&2
+    echo "run_gpu.sh: unknown section '$s' in FLATOPT_SECTIONS; expected some of: tests step loop eager memory capture" >&2
     exit 2
   fi
 done
@@ -67,10 +73,12 @@ if [ "$DRY" = 1 ]; then
   echo "DRY RUN (FLATOPT_DRY_RUN=1): smoke runs on the CPU, nothing installed; checks this script, measures nothing"
   PY=${PYTHON:-python3}
   BENCH_DEV=(--device cpu --smoke)
+  EAGER_MODELS=(--models small,gpt2,llama,convnet,mlp3000,demo)
   PLOT_SMOKE=(--allow-smoke)
 else
   PY=python3
   BENCH_DEV=()
+  EAGER_MODELS=()
   PLOT_SMOKE=()
   unset TRITON_INTERPRET # the kernels run on the GPU here
 fi
@@ -166,12 +174,24 @@ for s in $SECTIONS; do
       run_section tests "$secs" $PY -m pytest -q -rfEs --durations=25 tests/ --junitxml="$DEST/junit-$STAMP.xml"
     fi
     ;;
-  step)
+  step | loop)
     QUICK=()
-    if [ "$secs" -lt 240 ] || [ "$DRY" = 1 ]; then QUICK=(--quick); fi
+    if [ "$secs" -lt 240 ] || [ "$s" = loop ] || [ "$DRY" = 1 ]; then QUICK=(--quick); fi
     if [ "$DRY" = 1 ]; then QUICK+=(--no-compile); fi
-    run_section step "$secs" $PY benchmarks/bench_step.py --json "$DEST/step-$STAMP.json" --budget-s "$inner" \
-      ${BENCH_DEV[@]+"${BENCH_DEV[@]}"} ${QUICK[@]+"${QUICK[@]}"} "$@"
+    if [ "$s" = step ]; then
+      WHAT=(--variants step --groups 1)
+      JSON="$DEST/step-$STAMP.json"
+    else
+      WHAT=(--variants loop --groups 1,2)
+      JSON="$DEST/step-loop-$STAMP.json"
+    fi
+    run_section "$s" "$secs" $PY benchmarks/bench_step.py "${WHAT[@]}" --json "$JSON" --markdown "$WORK/$s.md" \
+      --budget-s "$inner" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"} ${QUICK[@]+"${QUICK[@]}"} "$@"
+    ;;
+  eager)
+    run_section eager "$secs" $PY benchmarks/bench_eager.py --json "$DEST/eager-$STAMP.json" \
+      --markdown "$WORK/eager.md" --budget-s "$inner" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"} \
+      ${EAGER_MODELS[@]+"${EAGER_MODELS[@]}"}
     ;;
   memory)
     run_section memory "$secs" $PY benchmarks/bench_memory.py --json "$DEST/memory-$STAMP.json" \
@@ -194,15 +214,12 @@ SUMMARY="$DEST/summary-$STAMP.md"
   echo
   for s in $SECTIONS; do echo "- $s: exit status ${RC[$s]:-not run}"; done
 } >"$SUMMARY"
-if [ -f "$DEST/step-$STAMP.json" ]; then
-  timeout 60 $PY benchmarks/plot.py "$DEST/step-$STAMP.json" --png "$DEST/step-$STAMP.png" \
-    --markdown "$WORK/step.md" ${PLOT_SMOKE[@]+"${PLOT_SMOKE[@]}"} || plot_rc=$?
-  if [ "$plot_rc" != 0 ]; then RC[plot]=$plot_rc; fi
-elif [[ " $SECTIONS " == *" step "* ]]; then
-  echo "no step-$STAMP.json: nothing to plot"
-  RC[plot]=1
-fi
-for part in step memory capture; do
+for json in "$DEST"/*-"$STAMP".json; do
+  [ -f "$json" ] || continue
+  timeout 60 $PY benchmarks/plot.py "$json" --png "${json%.json}.png" ${PLOT_SMOKE[@]+"${PLOT_SMOKE[@]}"} || plot_rc=$?
+done
+if [ "$plot_rc" != 0 ]; then RC[plot]=$plot_rc; fi
+for part in step loop eager memory capture; do
   if [ -f "$WORK/$part.md" ]; then
     printf '\n## %s\n\n' "$part" >>"$SUMMARY"
     cat "$WORK/$part.md" >>"$SUMMARY"
@@ -219,5 +236,7 @@ for k in "${!RC[@]}"; do
 done
 echo "== done in $((SECONDS - START)) s:$summary; files in $DEST:"
 ls -1 "$DEST" | grep -F "$STAMP"
-echo "($(ls -1 "$DEST" | grep -cF "$STAMP") files)"
+n_files=$(ls -1 "$DEST" | grep -cF "$STAMP")
+echo "($n_files files)"
+if [ "$n_files" -gt 8 ]; then echo "run_gpu.sh: $n_files files; the GPU machine returns 8: run fewer sections per call"; fi
 exit $status

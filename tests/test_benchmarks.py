@@ -1,14 +1,17 @@
 """CPU checks of benchmarks/: every module imports; the pure functions (bytes per element, floor arithmetic,
-quantiles, parameter-set generators, targets) give the right numbers; the step benchmark's main path runs
-on the CPU in smoke mode, records failures per implementation, and feeds plot.py (PNG and markdown);
-a smoke result cannot be drawn as a measurement. The memory and capture benchmarks: their arithmetic and
-targets, and their smoke runs on the CPU (CUDA-graph and compile cases recorded as skipped), which plot.py draws
-only with --allow-smoke, cases that did not run drawn as labelled gaps. The stored results under
-benchmarks/results/ are drawable. The environment record takes its commit from FLATOPT_GIT_COMMIT when set."""
+quantiles, parameter sets and their decay split, targets) give the right numbers; every script's main path runs on
+the CPU in smoke mode at tiny sizes and writes a JSON with the fields and plausible values it promises (the step
+benchmark's two variants and two param-group cases, the eager benchmark's models and ratios, the memory and capture
+benchmarks, the two profile scripts), records failures per case, and feeds plot.py (PNG and markdown); a smoke result
+cannot be drawn as a measurement. The loop variant's gradients land as autograd lands them. Only harness.py reads
+flatopt's private attributes. The stored results under benchmarks/results/ are drawable, and docs/performance.md is
+what benchmarks/report.py generates from them. The environment record takes its commit from FLATOPT_GIT_COMMIT."""
 
 import importlib
 import importlib.util
 import json
+import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -49,7 +52,7 @@ def plot():
 
 def test_every_benchmark_module_imports():
     names = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
-    assert {"harness", "bench_step", "plot"} <= set(names)
+    assert {"harness", "bench_step", "bench_eager", "bench_memory", "bench_capture", "plot", "report"} <= set(names)
     for name in names:
         assert import_benchmark(name).__doc__, f"benchmarks/{name}.py has no module docstring"
 
@@ -67,6 +70,9 @@ def test_bytes_per_element(harness):
     for (opt, dtype), n in expected.items():
         assert harness.bytes_per_element(opt, dtype) == n, (opt, dtype)
     assert harness.bytes_per_element("adamw", "bf16") == 14
+    # a training loop's landing adds one write of every gradient
+    assert harness.bytes_per_element("adamw", "fp32", grad_write=True) == 32
+    assert harness.bytes_per_element("sgd", "bf16", grad_write=True) == 12
 
 
 def test_floor_arithmetic(harness, bench):
@@ -214,10 +220,13 @@ def test_cpu_run_must_be_a_smoke_run(bench, capsys):
 
 def test_smoke_run_on_cpu_then_plot(bench, plot, tmp_path, capsys):
     path = tmp_path / "smoke.json"
-    assert bench.main(["--device", "cpu", "--smoke", "--no-compile", "--json", str(path)]) == 0
+    argv = ["--device", "cpu", "--smoke", "--no-compile", "--variants", "step", "--groups", "1", "--json", str(path)]
+    assert bench.main(argv) == 0
     record = json.loads(path.read_text())
+    assert record["benchmark"] == "step" and record["schema"] == 1
     assert record["kind"] == "smoke" and record["smoke"] is True and "SMOKE RUN" in record["note"]
     assert record["env"]["torch"] == torch.__version__ and record["copy"]["gbps"] > 0
+    assert {(r["variant"], r["groups"]) for r in record["results"]} == {("step", 1)}
     rows = {(r["set"], r["dtype"], r["optimizer"], r["impl"]): r for r in record["results"]}
     for s in ("gpt2", "many-small", "llama"):
         assert record["sets"][s]["tensors"] == len(bench.harness.shape_set(s, smoke=True).shapes)
@@ -260,9 +269,10 @@ def test_smoke_run_on_cpu_then_plot(bench, plot, tmp_path, capsys):
     png, md = tmp_path / "smoke.png", tmp_path / "smoke.md"
     assert plot.main([str(path), "--allow-smoke", "--png", str(png), "--markdown", str(md)]) == 0
     text = md.read_text()
-    assert text.startswith("> **SMOKE RUN") and "| AdamW | gpt2 | fp32 | flatopt |" in text
-    assert "| % of floor | % of same-bytes copy | host us |" in text
-    assert "| AdamW | gpt2 | fp32 | copy-same-bytes |" in text
+    assert text.startswith("> **SMOKE RUN") and "AdamW, `step`:" in text and "Lion, `step`:" in text
+    r = rows[("gpt2", "fp32", "adamw", "flatopt")]
+    assert f"| gpt2 | fp32 | 1 | {r['floor_ms']:.3f} | {r['median_ms']:.3f} ({r['pct_floor']:.1f} %) |" in text
+    assert "| set | dtype | groups | floor ms | flatopt | flatopt-launch | flatopt-graph | torch-fused |" in text
     assert ("Why missed:" in text) == any(t["why"] for t in record["targets"])
     assert "flatopt-graph, skipped (all 18 cases): CUDA graphs need a CUDA device" in text
     if importlib.util.find_spec("matplotlib") is not None:
@@ -278,7 +288,7 @@ def test_flatopt_failure_is_recorded_and_sets_exit_status(bench, tmp_path, monke
     monkeypatch.setitem(bench.FLATOPT, "adamw", broken)
     path = tmp_path / "r.json"
     argv = ["--device", "cpu", "--smoke", "--sets", "gpt2", "--dtypes", "fp32", "--optimizers", "adamw"]
-    argv += ["--impls", "flatopt,torch-fused", "--json", str(path)]
+    argv += ["--impls", "flatopt,torch-fused", "--variants", "step", "--groups", "1", "--json", str(path)]
     assert bench.main(argv) == 1
     record = json.loads(path.read_text())
     status = {r["impl"]: r for r in record["results"]}
@@ -298,15 +308,15 @@ def test_spent_budget_skips_cases(bench, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:.*torch.jit.*:DeprecationWarning")  # raised inside torch's compiler
-def test_compile_worker_in_process(bench, capsys):
+def test_compile_worker_in_process(bench, harness, capsys):
     argv = ["--compile-worker", "--device", "cpu", "--smoke", "--worker-set", "gpt2", "--worker-dtype", "fp32"]
     try:
         assert bench.main(argv + ["--compile-backend", "eager"]) == 0
     finally:
         torch._dynamo.reset()
-    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(bench.RESULT_PREFIX)]
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(harness.RESULT_PREFIX)]
     assert len(lines) == 1
-    result = json.loads(lines[0][len(bench.RESULT_PREFIX) :])
+    result = json.loads(lines[0][len(harness.RESULT_PREFIX) :])
     assert result["status"] == "ok", result
     assert result["median_ms"] > 0 and result["compile_s"] > 0 and result["host_us"] > 0
 
@@ -320,14 +330,14 @@ def test_compile_command_round_trips(bench):
     assert (worker.worker_set, worker.worker_dtype, worker.compile_backend) == ("many-small", "bf16", "eager")
 
 
-def test_run_worker_result_failure_and_timeout(bench):
-    ok = [sys.executable, "-c", f'print(\'noise\'); print({bench.RESULT_PREFIX!r} + \'{{"status": "ok", "x": 1}}\')']
-    assert bench.run_worker(ok, timeout_s=60) == {"status": "ok", "x": 1}
+def test_run_worker_result_failure_and_timeout(harness):
+    ok = [sys.executable, "-c", f'print(\'noise\'); print({harness.RESULT_PREFIX!r} + \'{{"status": "ok", "x": 1}}\')']
+    assert harness.run_worker(ok, timeout_s=60) == {"status": "ok", "x": 1}
     crash = [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"]
-    failed = bench.run_worker(crash, timeout_s=60)
+    failed = harness.run_worker(crash, timeout_s=60)
     assert failed["status"] == "failed" and "status 3" in failed["reason"] and failed["stderr_tail"] == "boom"
     t0 = time.monotonic()
-    slow = bench.run_worker([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=0.5)
+    slow = harness.run_worker([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=0.5)
     assert slow["status"] == "timeout" and "within 0.5 s" in slow["reason"]
     assert time.monotonic() - t0 < 30
 
@@ -528,7 +538,7 @@ def test_capture_targets(capture):
     assert t["margin"] == pytest.approx(-0.36)
 
 
-def test_capture_smoke_run_on_cpu(capture, capture_smoke, capsys):
+def test_capture_smoke_run_on_cpu(capture, harness, capture_smoke, capsys):
     path, md = capture_smoke
     record = json.loads(path.read_text())
     assert record["kind"] == "smoke" and record["benchmark"] == "capture" and "SMOKE RUN" in record["note"]
@@ -541,7 +551,7 @@ def test_capture_smoke_run_on_cpu(capture, capture_smoke, capsys):
             assert r["final_loss"] < r["first_loss"]  # it trains
             assert r["b2b_q20_ms"] <= r["b2b_median_ms"] <= r["b2b_q80_ms"] and r["b2b_q20_ms"] > 0
             assert r["b2b_rounds"] == capture.B2B_ROUNDS == record["settings"]["b2b_rounds"]
-            assert r["b2b_steps_per_round"] == capture.b2b_steps_per_round(record["settings"]["iters"]) >= 5
+            assert r["b2b_steps_per_round"] == harness.b2b_steps_per_round(record["settings"]["iters"]) >= 5
         # same init, data and steps: flatopt trains as torch does
         assert rows[(m, "flatopt")]["final_loss_minus_torch_fused"] == pytest.approx(0.0, abs=1e-3)
         for impl in [i.name for i in capture.IMPLS if i.needs_cuda]:
@@ -580,20 +590,20 @@ def test_capture_smoke_run_on_cpu(capture, capture_smoke, capsys):
     assert row.split(" | ")[3] == "-" and "(back-to-back) |" not in text
 
 
-def test_capture_time_paired_alternates(capture):
+def test_time_paired_alternates(harness):
     calls = []
     steps = {name: (lambda n=name: calls.append(n)) for name in ("a", "b")}
-    out = capture.time_paired(steps, torch.device("cpu"), 4)
+    out = harness.time_paired(steps, torch.device("cpu"), 4)
     assert calls == ["a", "b"] * 4  # each always right after the other, never after itself
     for ms, us in out.values():
         assert len(ms) == len(us) == 4 and all(t >= 0 for t in ms + us)
 
 
-def test_capture_round_orders_spread_three_implementations(capture):
+def test_round_orders_spread_three_implementations(harness):
     """Every name once per round, never right after itself (its data may still be in the cache), and over many rounds
     each in each position, after each other name, about equally often."""
     names = ["a", "b", "c"]
-    orders = capture.round_orders(names, 600)
+    orders = harness.round_orders(names, 600)
     assert all(sorted(o) == names for o in orders)
     flat = [n for o in orders for n in o]
     assert all(x != y for x, y in zip(flat, flat[1:])), "a step ran right after itself"
@@ -604,10 +614,17 @@ def test_capture_round_orders_spread_three_implementations(capture):
     for x, y in zip(flat, flat[1:]):
         follows[(x, y)] += 1
     assert min(follows.values()) > 0.7 * max(follows.values()), follows
-    assert capture.round_orders(names, 10) == capture.round_orders(names, 10)  # a fixed seed: reproducible
+    assert harness.round_orders(names, 10) == harness.round_orders(names, 10)  # a fixed seed: reproducible
 
 
-def test_capture_paired_on_cpu(capture, monkeypatch):
+@pytest.fixture
+def one_thread(harness):
+    """One CPU thread, as the scripts' main() runs (harness.cpu_threads), for tests that call their parts."""
+    with harness.cpu_threads("cpu"):
+        yield
+
+
+def test_capture_paired_on_cpu(capture, monkeypatch, one_thread):
     """The paired timing's code path with two CPU implementations (the captured ones need CUDA): its row, its
     target and its table."""
     args = capture.parse_args(["--device", "cpu", "--smoke", "--iters", "3", "--warmup", "1"])
@@ -651,14 +668,14 @@ def test_capture_paired_on_cpu(capture, monkeypatch):
     )
 
 
-def test_capture_worker_and_command(capture, capsys):
+def test_capture_worker_and_command(capture, harness, capsys):
     args = capture.parse_args(["--device", "cpu", "--smoke", "--iters", "2"])
     cmd = capture.worker_command(args, "small", "torch-fused")
     assert cmd[0] == sys.executable and cmd[1].endswith("bench_capture.py")
     assert capture.main(cmd[2:]) == 0  # the worker, in process
-    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(capture.RESULT_PREFIX)]
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(harness.RESULT_PREFIX)]
     assert len(lines) == 1
-    result = json.loads(lines[0][len(capture.RESULT_PREFIX) :])
+    result = json.loads(lines[0][len(harness.RESULT_PREFIX) :])
     assert result["status"] == "ok" and result["impl"] == "torch-fused" and result["iters"] == 2
     assert result["b2b_median_ms"] > 0 and result["b2b_steps_per_round"] == 5  # compile cases are timed here too
 
@@ -747,8 +764,8 @@ def test_plot_refuses_what_it_cannot_read(plot, tmp_path, capsys):
     path.write_text(json.dumps(dict(base, benchmark="latency")))
     capsys.readouterr()
     assert plot.main([str(path)]) == 2 and "unknown benchmark" in capsys.readouterr().err
-    for kind in ("memory", "capture"):
-        path.write_text(json.dumps(dict(base, benchmark=kind)))
+    for kind in ("memory", "capture", "eager"):
+        path.write_text(json.dumps(dict(base, benchmark=kind, models={}, paired=[])))
         assert plot.main([str(path), "--png", str(tmp_path / "empty.png")]) == 2
         assert "nothing to draw" in capsys.readouterr().err and not (tmp_path / "empty.png").exists()
 
@@ -787,10 +804,13 @@ def test_environment_git_commit_override(harness, bench, monkeypatch, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU; this one has one")
 @pytest.mark.parametrize("name", ["profile_step", "profile_capture"])
 def test_profile_scripts_say_they_need_a_gpu(name, capsys, tmp_path):
-    """The profile scripts measure CUDA launches and graphs only: without a GPU they exit with status 2
-    and say so, writing nothing."""
-    assert import_benchmark(name).main(["--out", str(tmp_path)]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    """The profile scripts measure CUDA launches and graphs: without a GPU they exit with status 2 and say so,
+    writing nothing, unless asked for a smoke run."""
+    script = import_benchmark(name)
+    assert script.main(["--out", str(tmp_path)]) == 2
+    assert "CUDA is not available here" in capsys.readouterr().err
+    assert script.main(["--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err and "--smoke" in capsys.readouterr().err + "--smoke"
     assert not list(tmp_path.iterdir())
 
 
@@ -809,3 +829,359 @@ def test_host_time_calls_before_untimed_before_every_call(harness):
     assert all(a == "before" and b == "fn" for a, b in zip(calls[::2], calls[1::2])) and len(calls) % 2 == 0
     assert calls.count("fn") > n  # one untimed call per burst
     assert q80 < 1000.0  # microseconds: the 2 ms sleeps are not in them
+
+
+# ------------------------------------------------------------------------------ bench_step.py: the loop variant
+def test_decay_split_and_param_groups(harness, bench):
+    gpt2 = harness.shape_set("gpt2", smoke=True).shapes
+    decay, rest = harness.decay_split(gpt2)
+    assert decay and rest and sorted(decay + rest) == list(range(len(gpt2)))
+    assert all(len(gpt2[i][1]) == 2 for i in decay) and all(len(gpt2[i][1]) == 1 for i in rest)
+    small = harness.shape_set("many-small", smoke=True).shapes  # all 1-D: every other tensor
+    assert harness.decay_split(small) == (list(range(0, 30, 2)), list(range(1, 30, 2)))
+    params = harness.make_params(gpt2, torch.float32, "cpu")
+    assert bench.param_groups(params, "adamw", 1, gpt2) == [dict(params=params)]
+    two = bench.param_groups(params, "sgd", 2, gpt2)
+    assert [g["weight_decay"] for g in two] == [bench.DECAY["sgd"], 0.0]
+    assert [len(g["params"]) for g in two] == [len(decay), len(rest)]
+    opt = bench.build_flatopt(two, "sgd", bench.Context(torch.device("cpu"), "torch", 0))  # flatopt takes them as given
+    assert [g["weight_decay"] for g in opt.param_groups] == [bench.DECAY["sgd"], 0.0]
+
+
+def test_gradient_source_lands_as_autograd_does(bench):
+    """GradientSource's backward hands every parameter a view of one fresh buffer holding a non-zero value: torch's
+    AccumulateGrad takes the views as they are (no copy) when .grad is None, and flatopt's hooks copy them into its
+    flat buffer; a second backward without zero_grad() adds into .grad."""
+    shapes = [("a", (5, 3)), ("b", (7,)), ("c", (2, 2, 2))]
+    params = [torch.nn.Parameter(torch.randn(s)) for _, s in shapes]
+    land = bench.landing(params)
+    land()
+    storage = {p.grad.untyped_storage().data_ptr() for p in params}
+    assert len(storage) == 1  # every gradient is a view of the one buffer: stolen, not copied
+    first = params[0].grad.flatten()[0].item()
+    assert first in bench.GRAD_VALUES and all(torch.all(p.grad == first) for p in params)
+    offsets = [p.grad.data_ptr() - params[0].grad.data_ptr() for p in params]
+    assert all(o % (bench.GRAD_ALIGN * 4) == 0 for o in offsets)
+    land()  # .grad defined: AccumulateGrad adds in place
+    second = bench.GRAD_VALUES[1]
+    assert all(torch.allclose(p.grad, torch.full_like(p, first + second)) for p in params)
+
+    model_params = [torch.nn.Parameter(torch.randn(s)) for _, s in shapes]
+    opt = bench.FLATOPT["adamw"](model_params, lr=1e-3, backend="torch")
+    (buf,) = [b for b in bench.harness.internals(opt).buffers]
+    land = bench.landing(model_params)
+    opt.zero_grad()
+    land()
+    lo, hi = buf.grad.data_ptr(), buf.grad.data_ptr() + buf.grad.numel() * 4
+    assert all(lo <= p.grad.data_ptr() < hi for p in model_params)  # copied into flatopt's views
+    assert all(torch.all(p.grad == bench.GRAD_VALUES[0]) for p in model_params)
+
+
+@pytest.fixture(scope="module")
+def loop_smoke(bench, tmp_path_factory):
+    """A smoke run of the loop variant, one and two param groups, every optimizer, on two sets."""
+    path = tmp_path_factory.mktemp("loop-smoke") / "loop.json"
+    argv = ["--device", "cpu", "--smoke", "--variants", "loop", "--groups", "1,2", "--sets", "gpt2,many-small"]
+    assert bench.main(argv + ["--json", str(path)]) == 0
+    return path
+
+
+def test_loop_variant_smoke_run(bench, loop_smoke):
+    record = json.loads(loop_smoke.read_text())
+    rows = {(r["groups"], r["set"], r["dtype"], r["optimizer"], r["impl"]): r for r in record["results"]}
+    assert {r["variant"] for r in record["results"]} == {"loop"}
+    expected = {"adamw": ["torch-foreach", "torch-fused"], "sgd": ["torch-foreach", "torch-fused"],
+                "lion": ["foreach-lion"]}  # fmt: skip
+    for g in (1, 2):
+        for s in ("gpt2", "many-small"):
+            for dt in ("fp32", "bf16"):
+                for opt in ("adamw", "sgd", "lion"):
+                    size = 4 if dt == "fp32" else 2
+                    ref = rows[(g, s, dt, opt, "gradients-only")]
+                    assert ref["status"] == "ok" and ref["bytes_per_element"] == size  # one write per element
+                    for impl in ["flatopt", "flatopt-keep-grads", *expected[opt]]:
+                        r = rows[(g, s, dt, opt, impl)]
+                        assert r["status"] == "ok", r
+                        passes = sum(bench.harness.TENSOR_PASSES[opt]) + 1  # the step's tensors + the gradient write
+                        assert r["bytes_per_element"] == passes * size and r["bytes"] == r["elements"] * passes * size
+                        assert (
+                            r["median_ms"] > 0 and r["wall_ms"] > 0 and 0 < r["pct_floor"] and 0 < r["wall_pct_floor"]
+                        )
+                        assert r["pct_floor"] == pytest.approx(100 * r["floor_ms"] / r["median_ms"])
+                        assert r["host_us"] > 0  # both sets are host sets
+                    assert "flatopt-launch" not in {k[-1] for k in rows if k[:4] == (g, s, dt, opt)}
+    by = {(t["groups"], t["set"], t["dtype"], t["optimizer"], t["target"]): t for t in record["targets"]}
+    assert len(record["targets"]) == 2 * 2 * 2 * 3 * 2  # groups x sets x dtypes x optimizers x (device, back-to-back)
+    t = by[(2, "gpt2", "bf16", "lion", ">= 95% of floor (device)")]
+    r = rows[(2, "gpt2", "bf16", "lion", "flatopt")]
+    assert t["value"] == r["pct_floor"] and t["threshold"] == 95.0 and t["met"] == (r["pct_floor"] >= 95.0)
+    assert by[(2, "gpt2", "bf16", "lion", ">= 95% of floor (back-to-back)")]["value"] == r["wall_pct_floor"]
+    text = bench.markdown(record)
+    assert "Variant `loop`" in text and "AdamW, `loop`:" in text and "| gradients-only |" in text
+    assert f"b2b {r['wall_ms']:.3f} ({r['wall_pct_floor']:.1f} %)" in text
+
+
+def test_loop_targets_and_floor(bench):
+    row = dict(variant="loop", groups=2, optimizer="adamw", dtype="fp32", impl="flatopt", elements=10**6,
+               status="ok", median_ms=0.0125, wall_ms=0.025)  # fmt: skip
+    bench.add_derived(row, copy_gbps=3200.0)
+    assert row["bytes"] == 32 * 10**6 and row["floor_ms"] == pytest.approx(0.01)
+    assert row["pct_floor"] == pytest.approx(80.0) and row["wall_pct_floor"] == pytest.approx(40.0)
+    only = bench.add_derived(dict(row, impl="gradients-only"), 3200.0)
+    assert only["bytes"] == 4 * 10**6  # the write of every gradient alone
+    row["set"] = "llama"  # of another set: gpt2's targets are not evaluated, and say why
+    targets = bench.evaluate_targets([row], ["gpt2"], ["fp32"], ["adamw"], variants=("loop",), groups=(2,))
+    assert [(t["met"], t["note"]) for t in targets] == [(None, "not run")] * 2
+    row["set"] = "gpt2"
+    device, wall = bench.evaluate_targets([row], ["gpt2"], ["fp32"], ["adamw"], variants=("loop",), groups=(2,))
+    assert device["met"] is False and device["margin"] == pytest.approx(-15.0) and device["groups"] == 2
+    assert wall["value"] == pytest.approx(40.0) and wall["target"].endswith("(back-to-back)")
+
+
+# ----------------------------------------------------------------------------------- flatopt's internals, in one place
+def test_only_the_harness_reads_flatopt_internals():
+    """Every read of a private attribute or module of flatopt goes through harness.internals (FlatoptInternals)."""
+    private = re.compile(
+        r"\._(buffers|in_backward|hp|step_graph|check_bindings|refresh_hparams|devices|landing)\b"
+        r"|flatopt\.(layout|step_graph|kernels|grads|in_backward|optimizer)\b|from flatopt import kernels"
+    )
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        if path.name == "harness.py":
+            continue
+        hits = [line for line in path.read_text().splitlines() if private.search(line)]
+        assert not hits, f"benchmarks/{path.name} reads flatopt's internals; go through harness.internals: {hits}"
+    text = (ROOT / "benchmarks" / "harness.py").read_text()
+    assert "class FlatoptInternals" in text and private.search(text)
+
+
+def test_internals_and_state_bytes(harness):
+    import flatopt
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    opt = flatopt.AdamW(model, backend="torch")
+    (buf,) = harness.internals(opt).buffers
+    assert buf.numel >= 6 * 5 + 5 + 5 * 3 + 3
+    assert harness.state_bytes(opt) == 2 * buf.data.numel() * 4  # exp_avg, exp_avg_sq over the buffer
+    assert harness.in_backward_stats(opt) is None
+    ref = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 6)).sum().backward()
+    ref.step()
+    assert harness.state_bytes(ref) == 2 * 4 * sum(p.numel() for p in model.parameters()) + 4 * 4  # + step counts
+    ib = flatopt.AdamW(torch.nn.Linear(4, 4), in_backward=True, backend="torch")
+    stats = harness.in_backward_stats(ib)
+    assert stats["buckets"] == 1 and stats["launches"] == 0 and stats["largest_bucket_elements"] >= 20
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # GradScaler on the CPU
+def test_profile_step_smoke_run(tmp_path):
+    profile = import_benchmark("profile_step")
+    path = tmp_path / "p.json"
+    assert profile.main(["--device", "cpu", "--smoke", "--sections", "host,device,gather", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["benchmark"] == "profile-step" and record["smoke"] and record["copy"]["gbps"] > 0
+    for s in ("gpt2", "many-small"):
+        rows = record["host"][s]["host"]
+        for key in ("step (internal graph)", "check_bindings (amortised)", "step graph key", "step, direct launch"):
+            assert 0 < rows[key]["q20_us"] <= rows[key]["median_us"] <= rows[key]["q80_us"], key
+        assert "graph.replay()" not in rows  # no CUDA graph on the CPU
+        assert "step" in record["host"][s]["cprofile_step"]
+    assert record["device"]["status"] == "skipped"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert [(r["set"], r["dtype"]) for r in record["gather"][::3]] == [
+            ("gpt2", "fp32"), ("gpt2", "bf16"), ("many-small", "bf16")]  # fmt: skip
+        assert all(r["ms"] > 0 and r["pct_of_floor"] > 0 for r in record["gather"])
+    else:
+        assert record["gather"]["status"] == "skipped"
+
+
+def test_profile_capture_smoke_run(tmp_path):
+    profile = import_benchmark("profile_capture")
+    path = tmp_path / "p.json"
+    assert profile.main(["--device", "cpu", "--smoke", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["benchmark"] == "profile-capture" and record["smoke"]
+    rows = {r["impl"]: r for r in record["results"]}
+    for impl in ("torch-fused", "flatopt", "flatopt-keep-grads"):
+        r = rows[impl]
+        assert r["status"] == "ok" and r["event_ms"]["median_ms"] > 0 and r["host_us"]["median_us"] > 0
+        assert r["profile"]["kernels_traced"] is False and "CPU run" in r["profile"]["note"]
+    for impl in ("torch-fused-graph", "flatopt-capture"):
+        assert rows[impl]["status"] == "skipped" and "CUDA" in rows[impl]["reason"]
+    assert record["summary"]["small"]["events ms, back-to-back"]["flatopt"] == rows["flatopt"]["event_ms"]["median_ms"]
+
+
+# ------------------------------------------------------------------------------------------------ bench_eager.py
+@pytest.fixture(scope="module")
+def eager():
+    return import_benchmark("bench_eager")
+
+
+@pytest.fixture(scope="module")
+def eager_smoke(eager, tmp_path_factory):
+    """An eager smoke run of every model (the GPU models and the CPU demo model at tiny sizes)."""
+    path = tmp_path_factory.mktemp("eager-smoke") / "eager.json"
+    argv = ["--device", "cpu", "--smoke", "--models", ",".join(eager.MODELS), "--json", str(path)]
+    assert eager.main(argv) == 0
+    return path
+
+
+def test_eager_model_sizes(eager, harness):
+    """The full-size models are what the docstring says (built on the meta device: no memory)."""
+    sizes = {m: eager.describe(m, eager.MODELS[m]) for m in eager.MODELS}
+    assert sizes["llama"]["params"] == harness.shape_set("llama").numel == 1_204_881_408
+    assert sizes["llama"]["tensors"] == 147 and sizes["llama"]["dtype"] == "bfloat16"
+    assert sizes["mlp3000"]["tensors"] == 3000 and sizes["convnet"]["tensors"] == 293
+    assert sizes["gpt2"]["params"] == import_benchmark("bench_capture").gpt_numel(eager.MODELS["gpt2"])
+    assert sizes["demo"]["config"]["dim"] == 128 and sizes["demo"]["config"]["batch"] == 16
+
+
+def test_eager_smoke_run_on_cpu(eager, eager_smoke):
+    record = json.loads(eager_smoke.read_text())
+    assert record["benchmark"] == "eager" and record["kind"] == "smoke" and record["env"]["device_name"]
+    names = ["torch-default", "torch-fused", "torch-foreach", "flatopt"]
+    assert list(record["impls"]) == names
+    alone = {(r["model"], r["impl"]): r for r in record["results"]}
+    for m in eager.MODELS:
+        for n in names:
+            r = alone[(m, n)]
+            assert r["status"] == "ok", r
+            assert 0 < r["q20_ms"] <= r["median_ms"] <= r["q80_ms"] and r["step_ms"] > 0
+            assert r["states_bytes"] > 0 and "CUDA" in r["peak_note"] and "peak_bytes" not in r
+        losses = [alone[(m, n)]["final_loss"] for n in names]
+        assert max(losses) - min(losses) <= 2e-3 * max(losses), (m, losses)  # same init, data and steps
+        assert alone[(m, "flatopt")]["final_loss"] < alone[(m, "flatopt")]["first_loss"]  # it trains
+        (p,) = [p for p in record["paired"] if p["model"] == m]
+        assert p["status"] == "ok" and p["impls"] == names and list(p["ratios"]) == names[:3]
+        for n in names:
+            assert p[n]["median_ms"] > 0 and p[n]["b2b_median_ms"] > 0
+        q = p["ratios"]["torch-fused"]["synchronised"]
+        assert 0 < q["q20"] <= q["median"] <= q["q80"]
+        share = record["optimizer_share"][m]
+        assert 0 < share["share"] < 1 and share["source"] == "paired"
+        assert share["share"] == pytest.approx(alone[(m, "torch-fused")]["step_ms"] / p["torch-fused"]["median_ms"])
+    by = {(t["model"], t["target"]): t for t in record["targets"]}
+    assert len(by) == 3 * len(eager.GPU_MODELS)  # the demo model has ratios, no targets
+    t = by[("convnet", "flatopt / torch-fused <= 0.95x (synchronised)")]
+    p = next(p for p in record["paired"] if p["model"] == "convnet")
+    assert t["value"] == pytest.approx(p["flatopt"]["median_ms"] / p["torch-fused"]["median_ms"])
+    assert by[("llama", "flatopt / torch-fused <= 1.00x (back-to-back)")]["threshold"] == 1.0
+    peak = by[("gpt2", "flatopt peak / torch-fused peak <= 1.01x")]
+    assert peak["met"] is None and "needs a CUDA device" in peak["note"]
+    text = eager.markdown(record)
+    assert (
+        "| demo |" in text and "Optimizer share" in text and "| flatopt / torch-fused <= 0.95x (synchronised) |" in text
+    )
+
+
+def test_eager_targets(eager):
+    def paired(model, mine, theirs, b2b_mine, b2b_theirs):
+        return dict(model=model, status="ok", impls=["torch-fused", "flatopt"],
+                    flatopt=dict(median_ms=mine, b2b_median_ms=b2b_mine),
+                    **{"torch-fused": dict(median_ms=theirs, b2b_median_ms=b2b_theirs)})  # fmt: skip
+
+    gib = 2**30
+    record = dict(
+        models={"gpt2": {}, "mlp3000": {}, "demo": {}},
+        paired=[paired("gpt2", 9.9, 10.0, 10.1, 10.0), paired("mlp3000", 9.6, 10.0, 9.4, 10.0),
+                paired("demo", 1.0, 2.0, 1.0, 2.0)],
+        results=[dict(model="gpt2", impl="flatopt", status="ok", peak_bytes=10.2 * gib),
+                 dict(model="gpt2", impl="torch-fused", status="ok", peak_bytes=10 * gib),
+                 dict(model="mlp3000", impl="flatopt", status="oom", reason="OutOfMemoryError: x"),
+                 dict(model="mlp3000", impl="torch-fused", status="ok", peak_bytes=gib)],
+    )  # fmt: skip
+    by = {(t["model"], t["target"]): t for t in eager.evaluate_targets(record)}
+    assert len(by) == 6  # no target on the CPU demo model
+    assert by[("gpt2", "flatopt / torch-fused <= 1.00x (synchronised)")]["met"] is True
+    t = by[("gpt2", "flatopt / torch-fused <= 1.00x (back-to-back)")]
+    assert t["met"] is False and t["margin"] == pytest.approx(-0.01)
+    assert by[("mlp3000", "flatopt / torch-fused <= 0.95x (synchronised)")]["met"] is False  # 0.96 > 0.95
+    assert by[("mlp3000", "flatopt / torch-fused <= 0.95x (back-to-back)")]["met"] is True
+    t = by[("gpt2", "flatopt peak / torch-fused peak <= 1.01x")]
+    assert t["value"] == pytest.approx(1.02) and t["met"] is False
+    t = by[("mlp3000", "flatopt peak / torch-fused peak <= 1.01x")]
+    assert t["met"] is None and "flatopt: oom: OutOfMemoryError" in t["note"]
+
+
+def test_eager_cpu_runs_the_demo_model_by_default(eager):
+    args = eager.parse_args(["--device", "cpu"])  # not a smoke run: a CPU measurement of the demo model
+    assert args.models == ["demo"] and not args.smoke and args.iters == 20
+    assert eager.impls_for(torch.device("cpu"))[0] == "torch-default"
+    assert "torch-default" not in eager.impls_for(torch.device("cuda"))
+
+
+def test_eager_flatopt_failure_sets_exit_status(eager, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(eager.flatopt, "AdamW", broken)
+    path = tmp_path / "e.json"
+    assert eager.main(["--device", "cpu", "--smoke", "--models", "mlp3000", "--json", str(path)]) == 1
+    record = json.loads(path.read_text())
+    alone = {r["impl"]: r for r in record["results"]}
+    assert alone["flatopt"]["status"] == "failed" and "kernel exploded" in alone["flatopt"]["reason"]
+    assert alone["torch-fused"]["status"] == "ok" and record["flatopt_failed"] is True
+    assert record["paired"][0]["status"] == "failed"
+
+
+def test_plot_draws_eager_results(plot, eager_smoke, tmp_path, capsys):
+    record = json.loads(eager_smoke.read_text())
+    slots = {n: v for n, v, *_ in plot.eager_slots(record, "small", "median_ms")}
+    p = next(p for p in record["paired"] if p["model"] == "small")
+    assert slots == {n: p[n]["median_ms"] for n in p["impls"]}
+    assert all(v is None and "not a CUDA run" in gap for _, v, _, _, gap in plot.eager_slots(record, "small", "peak"))
+    png = tmp_path / "eager.png"
+    assert plot.main([str(eager_smoke), "--png", str(png)]) == 2  # a smoke run
+    assert plot.main([str(eager_smoke), "--allow-smoke", "--png", str(png)]) == 0
+    assert_png(png, capsys)
+
+
+# ------------------------------------------------------------------------------------------------- report.py
+@pytest.fixture(scope="module")
+def report():
+    return import_benchmark("report")
+
+
+def test_docs_performance_is_generated_from_the_stored_results(report, capsys):
+    """docs/performance.md is what report.py writes from benchmarks/results/: regenerate it when a result changes."""
+    assert report.main(["--check"]) == 0, capsys.readouterr().err
+    text = (ROOT / "docs" / "performance.md").read_text()
+    for path in RESULT_JSONS:
+        record = json.loads(path.read_text())
+        kind = record.get("benchmark", "step")
+        if kind in ("step", "eager", "capture", "memory"):
+            assert f"(../benchmarks/results/{path.name})" in text and record["env"]["date"] in text
+    assert "SMOKE RUN" not in text
+
+
+def test_report_from_smoke_results(report, plot, loop_smoke, eager_smoke, memory_smoke, tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    for src, name in ((loop_smoke, "step-cpu-1.json"), (eager_smoke, "eager-cpu-1.json")):
+        (results / name).write_text(src.read_text())
+    (results / "notes.json").write_text("{}")  # not a result: left out
+    plot.draw(json.loads(eager_smoke.read_text()), results / "eager-cpu-1.png") if importlib.util.find_spec(
+        "matplotlib") else None  # fmt: skip
+    doc = tmp_path / "docs" / "performance.md"
+    assert report.main(["--results", str(results), "--out", str(doc)]) == 0  # smoke runs left out
+    text = doc.read_text()
+    assert text.count("No stored result yet") == 5 and "SMOKE RUN" not in text  # step (2 variants), eager, ...
+    assert report.main(["--results", str(results), "--out", str(doc), "--allow-smoke"]) == 0
+    text = doc.read_text()
+    assert text.count("No stored result yet") == 4  # the step variant, eager on a GPU, capture and memory
+    assert "### On the CPU: flatopt.demo's model" in text  # an eager result of a CPU run has its own place
+    assert "### The training loop's step" in text and "AdamW, `step`:" not in text
+    assert "Result: [`step-cpu-1.json`](../results/step-cpu-1.json)" in text
+    assert "Result: [`eager-cpu-1.json`](../results/eager-cpu-1.json)" in text
+    if importlib.util.find_spec("matplotlib"):
+        assert "![eager plot](../results/eager-cpu-1.png)" in text
+    assert "No plot stored beside it" in text  # the step result has none
+    record = json.loads(loop_smoke.read_text())
+    met, missed, none = (sum(t["met"] is v for t in record["targets"]) for v in (True, False, None))
+    assert f"flatopt's targets in this result: {met} met, {missed} missed, {none} not evaluated." in text
+    assert text.count("> **SMOKE RUN") == 2 and "Variant `loop`" in text
+    assert report.main(["--results", str(results), "--out", str(doc), "--check", "--allow-smoke"]) == 0
+    doc.write_text(text + "edited by hand\n")
+    capsys.readouterr()
+    assert report.main(["--results", str(results), "--out", str(doc), "--check", "--allow-smoke"]) == 1
+    assert "not up to date" in capsys.readouterr().err
+    assert report.main(["--results", str(tmp_path / "nowhere")]) == 2
