@@ -76,13 +76,14 @@ class _Slot:
     FlatBuffer's own object), the tensor this module last put into ``.grad`` and the epoch in which
     the slot last received a gradient."""
 
-    __slots__ = ("param", "b", "index", "start", "view", "acc", "grad", "epoch")
+    __slots__ = ("param", "b", "index", "start", "view", "acc", "grad", "epoch", "task")
 
     def __init__(self, param, b, index, start, view):
         self.param, self.b, self.index, self.start, self.view = param, b, index, start, view
         self.acc = param.view_as(param).grad_fn.next_functions[0][0]  # its AccumulateGrad node
         self.grad = None
         self.epoch = -1
+        self.task = -1  # the backward pass (autograd graph task) that wrote the slot afresh
 
 
 class LandingSlots:
@@ -203,6 +204,7 @@ class LandingSlots:
                 for s in slots:
                     s.param.grad = None
                     s.grad = None
+                    s.task = -1
                 self._count[b] = 0
                 if not self.keep_allocated:
                     self._release(b)
@@ -213,6 +215,7 @@ class LandingSlots:
                     s.grad = s.view.detach()
                     s.param.grad = s.grad
                     s.epoch = self.epoch
+                    s.task = -1
                 self._count[b] = len(slots)
 
     def _release(self, b):
@@ -296,11 +299,13 @@ class LandingSlots:
         ``out`` (the slot; None: ``out.copy_(compute())``); ``add(grad)`` accumulates it into
         ``grad`` inside the producing op (with ``fuse_accumulation=True``).
 
-        Into a slot that already holds a gradient, the gradient is returned (without
-        ``fuse_accumulation``): autograd sums the contributions of this backward and AccumulateGrad
-        adds the sum into ``.grad`` in place, which is the slot. Those are torch's ops in torch's
-        order, so the result is torch's to the bit; adding each contribution into the slot as it
-        comes would round ``grad + (a + b)`` as ``(grad + a) + b``."""
+        Into a slot that already holds a gradient, in torch's order (without ``fuse_accumulation``):
+        torch sums the contributions of one backward pass in arrival order, ``((a + b) + c)``, then
+        adds the sum into ``.grad``. So a slot written afresh in this backward pass (the graph task
+        id tells) takes the next uses' gradients with ``add_`` as they come, and a slot that held a
+        gradient before this pass gets the gradient back to autograd, which sums this pass's
+        contributions and adds them into ``.grad`` in place (the slot). Either way the result is
+        torch's to the bit."""
         kind, s = self._route(p, grad_mode)
         if kind == _FALLBACK:
             return compute()
@@ -310,8 +315,11 @@ class LandingSlots:
         if kind == _ACCUM:
             if self.fuse and add is not None:
                 add(p.grad)
-                return None
-            return compute()
+            elif s.task == torch._C._current_graph_task_id():
+                p.grad.add_(compute())
+            else:
+                return compute()
+            return None
         out = s.view.detach()  # a tensor object of its own: references the caller keeps are seen at release
         if write is None:
             out.copy_(compute())
@@ -319,6 +327,7 @@ class LandingSlots:
             write(out)
         p.grad = out
         s.grad = out
+        s.task = torch._C._current_graph_task_id()
         return None
 
     def adopt(self, p):
