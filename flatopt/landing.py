@@ -1,60 +1,68 @@
-"""Gradients born in the flat gradient buffer: covered layers write their weight gradients into it.
+"""Gradients born in the flat gradient buffer: covered layers write their parameters' gradients into it.
 
 Without this module each gradient is a tensor of its own and a post-accumulate-grad hook copies it
 into the parameter's view of the flat gradient buffer (:mod:`flatopt.grads`): a read and a write of
-every gradient byte. Here the covered layers (exactly ``nn.Linear``, ``nn.Embedding``,
-``nn.LayerNorm``, ``nn.RMSNorm`` instances) run through autograd Functions whose backward writes
-the gradient of each parameter straight into the parameter's slot, puts that slot into ``.grad``
-and returns None for the parameter::
+every gradient byte. Here covered layers (instances whose type is exactly ``nn.Linear`` or
+``nn.Embedding``; ``nn.LayerNorm`` and ``nn.RMSNorm`` on request) run through autograd Functions
+whose backward writes each parameter's gradient straight into the parameter's slot, makes
+``.grad`` a view of the slot and returns None for the parameter::
 
-    backward of a covered Linear                       flat gradient buffer (one per device, dtype)
-    ┌───────────────────────────────────────┐          ┌──── W ─────┬pad┬─ b ─┬pad┬── ... ──┐
-    │ grad_x = grad_y @ W        → returned │          │            │ 0 │     │ 0 │         │
-    │ W: p.grad is None  → mm(out=slot W) ──┼────────► │ written    │   │     │   │         │
-    │    p.grad is slot  → accumulate into ─┼────────► │ in place   │   │     │   │         │
-    │ b: p.grad is None  → sum(out=slot b) ─┼──────────┼────────────┼───┼──►  │   │         │
-    │ returns (grad_x, None, None)          │          └────────────┴───┴─────┴───┴─────────┘
-    └───────────────────────────────────────┘          p.grad = a view of the slot (a new tensor object)
+    backward of a covered Linear                     flat gradient buffer (one per device and dtype)
+    ┌─────────────────────────────────────┐          ┌───── W ──────┬pad┬─ b ─┬pad┬── ... ──┐
+    │ grad_x = grad_y @ W       → returned│          │              │ 0 │     │ 0 │         │
+    │ W: .grad None → mm(out=W's slot) ───┼────────► │ written here │   │     │   │         │
+    │ b: .grad None → sum(out=b's slot) ──┼──────────┼──────────────┼───┼──►  │   │         │
+    │ .grad = views of the slots          │          └──────────────┴───┴─────┴───┴─────────┘
+    │ returns (grad_x, None, None)        │          AccumulateGrad still runs: hooks fire,
+    └─────────────────────────────────────┘          uncovered uses are added into the slot
 
-Where a parameter's next gradient goes (:meth:`LandingSlots.land`): ``p.grad`` None: written into
-the slot (first use since ``zero_grad()``), and ``p.grad`` becomes a view of it at once, so that a
-second use in the same backward (a tied weight) and any later backward find ``p.grad`` defined and
-accumulate into the slot; ``p.grad`` a view of the slot: accumulated into it; anything else (a
-tensor the caller set, tensor hooks on the parameter, ``create_graph=True``, ``autograd.grad()``,
-a parameter with no slot): the gradient is computed as torch computes it and returned to
-autograd (the fallback: correct, copied in by the optimizer's hook as before). AccumulateGrad still
-runs for the parameter (with no gradient, or with the contributions of uncovered uses, which it
-adds into the slot in place), so post-accumulate-grad hooks fire as usual.
+Where a parameter's next gradient goes (:meth:`LandingSlots.land`):
 
-Numerics: fp32 (and any dtype without autocast) gradients are bit-identical to torch's: the same
-aten ops in the same order (``mm`` of ``grad_y^T`` and ``x``, ``sum`` over the leading dims, the
-row-by-row adds of ``embedding_dense_backward`` as ``index_add_`` on the CPU, torch's own layer-norm
-backward), only writing into the slot. Accumulation over micro-batches adds a computed gradient
-into the slot with ``add_`` as AccumulateGrad does (bit-identical to torch), or, with
-``fuse_accumulation=True``, accumulates inside the producing op (``addmm_`` with beta=1,
-``index_add_``): no temporary and one pass less, but one rounding instead of two, so not
-bit-identical to torch. Under bf16/fp16 autocast with fp32 parameters torch makes a low-precision
-weight gradient and casts it; on the CPU this module does the same, the cast writing into the slot;
-on CUDA the GEMM writes fp32 into the slot directly (``torch.mm(..., out_dtype=torch.float32)``), so
-the gradient is the fp32 accumulator, not its bf16 rounding (more accurate; differs from torch
-within bf16 rounding).
+* ``.grad`` None: written into the slot, and ``.grad`` becomes a view of it at once, so a second use in
+  the same backward (a tied weight) finds it defined;
+* ``.grad`` a view of its slot, written afresh in this same backward pass (autograd graph task id):
+  the gradient is added into it with ``add_``, in the order the uses come, as torch's input buffer sums
+  the uses of one pass;
+* ``.grad`` a view of its slot from before this pass (micro-batches, ``zero_grad(set_to_none=False)``):
+  the gradient is returned; autograd sums this pass's uses and AccumulateGrad adds the sum into the slot
+  in place, torch's own ops in torch's order. With ``fuse_accumulation=True`` the producing op
+  accumulates into the slot instead (``addmm_`` with beta=1, ``index_add_``): no temporary, one pass
+  and one rounding less, not bit-identical to torch;
+* anything else (a ``.grad`` of the caller's, tensor hooks on the parameter, ``create_graph=True``,
+  ``torch.autograd.grad()``, a parameter without a slot): the gradient as torch computes it, returned
+  to autograd; the optimizer copies it in (:meth:`LandingSlots.adopt`). ``backward(inputs=...)``
+  without the parameter leaves it alone.
 
-What is not elided: nn.LayerNorm's weight and bias gradients come from ``native_layer_norm_backward``,
-which has no variant writing into given memory (its ``.out`` overload is generated: compute, then
-copy); they are copied into the slots inside backward (small: one element per feature). On CUDA the
-embedding gradient is computed by torch's kernel and copied in (``index_add_`` there uses atomics: an
-order-dependent, non-deterministic sum), unless ``fuse_accumulation=True``. Convolutions, BatchNorm
-and GroupNorm are not covered. Under ``torch.compile`` the original forward runs (no custom Function
-in the graph) and gradients reach the buffer by the optimizer's hook and copy: the copy is not elided
-there.
+Numerics: without autocast the gradients are torch's to the bit: the ops torch's backward uses, in its
+order (``mm_mat2_backward``'s ``grad_y^T @ x`` for the weight, ``sum_to`` over the leading dims for the
+bias, on the CPU ``embedding_dense_backward``'s row adds as ``index_add_`` into the zeroed slot, torch's
+own layer-norm backward), only writing into the slot. One exception: in a pass that writes a slot
+afresh, uses of the parameter by uncovered layers are added after the covered ones (the same sum in
+another rounding order). Under bf16/fp16 autocast with fp32 parameters torch makes a low-precision weight
+gradient and casts it: on the CPU so does this module, the cast writing into the slot (bit-identical);
+on CUDA the GEMM writes fp32 into the slot (``torch.mm(..., out_dtype=torch.float32)``, aten's
+``mm.dtype_out``, which the CPU lacks), so the gradient is the fp32 accumulator rather than its bf16
+rounding: more accurate, within bf16 rounding of torch's.
+
+Not elided: LayerNorm's weight and bias gradients come from ``native_layer_norm_backward``, which has no
+variant writing into given memory (its ``.out`` overload is generated: compute, then copy), so they are
+copied into the slots inside backward. On CUDA the embedding gradient is torch's kernel's, copied in
+(``index_add_`` there sums with atomics: order-dependent and not deterministic), unless
+``fuse_accumulation=True``. RMSNorm is covered for float32 on the CPU only (torch's composition there
+is split so the weight's gradient is summed into its slot; CUDA runs a fused kernel). Convolutions,
+BatchNorm and GroupNorm are not covered. Under ``torch.compile`` the modules' own forward is traced (no
+custom Function, no graph break) and gradients reach the buffer by the optimizer's hook: the copy is not
+elided there. Each covered call runs a Python autograd.Function, which costs more host time than
+torch's native layer: worth it where the device time saved (a write and a read of the gradient)
+exceeds it.
 
 Memory: :meth:`LandingSlots.zero_grad` sets every ``.grad`` to None and releases the storage of the
 flat gradient buffers (``untyped_storage().resize_(0)``), as torch's ``zero_grad(set_to_none=True)``
-frees its gradients; the first gradient of the next backward brings it back (:meth:`acquire`),
-possibly at another address (:meth:`data_ptr`), and zeroes the alignment padding. Reading a
-released buffer crashes the process: every reader of ``buf.grad`` calls :meth:`acquire` first. The
-storage is kept when anything beyond the buffer's own views still references it (a ``.grad`` the
-caller kept), and always under :meth:`hold` (CUDA graphs, whose addresses must not move).
+frees its gradients; the first gradient of the next backward brings it back (:meth:`acquire`), at an
+address that may differ (:meth:`data_ptr`), and zeroes the alignment padding. Reading a released buffer
+crashes the process, so every reader of ``buf.grad`` calls :meth:`acquire` first. The storage is kept
+when anything beyond the buffers' own views references it (a ``.grad`` the caller kept, as torch lets
+one keep), and always under :meth:`hold` (CUDA graphs, whose recorded addresses must not move).
 """
 
 import weakref
@@ -64,7 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-__all__ = ["LandingSlots", "COVERED"]
+__all__ = ["LandingSlots", "COVERED", "DEFAULT_CLASSES"]
 
 _FALLBACK, _SKIP, _FRESH, _ACCUM = range(4)
 _LOW = (torch.bfloat16, torch.float16)
@@ -137,6 +145,7 @@ class LandingSlots:
         # references to each storage when no gradient tensor of ours is alive: more means someone kept one
         self._baseline = [_storage_use_count(st._cdata) if _storage_use_count else None for st in self._storages]
         self._patches = []  # (weak module, the installed call)
+        self.covered = set()  # parameters of covered modules (the others land by adopt() only)
         self._finalizer = weakref.finalize(self, _remove_patches, self._patches)
 
     @staticmethod
@@ -352,29 +361,41 @@ class LandingSlots:
 
     # ---- covered layers ---------------------------------------------------------------------------
 
-    def install(self, model):
-        """Cover every module of ``model`` that is exactly one of :data:`COVERED` and has a parameter with a
-        slot here; returns the names of the covered modules. The module's class, ``forward`` and state
-        are left as they are: the patch is the instance's ``_compiled_call_impl``, which torch.save()
-        and copy.deepcopy() drop (the copies are plain modules). A module with another call in place
+    def install(self, model, classes=None):
+        """Cover every module of ``model`` whose type is exactly one of ``classes`` (default:
+        :data:`DEFAULT_CLASSES`; any of :data:`COVERED`) and that has a parameter with a slot here;
+        returns the names of the covered modules. The module's class, ``forward`` and state are left as
+        they are: the patch is the instance's ``_compiled_call_impl``, which torch.save() and
+        copy.deepcopy() drop (the copies are plain modules). A module with another call in place
         (``module.compile()``) is left alone."""
+        classes = DEFAULT_CLASSES if classes is None else tuple(classes)
+        unknown = [c for c in classes if c not in COVERED]
+        if unknown:
+            raise ValueError(
+                f"cannot cover {', '.join(getattr(c, '__name__', repr(c)) for c in unknown)}: the covered classes are "
+                f"{', '.join(c.__name__ for c in COVERED)}"
+            )
         names = []
         for name, m in model.named_modules(remove_duplicate=True):
-            kind = COVERED.get(type(m))
-            if kind is None or not any(p in self._slots for p in m.parameters(recurse=False)):
+            if type(m) not in classes:
+                continue
+            own = [p for p in m.parameters(recurse=False) if p in self._slots]
+            if not own:
                 continue
             current = m.__dict__.get("_compiled_call_impl")
             if current is not None and not isinstance(current, _Call):
                 continue
-            call = _Call(m, self, kind)
+            call = _Call(m, self, COVERED[type(m)])
             m._compiled_call_impl = call
             self._patches.append((weakref.ref(m), call))
+            self.covered.update(own)
             names.append(name)
         return names
 
     def uninstall(self):
         """Restore every covered module (those whose patch is still this one's)."""
         _remove_patches(self._patches)
+        self.covered.clear()
 
 
 def _remove_patches(patches):
@@ -479,15 +500,16 @@ class _Linear(torch.autograd.Function):
         slots, weight, bias = ctx.slots, ctx.weight, ctx.bias
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_mode = torch.is_grad_enabled()
-        x2 = xc.reshape(-1, xc.shape[-1])
-        g2 = gy.reshape(-1, gy.shape[-1])
+        x2 = xc if xc.dim() == 2 else xc.reshape(-1, xc.shape[-1])
+        g2 = gy if gy.dim() == 2 else gy.reshape(-1, gy.shape[-1])
         gx = gw = gb = None
         if need_x:
             if x2.stride(0) == 1 and x2.stride(1) == x2.shape[0]:  # a column-major input: torch's order
                 gx = wc.t().mm(g2.t()).t()
             else:
                 gx = g2.mm(wc)
-            gx = gx.reshape(xc.shape)
+            if xc.dim() != 2:
+                gx = gx.reshape(xc.shape)
         if need_w:
             gw = _weight_grad(slots, weight, g2, x2, grad_mode)
         if need_b:
@@ -705,4 +727,9 @@ COVERED = {
     nn.LayerNorm: _layer_norm_forward,
     nn.RMSNorm: _rms_norm_forward,
 }
-"""The module classes covered (an instance's type must be exactly one of these) and their landing forwards."""
+"""The module classes that can be covered (an instance's type must be exactly one of these) and their forwards."""
+
+DEFAULT_CLASSES = (nn.Linear, nn.Embedding)
+"""Covered unless told otherwise: where the bytes are. A covered call runs a Python autograd.Function, more host
+time than torch's native layer; LayerNorm's gradients are copied in anyway (nothing saved) and RMSNorm's are one
+element per feature, so the hook path costs them less."""

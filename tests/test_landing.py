@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
-from flatopt.landing import COVERED, LandingSlots
+from flatopt.landing import COVERED, DEFAULT_CLASSES, LandingSlots
 from flatopt.layout import FlatBuffer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -30,9 +30,9 @@ from bytecount import StorageWrites  # noqa: E402
 SAME = dict(rtol=0.0, atol=0.0)
 
 
-def land(model, **kwargs):
+def land(model, classes=tuple(COVERED), **kwargs):
     """Flat buffers (one per dtype) over ``model``'s trainable parameters, their slots installed on
-    ``model``, zero_grad() done: what an optimizer does."""
+    ``model`` (every coverable class), zero_grad() done: what an optimizer does."""
     by_dtype = {}
     for p in model.parameters():
         if p.requires_grad:
@@ -43,7 +43,7 @@ def land(model, **kwargs):
         buf.adopt()
         bufs.append(buf)
     slots = LandingSlots(bufs, **kwargs)
-    covered = slots.install(model)
+    covered = slots.install(model, classes)
     slots.zero_grad()
     return slots, bufs, covered
 
@@ -584,6 +584,19 @@ def test_forward_hooks_and_uncovered_classes_run_torchs_forward():
     assert_grads(model, ref, "adopted")
 
 
+def test_linear_and_embedding_are_covered_by_default():
+    """install() without classes covers Linear and Embedding; norms on request; other classes are refused."""
+    model = TiedLM()
+    slots, _, covered = land(model, classes=None)
+    assert DEFAULT_CLASSES == (nn.Linear, nn.Embedding)
+    assert covered == ["emb", "mid", "head"]
+    assert slots.covered == {model.emb.weight, model.mid.weight, model.mid.bias}
+    assert slots.install(model, [nn.LayerNorm]) == ["norm"]
+    assert slots.covered == set(model.parameters())
+    with pytest.raises(ValueError, match="cannot cover Conv2d: the covered classes are Linear, Embedding"):
+        slots.install(model, [nn.Conv2d])
+
+
 def test_conv_is_not_covered():
     assert nn.Conv2d not in COVERED and nn.Conv1d not in COVERED
     model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2))
@@ -767,7 +780,7 @@ def test_zero_grad_releases_the_storage_and_backward_brings_it_back():
         assert slots.data_ptr(0) == buf.grad.data_ptr()
         assert slots.landed_count(0) == 4 and slots.unlanded(0) == [4, 5] and not slots.all_landed()
         assert_grads(nn.Sequential(*model[:3]), nn.Sequential(*ref[:3]), f"step {step}")
-        for i, (p, view) in enumerate(zip(buf.params[:4], buf.grad_views)):
+        for p, view in zip(buf.params[:4], buf.grad_views):
             assert torch.equal(view, p.grad)
         mask = torch.ones(buf.numel, dtype=torch.bool)
         for p in buf.params:
