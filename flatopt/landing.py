@@ -42,7 +42,9 @@ another rounding order). Under bf16/fp16 autocast with fp32 parameters torch mak
 gradient and casts it: on the CPU so does this module, the cast writing into the slot (bit-identical);
 on CUDA the GEMM writes fp32 into the slot (``torch.mm(..., out_dtype=torch.float32)``, aten's
 ``mm.dtype_out``, which the CPU lacks), so the gradient is the fp32 accumulator rather than its bf16
-rounding: more accurate, within bf16 rounding of torch's.
+rounding: more accurate, within bf16 rounding of torch's. (A weight used by two Linear layers under
+autocast: torch casts it once and sums the two bf16 gradients in bf16; here each use casts it and the
+sum is float32.)
 
 Not elided: LayerNorm's weight and bias gradients come from ``native_layer_norm_backward``, which has no
 variant writing into given memory (its ``.out`` overload is generated: compute, then copy), so they are
@@ -72,6 +74,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from flatopt.layout import FlatBuffer
+
 __all__ = ["LandingSlots", "COVERED", "DEFAULT_CLASSES"]
 
 _FALLBACK, _SKIP, _FRESH, _ACCUM = range(4)
@@ -88,7 +92,10 @@ class _Slot:
 
     def __init__(self, param, b, index, start, view):
         self.param, self.b, self.index, self.start, self.view = param, b, index, start, view
-        self.acc = param.view_as(param).grad_fn.next_functions[0][0]  # its AccumulateGrad node
+        self.acc = None  # its AccumulateGrad node (None: the parameter does not require grad)
+        if param.requires_grad:
+            with torch.enable_grad():
+                self.acc = param.view_as(param).grad_fn.next_functions[0][0]
         self.grad = None
         self.epoch = -1
         self.task = -1  # the backward pass (autograd graph task) that wrote the slot afresh
@@ -127,7 +134,9 @@ class LandingSlots:
         self._count = []  # per buffer: parameters that received a gradient this epoch
         self._storages, self._nbytes, self._pads, self._released, self._baseline = [], [], [], [], []
         for b, buf in enumerate(buffers):
-            if getattr(buf, "grad", None) is None:
+            if not isinstance(buf, FlatBuffer):
+                raise TypeError(f"LandingSlots takes FlatBuffer objects, got {type(buf).__name__} at index {b}")
+            if buf.grad is None:
                 raise ValueError(f"buffer {b} has no flat gradient buffer: build it with FlatBuffer(..., grad=True)")
             slots = []
             for i, p in enumerate(buf.params):
@@ -270,8 +279,8 @@ class LandingSlots:
     def _route(self, p, grad_mode):
         """(_FRESH | _ACCUM | _SKIP | _FALLBACK, slot) for a gradient of ``p`` computed in a backward."""
         s = self._slots.get(p)
-        if s is None:
-            return _FALLBACK, None
+        if s is None or s.acc is None or p.dtype != s.view.dtype or p.device != s.view.device:
+            return _FALLBACK, None  # no slot, or the parameter was cast or moved since (model.to())
         g = p.grad
         if grad_mode or p._backward_hooks:
             # create_graph=True (AccumulateGrad then replaces .grad out of place) or tensor hooks, which
@@ -363,11 +372,11 @@ class LandingSlots:
 
     def install(self, model, classes=None):
         """Cover every module of ``model`` whose type is exactly one of ``classes`` (default:
-        :data:`DEFAULT_CLASSES`; any of :data:`COVERED`) and that has a parameter with a slot here;
-        returns the names of the covered modules. The module's class, ``forward`` and state are left as
-        they are: the patch is the instance's ``_compiled_call_impl``, which torch.save() and
-        copy.deepcopy() drop (the copies are plain modules). A module with another call in place
-        (``module.compile()``) is left alone."""
+        :data:`DEFAULT_CLASSES`; any of :data:`COVERED`) and whose weight (LayerNorm: weight or bias)
+        trains and has a slot here; returns the names of the covered modules. The module's class,
+        ``forward`` and state are left as they are: the patch is the instance's ``_compiled_call_impl``,
+        which torch.save() and copy.deepcopy() drop (the copies are plain modules). A module with another
+        call in place (``module.compile()``) is left alone."""
         classes = DEFAULT_CLASSES if classes is None else tuple(classes)
         unknown = [c for c in classes if c not in COVERED]
         if unknown:
@@ -379,9 +388,12 @@ class LandingSlots:
         for name, m in model.named_modules(remove_duplicate=True):
             if type(m) not in classes:
                 continue
-            own = [p for p in m.parameters(recurse=False) if p in self._slots]
-            if not own:
+            # the Function runs for a trainable weight with a slot (LayerNorm: weight or bias); a Linear whose
+            # weight is frozen is left to torch (its bias, if it trains, lands by adopt())
+            keys = (m.weight, m.bias) if type(m) is nn.LayerNorm else (m.weight,)
+            if not any(p is not None and p.requires_grad and p in self._slots for p in keys):
                 continue
+            own = [p for p in m.parameters(recurse=False) if p in self._slots]
             current = m.__dict__.get("_compiled_call_impl")
             if current is not None and not isinstance(current, _Call):
                 continue
@@ -450,7 +462,15 @@ class _Call:
 
 
 def _usable(p, slots, x):
-    return p is not None and p.requires_grad and p in slots._slots and p.device == x.device
+    """Whether ``p`` trains and still has its slot's dtype and device (not cast or moved since), on ``x``'s device."""
+    s = slots._slots.get(p) if p is not None else None
+    return (
+        s is not None
+        and p.requires_grad
+        and p.dtype == s.view.dtype
+        and p.device == s.view.device
+        and p.device == x.device
+    )
 
 
 def _autocast(device_type):
@@ -459,7 +479,10 @@ def _autocast(device_type):
 
 
 def _cast(t, dtype):
-    return t if t is None or dtype is None or t.dtype == dtype or not t.is_floating_point() else t.to(dtype)
+    """What autocast does to an argument of a lower-precision op: floating tensors but float64 to ``dtype``."""
+    if t is None or dtype is None or t.dtype in (dtype, torch.float64) or not t.is_floating_point():
+        return t
+    return t.to(dtype)
 
 
 # ---- nn.Linear ----------------------------------------------------------------------------------------

@@ -597,6 +597,43 @@ def test_linear_and_embedding_are_covered_by_default():
         slots.install(model, [nn.Conv2d])
 
 
+def test_a_model_cast_after_install_trains_as_torch():
+    """model.double() after install: the parameters no longer match their slots' dtype; the layers run torch's
+    forward and the gradients are torch's (the optimizer's own checks report the moved parameters)."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    slots, _, _ = land(model)
+    model.double()
+    ref = copy.deepcopy(model)
+    idx = torch.randint(0, 30, (2, 5))
+    model(idx).backward()
+    ref(idx).backward()
+    assert_grads(model, ref, "float64")
+    assert slots.landed_count(0) == 0
+
+
+def test_frozen_parameters_and_slots_built_without_grad():
+    """A parameter that does not require grad may sit in a buffer; LandingSlots built under no_grad() works; a
+    Linear with a frozen weight runs torch's forward (its bias lands by adopt())."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    params = list(model.parameters())
+    buf = FlatBuffer(params, [0] * len(params))
+    buf.adopt()
+    with torch.no_grad():
+        slots = LandingSlots([buf])
+    assert slots.install(model) == ["0"]
+    slots.zero_grad()
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads(model, ref, "frozen")
+    assert slots.owns_grad(model[0].weight) and not slots.owns_grad(model[1].bias)
+    assert slots.unlanded(0) == [2, 3]
+
+
 def test_conv_is_not_covered():
     assert nn.Conv2d not in COVERED and nn.Conv1d not in COVERED
     model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2))
@@ -863,3 +900,5 @@ def test_bad_buffers_are_refused():
         LandingSlots([FlatBuffer([a], [0]), FlatBuffer([a], [0])])
     with pytest.raises(TypeError):
         LandingSlots([FlatBuffer([a], [0])], fused=True)
+    with pytest.raises(TypeError, match="takes FlatBuffer objects, got Tensor at index 0"):
+        LandingSlots([torch.zeros(3)])
