@@ -219,6 +219,30 @@ def test_linear_under_bf16_autocast_on_cuda_writes_the_fp32_accumulator():
     torch.testing.assert_close(model.weight.grad, ref.weight.grad, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
 
 
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("fuse", [False, True])
+def test_cuda_gradients_land_and_match_torch(fuse):
+    """On CUDA, float32: Linear's mm/sum write the slots, torch's gradients to the bit; the embedding gradient is
+    torch's kernel's, copied in (bit-identical). With fuse_accumulation=True: index_add_ (atomics) and addmm_,
+    close to torch."""
+    torch.manual_seed(0)
+    model = TiedLM(vocab=1000, dim=64).cuda()
+    ref = copy.deepcopy(model)
+    slots, bufs, _ = land(model, fuse_accumulation=fuse)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for i in range(3):
+        idx = torch.randint(0, 1000, (8, 128), device="cuda", generator=gen)
+        with StorageWrites(bufs[0].grad) as writes:
+            model(idx).backward()
+        ref(idx).backward()
+        if i == 0:
+            assert writes.ops()["mm"] == 2, writes.writes
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_in_slot(p, slots, f"micro-batch {i}, {name}")
+            exact = dict(rtol=1e-5, atol=1e-6) if fuse else SAME  # fused: addmm_ and atomics, another rounding
+            torch.testing.assert_close(p.grad, q.grad, **exact, msg=lambda m: f"micro-batch {i}, {name}: {m}")
+
+
 # ---------------------------------------------------------------------------------------------- Embedding
 
 
@@ -412,6 +436,30 @@ def test_tied_weights_sum_both_uses_once(micro):
     emb_part, head_part = untied.emb.weight.grad, untied.head.weight.grad
     assert emb_part.norm() > 0.1 * head_part.norm() > 0
     torch.testing.assert_close(model.emb.weight.grad, emb_part + head_part, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_a_covered_and_an_uncovered_use_in_one_pass_land_in_the_slot(micro):
+    """A covered Linear and a functional use of its weight (uncovered) in one pass: the covered use writes the
+    slot and makes .grad a view of it, so AccumulateGrad adds the uncovered use's gradient into the slot in
+    place (a gradient returned to autograd would have been summed out of place, leaving the buffer): torch's
+    sum to the bit. With three uses, two covered and one not (the tied embedding below), the uncovered one is
+    added last: the same sum, another rounding order."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+    slots, _, _ = land(model)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(micro):
+        idx = torch.randint(0, 30, (4, 9), generator=gen)
+        for m in (model, ref):
+            h = m.norm(m.mid(m.emb(idx)))
+            extra = F.linear(h, m.mid.weight).square().mean() + (h @ m.emb.weight.t()).square().mean()
+            (m.head(h).logsumexp(-1).mean() + extra).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_in_slot(p, slots, f"micro-batch {i}, {name}")
+            exact = SAME if name != "emb.weight" else dict(rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(p.grad, q.grad, **exact, msg=lambda m: f"micro-batch {i}, {name}: {m}")
 
 
 def test_a_grad_set_to_none_behind_zero_grad_is_written_afresh():
