@@ -29,7 +29,7 @@ Where a parameter's next gradient goes (:meth:`LandingSlots.land`):
   accumulates into the slot instead (``addmm_`` with beta=1, ``index_add_``): no temporary, one pass
   and one rounding less, not bit-identical to torch;
 * anything else (a ``.grad`` of the caller's, tensor hooks on the parameter, ``create_graph=True``,
-  ``torch.autograd.grad()``, a parameter without a slot): the gradient as torch computes it, returned
+  ``torch.autograd.grad()``, compiled autograd, a parameter without a slot): the gradient as torch computes it, returned
   to autograd; the optimizer copies it in (:meth:`LandingSlots.adopt`). ``backward(inputs=...)``
   without the parameter leaves it alone.
 
@@ -282,10 +282,10 @@ class LandingSlots:
         if s is None or s.acc is None or p.dtype != s.view.dtype or p.device != s.view.device:
             return _FALLBACK, None  # no slot, or the parameter was cast or moved since (model.to())
         g = p.grad
-        if grad_mode or p._backward_hooks:
-            # create_graph=True (AccumulateGrad then replaces .grad out of place) or tensor hooks, which
-            # must see the gradient: torch's way. The slot keeps its gradient only if .grad is the slot
-            # and AccumulateGrad adds into it in place (grad mode off)
+        if grad_mode or p._backward_hooks or torch.compiler.is_compiling():
+            # create_graph=True (AccumulateGrad then replaces .grad out of place), tensor hooks, which must
+            # see the gradient, or compiled autograd, whose graph does not replay a .grad set here: torch's
+            # way. The slot keeps its gradient only if .grad is the slot and is added into in place
             if grad_mode or not (g is s.grad or g is s.view):
                 self._unstamp(s)
             return _FALLBACK, s

@@ -791,6 +791,31 @@ def test_torch_compile_uses_the_original_forward():
         torch._dynamo.reset()
 
 
+def test_compiled_autograd_gets_the_gradients_returned():
+    """Compiled autograd traces the backward into a graph that does not replay a .grad set inside a Function's
+    backward: the layers return their gradients there (torch's), and the eager model then lands them again."""
+    from torch._dynamo import compiled_autograd
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    slots, _, _ = land(model)
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    try:
+        with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            model(x).sum().backward()
+        ref(x).sum().backward()
+        assert_grads(model, ref, "compiled autograd")
+        assert slots.landed_count(0) == 0
+    finally:
+        torch._dynamo.reset()
+    slots.zero_grad()
+    model(x).sum().backward()
+    assert slots.all_landed()
+    assert_grads(model, ref, "eager after compiled autograd")
+
+
 # ------------------------------------------------------------------------------------ copies and removal
 
 
