@@ -195,6 +195,13 @@ class LandingSlots:
         """Indices (in buffer ``b``) of the parameters whose slot received no gradient since zero_grad()."""
         return [s.index for s in self._by_buffer[b] if s.epoch != self.epoch]
 
+    def stale(self, b):
+        """Indices (in buffer ``b``) of parameters counted as landed whose ``.grad`` is no longer the slot's
+        tensor (replaced after landing: ``p.grad = ...``, DistributedDataParallel with
+        ``gradient_as_bucket_view=True``): O(parameters). The counts say what the covered layers wrote, not
+        what happened to ``.grad`` afterwards."""
+        return [s.index for s in self._by_buffer[b] if s.epoch == self.epoch and not self.owns_grad(s.param)]
+
     def released(self, b):
         """Whether buffer ``b``'s gradient storage is released (0 bytes) now."""
         return self._released[b]

@@ -924,6 +924,18 @@ def test_a_gradient_kept_by_the_caller_keeps_the_storage():
     assert slots.released(0)
 
 
+def test_stale_lists_a_grad_replaced_after_landing():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    slots, _, _ = land(model)
+    model(torch.randn(2, 4)).sum().backward()
+    assert slots.all_landed() and slots.stale(0) == []
+    model.bias.grad = model.bias.grad.clone()
+    assert slots.all_landed() and slots.stale(0) == [1]
+    model.weight.grad = None
+    assert slots.stale(0) == [0, 1]
+
+
 def test_hold_keeps_the_address():
     """hold(): zero_grad() keeps the storage (a CUDA graph's recorded addresses stay valid); hold(False)
     lets it go again."""
