@@ -92,13 +92,18 @@ class _Slot:
 
     def __init__(self, param, b, index, start, view):
         self.param, self.b, self.index, self.start, self.view = param, b, index, start, view
-        self.acc = None  # its AccumulateGrad node (None: the parameter does not require grad)
-        if param.requires_grad:
-            with torch.enable_grad():
-                self.acc = param.view_as(param).grad_fn.next_functions[0][0]
+        self.acc = _accumulator(param)  # None while the parameter does not require grad
         self.grad = None
         self.epoch = -1
         self.task = -1  # the backward pass (autograd graph task) that wrote the slot afresh
+
+
+def _accumulator(p):
+    """The AccumulateGrad node of leaf ``p`` (what ``backward()`` runs to set ``.grad``), or None."""
+    if not p.requires_grad:
+        return None
+    with torch.enable_grad():
+        return p.view_as(p).grad_fn.next_functions[0][0]
 
 
 class LandingSlots:
@@ -112,12 +117,14 @@ class LandingSlots:
             AccumulateGrad does: a temporary and a pass less, one rounding instead of two, not
             bit-identical to torch. Default: False.
 
-    What an optimizer calls: :meth:`install` once (the model); :meth:`zero_grad` for its
-    ``zero_grad()``; before anything reads ``buf.grad`` (its step, a norm clip), :meth:`acquire`,
-    then, unless :meth:`all_landed`, zero the views of :meth:`unlanded` parameters whose ``.grad``
-    is None and copy in the others; :meth:`adopt` in its post-accumulate-grad hook (gradients of
-    uncovered uses, which autograd made as tensors of their own); :meth:`hold` around CUDA graphs;
-    :meth:`data_ptr` to notice a buffer that came back at another address.
+    What an optimizer calls: :meth:`install` once (the model; :attr:`covered` then holds the
+    parameters of covered modules); :meth:`zero_grad` for its ``zero_grad()``; :meth:`adopt` in a
+    post-accumulate-grad hook on the other parameters (their gradients are tensors of their own);
+    before anything reads ``buf.grad`` (its step, a norm clip), :meth:`acquire`, then, unless
+    :meth:`all_landed` (O(1)), zero the views of the :meth:`unlanded` parameters whose ``.grad`` is
+    None and copy in the others (:meth:`stale` for a ``.grad`` replaced after landing, O(n));
+    :meth:`hold` around CUDA graphs; :meth:`data_ptr` to notice a buffer that came back at another
+    address. :meth:`owns_grad` tells whether a ``.grad`` is its slot.
     """
 
     def __init__(self, buffers, *, fuse_accumulation=False):
@@ -286,6 +293,8 @@ class LandingSlots:
     def _route(self, p, grad_mode):
         """(_FRESH | _ACCUM | _SKIP | _FALLBACK, slot) for a gradient of ``p`` computed in a backward."""
         s = self._slots.get(p)
+        if s is not None and s.acc is None:
+            s.acc = _accumulator(p)  # frozen when the slots were built, trains now
         if s is None or s.acc is None or p.dtype != s.view.dtype or p.device != s.view.device:
             return _FALLBACK, None  # no slot, or the parameter was cast or moved since (model.to())
         g = p.grad

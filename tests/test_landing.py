@@ -680,6 +680,15 @@ def test_frozen_parameters_and_slots_built_without_grad():
     assert_grads(model, ref, "frozen")
     assert slots.owns_grad(model[0].weight) and not slots.owns_grad(model[1].bias)
     assert slots.unlanded(0) == [2, 3]
+    model[1].weight.requires_grad_(True)  # unfrozen: the next install covers it, its slot works
+    assert slots.install(model) == ["0", "1"]
+    slots.zero_grad()
+    ref.zero_grad()
+    ref[1].weight.requires_grad_(True)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads(model, ref, "unfrozen")
+    assert slots.all_landed()
 
 
 def test_conv_is_not_covered():
