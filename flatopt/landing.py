@@ -228,7 +228,9 @@ class LandingSlots:
         """Start a new accumulation. ``set_to_none=True``: every ``.grad`` of a parameter with a slot to
         None and the gradient storage released (unless held or referenced from outside); the next
         gradients are written into the slots. ``set_to_none=False``: the buffers zeroed (one memset
-        each) and every ``.grad`` a view of its slot; the next gradients accumulate there."""
+        each) and every ``.grad`` a view of its slot; the next gradients accumulate there. A ``.grad``
+        the caller kept is a view of its slot: the next backward writes over it (torch would leave it
+        as it was), as it did when flatopt copied gradients into the views."""
         self.epoch += 1
         self.reset_seen = False
         for b, slots in enumerate(self._by_buffer):

@@ -945,6 +945,18 @@ def test_stale_lists_a_grad_replaced_after_landing():
     assert slots.stale(0) == [0, 1]
 
 
+def test_a_view_put_back_into_a_released_buffer_is_refused():
+    """The buffer's own view put back into .grad while the storage is released (without acquire()): backward
+    raises and says what to call, rather than accumulating into memory that is not there."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    slots, bufs, _ = land(model)
+    assert slots.released(0)
+    model.weight.grad = bufs[0].grad_views[0]
+    with pytest.raises(RuntimeError, match=r"released flat gradient buffer: call LandingSlots.acquire\(\)"):
+        model(torch.randn(2, 4)).sum().backward()
+
+
 def test_hold_keeps_the_address():
     """hold(): zero_grad() keeps the storage (a CUDA graph's recorded addresses stay valid); hold(False)
     lets it go again."""
