@@ -121,6 +121,7 @@ class CapturedStep:
         if max_grad_norm is not None and not float(max_grad_norm) > 0:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}; expected a positive number")
         opt.check_bindings(full=True)  # names a parameter frozen, moved or cast since construction
+        opt.engine.hold_grads()  # the graph records the gradient buffers' addresses: zero_grad() must not free them
         self.opt = opt
         self.static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
         if all(isinstance(s, torch.Tensor) and s.is_cuda for s in self.static):
@@ -237,6 +238,7 @@ class CapturedStep:
         self.outputs = None
         self.static = None
         self.body = None
+        self.opt.engine.hold_grads(False)
 
 
 class RecordedBody:

@@ -34,6 +34,8 @@ import weakref
 
 import torch
 
+from flatopt.landing import LandingSlots
+
 
 def _remove(handles):
     for h in handles:
@@ -50,8 +52,12 @@ class GradLanding:
         cls (str): the optimizer's class name, for messages.
     """
 
-    def __init__(self, buffers, *, keep_none=False, names=None, cls="flatopt"):
+    def __init__(self, buffers, *, keep_none=False, names=None, cls="flatopt", module=None, direct=True):
         self.views = {p: view for buf in buffers for p, view in zip(buf.params, buf.grad_views)}
+        # the parameters' slots: where covered layers write their gradients, and the storage released by zero_grad()
+        self.slots = LandingSlots(buffers)
+        self.module = module  # the model to cover (direct=True): its covered layers write into the slots
+        self.direct = direct
         # where each parameter's data lives in these buffers: a hook does nothing for a parameter that another
         # optimizer (or a re-layout) has moved into buffers of its own since
         self.homes = {p: buf.expected[i][0] for buf in buffers for i, p in enumerate(buf.params)}
@@ -70,12 +76,16 @@ class GradLanding:
         self.deferred = False
         self.pooled = {}  # while deferred: storage address of each gradient left in the pool -> its parameter
         self.handles = []
+        self.hooked = set()
+        self._land = None
         self._finalizer = None
 
     def attach(self):
         """Register the hooks (once)."""
         if self.handles:
             return
+        if self.direct and self.module is not None:
+            self.slots.install(self.module)
         ref = weakref.ref(self)  # the hooks live on the parameters: no reference back to the landing
         views, homes, strided = self.views, self.homes, torch.strided
 
@@ -87,8 +97,8 @@ class GradLanding:
             if g is view or g is None:  # accumulated into the view: nothing to do
                 return
             self_ = ref()
-            if self_ is None or p.data_ptr() != homes[p]:  # the optimizer is gone, or p was laid out elsewhere
-                return
+            if self_ is None or p.data_ptr() != homes[p] or self_.slots.owns_grad(p):
+                return  # the optimizer is gone, p was laid out elsewhere, or its gradient is in its slot already
             self_.dirty = True  # after model.zero_grad(): others may still be None
             if (
                 self_.deferred
@@ -105,14 +115,34 @@ class GradLanding:
                 or g.get_device() != view.get_device()
             ):
                 return
-            view.copy_(g)
-            p.grad = view
+            self_.slots.adopt(p)  # copied into its slot (the storage brought back first if it was released)
 
-        self.handles = [p.register_post_accumulate_grad_hook(land) for p in self.views]
+        # covered layers write into the slots themselves: no hook (no Python per parameter per backward), until a
+        # gradient of theirs goes torch's way (a tensor hook, create_graph, torch.compile): then it gets one
+        self._land = land
+        self.hooked = {p for p in self.views if p not in self.slots.covered}
+        self.handles = [p.register_post_accumulate_grad_hook(land) for p in self.hooked]
+        hook = weakref.WeakMethod(self.hook)  # the slots live on in the modules' patches: no reference back
+
+        def on_fallback(p):
+            method = hook()
+            if method is not None:
+                method(p)
+
+        self.slots.on_fallback = on_fallback
         # once the landing is gone, its hooks go too: they hold the views, and so the gradient buffer
         self._finalizer = weakref.finalize(self, _remove, self.handles)
 
+    def hook(self, p):
+        """Give covered parameter ``p`` the copying hook (once): its gradients arrive as tensors of their own."""
+        if p not in self.hooked and self._finalizer is not None:
+            self.hooked.add(p)
+            handle = p.register_post_accumulate_grad_hook(self._land)
+            self.handles.append(handle)  # the finalizer's list: removed with the others
+
     def detach(self):
+        self.slots.on_fallback = None
+        self.slots.uninstall()
         if self._finalizer is not None:
             self._finalizer()  # removes the hooks, once
             self._finalizer = None
@@ -126,15 +156,15 @@ class GradLanding:
 
     def release(self):
         """``zero_grad()``: every ``.grad`` to None; the next gradients are copied in."""
-        for p in self.views:
-            p.grad = None
+        self.slots.zero_grad(set_to_none=True)  # every .grad to None; the storage released unless held
         self.pooled.clear()
         self.dirty = True
 
     def restore(self):
         """Every view back in ``.grad`` (a None ``.grad`` stays None with ``skip_unused=True``),
         launching nothing (its values are stale until the buffer is zeroed): after a failed capture,
-        and before ``zero_grad(set_to_none=False)`` zeroes them."""
+        and before ``zero_grad(set_to_none=False)`` zeroes them. A released storage is brought back first."""
+        self.slots.acquire()
         for p, view in self.views.items():
             g = p.grad
             if g is not view and self._fits(p, None, view) and not (g is None and self.keep_none):
@@ -146,12 +176,17 @@ class GradLanding:
         the last step, at a full check, under skip_unused (a None .grad stays None), or when the first or
         last parameter of a buffer has lost its view (model.zero_grad() with no backward since). Otherwise
         nothing has touched the .grads since they were settled but the caller itself: O(1) host work."""
-        return full or self.dirty or self.keep_none or any(p.grad is not view for p, view in self.ends)
+        return full or self.dirty or self.keep_none or not all(map(self._in_slot, self.ends))
+
+    def _in_slot(self, pair):
+        """Whether ``p.grad`` is its view, or the slot's tensor a covered layer put there."""
+        p, view = pair
+        return p.grad is view or self.slots.owns_grad(p)
 
     def restore_if_released(self):
         """restore() when the first parameter of a buffer has lost its view (zero_grad() between two
         replays of a captured step, which writes the gradients into the views): one test per buffer."""
-        if any(p.grad is not view for p, view in self.firsts):
+        if not all(map(self._in_slot, self.firsts)):
             self.restore()
 
     def settle(self, keep_dirty=False):
@@ -187,9 +222,10 @@ class GradLanding:
         to copy). One identity test per parameter when every ``.grad`` is its view (step() runs it
         when needs_settling() says so)."""
         zero, copy = [], []
+        owns = self.slots.owns_grad
         for p, view in self.views.items():
             g = p.grad
-            if g is view:
+            if g is view or (g is not None and owns(p)):  # in place (a covered layer wrote it into its slot)
                 continue
             if not self._fits(p, g, view):
                 continue  # the parameter moved or was cast: check_bindings() raises for it
@@ -209,6 +245,7 @@ class GradLanding:
         self.pooled.clear()
         if not zero and not copy:
             return
+        self.slots.acquire()  # the storage released by zero_grad(), back before anything is written into it
         with torch.no_grad():
             if zero:
                 torch._foreach_zero_([view for _, view in zero])
@@ -225,8 +262,10 @@ class GradLanding:
         if not self.keep_none:
             for p, view in zero:
                 p.grad = view
-        for p, view, _ in copy:
+        for p, view, g in copy:
             p.grad = view
+            if g is not None and p not in self.hooked:
+                self.hook(p)  # a covered parameter whose gradient came torch's way: copied as it comes from now on
 
     def _check(self, p, g):
         cls, name = self.cls, self.names(p)

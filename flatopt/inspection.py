@@ -13,7 +13,10 @@ class Inspection:
         engine: the engine doing the optimizer's work (:mod:`flatopt.engines`); in in-backward mode
             it has ``launches`` (kernel launches so far), ``peak_held`` (the most staging-gradient
             elements allocated at once) and ``buckets``.
-        buffers (list[flatopt.layout.FlatBuffer]): the flat buffers (empty with ``flat=False``).
+        buffers (list[flatopt.layout.FlatBuffer]): the flat buffers (empty with ``flat=False``). In step
+            mode ``zero_grad()`` releases the storage of each gradient buffer (``buf.grad``) until the next
+            gradient arrives: reading it then crashes the process; ``landing.slots.acquire()`` brings it
+            back (its values undefined until the next backward or step).
         tables (dict): device -> the float32 hyper-parameter table (one row per param group).
         landing: the :class:`flatopt.grads.GradLanding` of the flat step engine, else None.
         step_graph: the :class:`flatopt.step_graph.StepGraph` of ``step()``'s launches, or None.

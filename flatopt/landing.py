@@ -162,6 +162,7 @@ class LandingSlots:
         self._baseline = [_storage_use_count(st._cdata) if _storage_use_count else None for st in self._storages]
         self._patches = []  # (weak module, the installed call)
         self.covered = set()  # parameters of covered modules (the others land by adopt() only)
+        self.on_fallback = None  # called with a covered parameter whose gradient goes torch's way this time
         self._finalizer = weakref.finalize(self, _remove_patches, self._patches)
 
     @staticmethod
@@ -344,6 +345,8 @@ class LandingSlots:
         torch's to the bit."""
         kind, s = self._route(p, grad_mode)
         if kind == _FALLBACK:
+            if s is not None and self.on_fallback is not None:
+                self.on_fallback(p)  # its gradient arrives as a tensor of its own: the optimizer copies it in
             return compute()
         if kind == _SKIP:
             return None

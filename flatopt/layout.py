@@ -136,6 +136,8 @@ class FlatBuffer:
                     if p.grad is not None:
                         gv.copy_(p.grad)
                     p.grad = gv
+        # where each parameter's data and gradient were at adoption: the data stays there while the parameter is
+        # bound; the gradient storage may be released and come back elsewhere (see flatopt.landing)
         self.expected = [
             (dv.data_ptr(), None if gv is None else gv.data_ptr()) for dv, gv in zip(self.data_views, grad_views)
         ]

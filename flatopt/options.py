@@ -83,6 +83,9 @@ class FlatOptions:
         bucket_size: elements of consecutive parameters stepped by one launch in in-backward mode.
         allow_several_ranks: in-backward mode under several distributed ranks that share no
             parameters (pipeline stages, independent runs); refused otherwise.
+        direct_grads: in step mode, the covered layers (see :mod:`flatopt.landing`) of a module given
+            as ``params`` write their gradients straight into the flat gradient buffer; False copies
+            every gradient in by hook.
     """
 
     flat: bool = True
@@ -91,6 +94,7 @@ class FlatOptions:
     in_backward: bool = False
     bucket_size: int = DEFAULT_BUCKET_SIZE
     allow_several_ranks: bool = False
+    direct_grads: bool = True
 
     @classmethod
     def parse(cls, cls_name, kwargs):
@@ -122,4 +126,5 @@ class FlatOptions:
             in_backward=in_backward,
             bucket_size=bucket_size,
             allow_several_ranks=bool(kwargs.get("allow_several_ranks", False)),
+            direct_grads=bool(kwargs.get("direct_grads", True)),
         )

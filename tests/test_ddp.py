@@ -127,10 +127,16 @@ def flat_views(opt):
     for buf in flatopt.inspect(opt).buffers:
         data_storage = buf.data.untyped_storage().data_ptr()
         grad_storage = buf.grad.untyped_storage().data_ptr()
-        for p, (data_ptr, grad_ptr) in zip(buf.params, buf.expected):
+        # the gradient storage is released by zero_grad() and may come back elsewhere: compare with where it is now
+        for p, (data_ptr, _), view in zip(buf.params, buf.expected, buf.grad_views):
             data_ok = p.data_ptr() == data_ptr and p.untyped_storage().data_ptr() == data_storage
             g = p.grad
-            grad_ok = g is not None and g.data_ptr() == grad_ptr and g.untyped_storage().data_ptr() == grad_storage
+            grad_ok = (
+                g is not None
+                and grad_storage != 0
+                and g.data_ptr() == view.data_ptr()
+                and g.untyped_storage().data_ptr() == grad_storage
+            )
             rows.append((opt.names(p), data_ok, grad_ok))
     return rows
 

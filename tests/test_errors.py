@@ -62,7 +62,8 @@ def snapshot(params, opt=None, grads=True):
         snap["buffers"] = [
             (
                 _frozen(b.data),
-                _frozen(b.grad) if grads else None,
+                # a gradient storage released by zero_grad() cannot be read (nor must it come back)
+                (_frozen(b.grad) if b.grad.untyped_storage().nbytes() else "released") if grads else None,
                 _frozen(b.states),
                 _frozen(b.meta.steps),
                 b.meta.uniform,

@@ -35,12 +35,18 @@ class FlatStepEngine(FlatEngine):
 
     def attach(self, without_grad):
         opt = self.opt
+        module = opt.module() if opt.module is not None else None
+        self.landing = GradLanding(
+            self.buffers, keep_none=opt.skip_unused, names=opt.names, cls=self.cls, module=module,
+            direct=opt.options.direct_grads,
+        )  # fmt: skip
+        self.landing.attach()  # for good: also after model.zero_grad() or zero_grad(set_to_none=False)
         params = [p for b in self.buffers for p in b.params]
         if not self.unused_reported:
             self.hooks = [p.register_post_accumulate_grad_hook(self.seen.add) for p in params]
-            self.hooks += [p.register_hook(self._sparse_grad_hook(p)) for p in params]
-        self.landing = GradLanding(self.buffers, keep_none=opt.skip_unused, names=opt.names, cls=self.cls)
-        self.landing.attach()  # for good: also after model.zero_grad() or zero_grad(set_to_none=False)
+            # a covered layer makes dense gradients, and a tensor hook would send its parameter the copying way
+            covered = self.landing.slots.covered
+            self.hooks += [p.register_hook(self._sparse_grad_hook(p)) for p in params if p not in covered]
         for p in without_grad:  # skip_unused: a parameter steps only once it has a .grad, as in torch.optim
             p.grad = None
 
@@ -128,6 +134,7 @@ class FlatStepEngine(FlatEngine):
                 mask = torch.tensor([p not in without for p in buf.params], dtype=torch.uint8)
                 buf.meta.active = mask.to(buf.device, non_blocking=True)
         self.landing.apply(plan)  # see flatopt.grads
+        self._acquire_grads()
         if not self.unused_reported:
             self._report_unused(plan)
         sources, self.sources = self.sources or {}, None  # for this step only
@@ -157,9 +164,25 @@ class FlatStepEngine(FlatEngine):
         return not has_step_pre_hooks(self.opt)
 
     # ------------------------------------------------------------------ gradients
+    def _acquire_grads(self):
+        """The gradient storage, before a kernel reads it: settling brings it back when it zeroes or copies
+        anything; if it is still released here (nothing was settled), it comes back zeroed."""
+        slots = self.landing.slots
+        for b, buf in enumerate(self.buffers):
+            if slots.acquire(b):
+                buf.grad.zero_()
+
+    def hold_grads(self, keep=True):
+        """Keep the gradient storage allocated, at a fixed address, through zero_grad() (``keep=True``), for
+        CUDA graphs that recorded its address; ``keep=False`` lets zero_grad() release it again."""
+        if keep:
+            self._acquire_grads()
+        self.landing.slots.hold(keep)
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite):
         self.check_bindings(full=False)
+        self._acquire_grads()
         if not self.buffers:
             return torch.tensor(0.0)
         first = self.buffers[0].device
