@@ -7,6 +7,7 @@ per-parameter engine. Each optimizer's update rule (hyper-parameter columns, val
 is its ``rule`` (:mod:`flatopt.rules`).
 """
 
+import dataclasses
 import os
 import weakref
 
@@ -42,6 +43,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             check_single_process(cls, self.options.allow_several_ranks)
         self.use_step_graph = True  # replay step()'s launches from a CUDA graph (see flatopt.step_graph)
         self.module = None  # weak reference to the module, when given one (capture restores its buffers)
+        model = self.options.model
+        if model is not None:  # held weakly, as the module is: the options keep no model alive
+            self.options = dataclasses.replace(self.options, model=None)
         by_name = {}
         if isinstance(params, nn.Module):
             self._check_module(params)
@@ -53,6 +57,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self.hparams = HParamTable(self.rule.row, self.rule.check, self.rule.lr_column)
         super().__init__(params, defaults)
         self.names.param_groups = self.param_groups
+        # the model whose covered layers write their gradients into the flat buffer (see flatopt.landing)
+        self.model = weakref.ref(model) if model is not None else self.module
         self.backend = self._choose_backend(self.options.backend)
         self.engine = make_engine(self)
 

@@ -7,6 +7,8 @@ options below as keyword arguments. The options are parsed once, by the base cla
 
 from dataclasses import dataclass
 
+from torch import nn
+
 DEFAULT_BUCKET_SIZE = 2**25  # elements: 128 MiB of float32 staging gradient in in-backward mode
 
 # torch.optim's implementation options (and lion-pytorch's): name -> (whether a value changes nothing for flatopt,
@@ -83,9 +85,11 @@ class FlatOptions:
         bucket_size: elements of consecutive parameters stepped by one launch in in-backward mode.
         allow_several_ranks: in-backward mode under several distributed ranks that share no
             parameters (pipeline stages, independent runs); refused otherwise.
-        direct_grads: in step mode, the covered layers (see :mod:`flatopt.landing`) of a module given
-            as ``params`` write their gradients straight into the flat gradient buffer; False copies
-            every gradient in by hook.
+        direct_grads: in step mode, the covered layers (see :mod:`flatopt.landing`) of the model
+            write their gradients straight into the flat gradient buffer; False copies every gradient
+            in by hook.
+        model: the model whose covered layers write into the buffer when ``params`` are parameters or
+            param groups rather than the module itself (None: ``params`` if it is a module).
     """
 
     flat: bool = True
@@ -95,6 +99,7 @@ class FlatOptions:
     bucket_size: int = DEFAULT_BUCKET_SIZE
     allow_several_ranks: bool = False
     direct_grads: bool = True
+    model: object = None
 
     @classmethod
     def parse(cls, cls_name, kwargs):
@@ -115,6 +120,12 @@ class FlatOptions:
             raise ValueError(
                 f"{cls_name}: bucket_size applies to in_backward=True only; drop it or pass in_backward=True"
             )
+        model = kwargs.get("model")
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(
+                f"{cls_name}: model must be an nn.Module (the model the parameters belong to), got "
+                f"{type(model).__name__}"
+            )
         if bucket_size is None:
             bucket_size = DEFAULT_BUCKET_SIZE
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
@@ -127,4 +138,5 @@ class FlatOptions:
             bucket_size=bucket_size,
             allow_several_ranks=bool(kwargs.get("allow_several_ranks", False)),
             direct_grads=bool(kwargs.get("direct_grads", True)),
+            model=model,
         )

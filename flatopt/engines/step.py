@@ -35,7 +35,7 @@ class FlatStepEngine(FlatEngine):
 
     def attach(self, without_grad):
         opt = self.opt
-        module = opt.module() if opt.module is not None else None
+        module = opt.model() if opt.model is not None else None
         self.landing = GradLanding(
             self.buffers, keep_none=opt.skip_unused, names=opt.names, cls=self.cls, module=module,
             direct=opt.options.direct_grads,

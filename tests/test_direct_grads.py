@@ -1,0 +1,309 @@
+"""Gradients born in the flat buffer, through the optimizer (flatopt.landing's own tests are test_landing.py):
+covered layers of the model write their gradients into the flat gradient buffer during backward, the other
+parameters' gradients are copied in by hook, zero_grad() frees the buffer, and training matches torch.optim."""
+
+import copy
+import gc
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.utils.checkpoint import checkpoint
+
+import flatopt
+from flatopt.demo import CharTransformer, lm_loss
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bytecount import StorageWrites  # noqa: E402
+
+SAME = dict(rtol=0.0, atol=0.0)
+TOL = dict(rtol=1e-6, atol=1e-7)  # flatopt against torch.optim: the same formula, float32, another order
+HP = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+
+
+class ConvNet(nn.Module):
+    """Convolutions and batch norms (not covered: their gradients are copied in), then a covered Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.BatchNorm2d(8), nn.ReLU(),
+        )  # fmt: skip
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def transformer():
+    return CharTransformer(vocab_size=13, seq_len=8, dim=16, layers=2, heads=2)
+
+
+def batch(kind, gen):
+    if kind == "transformer":
+        x = torch.randint(0, 13, (3, 8), generator=gen)
+        return x, torch.randint(0, 13, (3, 8), generator=gen)
+    return torch.randn(4, 3, 6, 6, generator=gen), torch.randint(0, 5, (4,), generator=gen)
+
+
+def loss_of(kind, model, data):
+    if kind == "transformer":
+        return lm_loss(model, *data)
+    x, y = data
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def build(kind):
+    torch.manual_seed(0)
+    model = transformer() if kind == "transformer" else ConvNet()
+    ref = transformer() if kind == "transformer" else ConvNet()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def covered_params(opt):
+    return flatopt.inspect(opt).landing.slots.covered
+
+
+def grad_storage(opt):
+    return flatopt.inspect(opt).buffers[0].grad.untyped_storage()
+
+
+@pytest.mark.parametrize("kind", ["transformer", "convnet"])
+def test_training_matches_torch_and_covered_gradients_are_written_in_place(kind):
+    """12 steps, every third of 2 micro-batches, along flatopt's trajectory: at each step torch.optim.AdamW
+    starts from flatopt's parameters and state (a state_dict round trip), so that gradients near zero (a
+    bias before a norm) cannot amplify rounding into two trajectories. Every .grad equals torch's bit for
+    bit after backward and is a view into the flat buffer; the step matches torch's. During backward
+    nothing is copied into the gradient buffer but the gradients of uncovered layers (by their hooks): the
+    covered layers' bytes are written by the ops that compute them."""
+    model, ref = build(kind)
+    opt = flatopt.AdamW(model, **HP)
+    opt_ref = torch.optim.AdamW(ref.parameters(), **HP)
+    covered = covered_params(opt)
+    assert covered and len(covered) < len(list(model.parameters()))  # some covered, some copied
+    uncovered_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p not in covered)
+    covered_bytes = sum(p.numel() * p.element_size() for p in covered)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(12):
+        ref.load_state_dict(model.state_dict())
+        if step:
+            opt_ref.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch keeps tensors it is given
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        assert grad_storage(opt).nbytes() == 0, f"step {step}: zero_grad() left the gradient storage allocated"
+        for i in range(2 if step % 3 == 0 else 1):
+            data = batch(kind, gen)
+            with StorageWrites(flatopt.inspect(opt).buffers[0].grad) as writes:
+                loss_of(kind, model, data).backward()
+            loss_of(kind, ref, data).backward()
+            copied = writes.bytes("copy_")
+            assert copied <= uncovered_bytes, f"step {step}: {copied} bytes copied, {writes.ops()}"
+            if i == 0:  # the first micro-batch writes every covered gradient afresh
+                assert writes.bytes() - copied >= covered_bytes, f"step {step}: {writes.ops()}"
+        buf = flatopt.inspect(opt).buffers[0]
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad.untyped_storage().data_ptr() == grad_storage(opt).data_ptr(), f"{name}: not in the buffer"
+            view = next(v for r, v in zip(buf.params, buf.grad_views) if r is p)
+            assert p.grad.data_ptr() == view.data_ptr(), f"{name}: at the wrong place"
+            torch.testing.assert_close(p.grad, q.grad, **SAME, msg=lambda m: f"step {step}, {name}.grad: {m}")
+        opt.step()
+        opt_ref.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
+            for key, value in opt_ref.state[q].items():
+                torch.testing.assert_close(
+                    opt.state[p][key], value, **TOL, msg=lambda m: f"step {step}, {name} {key}: {m}"
+                )
+
+
+def test_covered_layers_run_no_python_per_parameter_in_backward():
+    """After the first step, a covered parameter has no post-accumulate-grad hook of flatopt's and no tensor
+    hook: its gradient is written by its layer's backward; uncovered ones keep the copying hook."""
+    model, _ = build("transformer")
+    base = {p: len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()}
+    opt = flatopt.AdamW(model, **HP)
+    gen = torch.Generator().manual_seed(0)
+    lm_loss(model, *batch("transformer", gen)).backward()
+    opt.step()
+    covered = covered_params(opt)
+    for name, p in model.named_parameters():
+        hooks = len(p._post_accumulate_grad_hooks or ())
+        if p in covered:
+            assert hooks == base[p] and not p._backward_hooks, f"{name}: a hook left on a covered parameter"
+        else:
+            assert hooks == base[p] + 1, f"{name}: the copying hook is missing"
+    assert {type(m) for m in model.modules() if any(p in covered for p in m.parameters(recurse=False))} == {
+        nn.Linear,
+        nn.Embedding,
+    }
+
+
+def test_param_groups_land_directly_when_the_model_is_named():
+    """The usual decay / no-decay groups: with model=, the covered layers land in place; without it there is
+    no module to cover and every gradient is copied in by hook. Both train alike."""
+    results = []
+    for kwargs in ({"model": True}, {}):
+        model, _ = build("transformer")
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+        opt = flatopt.AdamW(groups, **HP, **({"model": model} if kwargs else {}))
+        assert bool(covered_params(opt)) == bool(kwargs)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(4):
+            opt.zero_grad()
+            data = batch("transformer", gen)
+            with StorageWrites(flatopt.inspect(opt).buffers[0].grad) as writes:
+                lm_loss(model, *data).backward()
+            opt.step()
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert (writes.bytes("copy_") < total) == bool(kwargs), writes.ops()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **SAME)
+
+
+def test_model_must_be_a_module():
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        flatopt.AdamW(nn.Linear(2, 2).parameters(), model="not a model")
+
+
+def test_direct_grads_false_copies_every_gradient():
+    model, ref = build("transformer")
+    opt = flatopt.AdamW(model, direct_grads=False, **HP)
+    assert not covered_params(opt)
+    gen = torch.Generator().manual_seed(3)
+    opt.zero_grad()
+    with StorageWrites(flatopt.inspect(opt).buffers[0].grad) as writes:
+        lm_loss(model, *batch("transformer", gen)).backward()
+    assert writes.bytes("copy_") == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class Scaled(nn.Linear):
+    """A user's Linear subclass: not covered (its forward may differ)."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+class LoRA(nn.Module):
+    """A frozen base Linear with a trainable low-rank update, as LoRA wrappers do."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = nn.Linear(base.in_features, rank, bias=False)
+        self.b = nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.b(self.a(x))
+
+
+class Symmetric(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).t()
+
+
+def patched():
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(6, 6), nn.Tanh(), LoRA(nn.Linear(6, 6)), nn.Tanh(), nn.Linear(6, 6))
+    parametrize.register_parametrization(model[4], "weight", Symmetric())
+    return model
+
+
+def test_patched_and_wrapped_layers_train_like_torch():
+    """A Linear subclass and a parametrized Linear are left to torch (copied in by hook); LoRA's inner Linears
+    are plain and covered. 8 steps match torch.optim.AdamW."""
+    model, ref = patched(), patched()
+    ref.load_state_dict(model.state_dict())
+    opt = flatopt.AdamW(model, **HP)
+    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **HP)
+    covered = covered_params(opt)
+    assert model[0].weight not in covered and model[2].a.weight in covered and model[2].b.weight in covered
+    assert model[4].parametrizations.weight.original not in covered
+    gen = torch.Generator().manual_seed(4)
+    for step in range(8):
+        x = torch.randn(5, 6, generator=gen)
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_trains_like_torch(reentrant):
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
+            self.head = nn.Linear(6, 1)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.inner, x, use_reentrant=reentrant))
+
+    torch.manual_seed(0)
+    model, ref, probe = Checkpointed(), Checkpointed(), Checkpointed()
+    ref.load_state_dict(model.state_dict())
+    opt, opt_ref = flatopt.AdamW(model, **HP), torch.optim.AdamW(ref.parameters(), **HP)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(6):
+        x = torch.randn(4, 6, generator=gen, requires_grad=reentrant)  # reentrant needs an input that requires grad
+        probe.load_state_dict(model.state_dict())
+        probe.zero_grad()
+        for m, o in ((model, opt), (ref, opt_ref), (probe, None)):
+            if o is not None:
+                o.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                m(x).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), probe.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **SAME, msg=lambda m: f"step {step}, {name}.grad: {m}")
+        opt.step()
+        opt_ref.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
+
+
+def test_a_step_without_any_gradient_sees_zeros():
+    """zero_grad() released the buffer and no backward ran: step() brings it back zeroed (weight decay and
+    moment decay apply to every parameter, as after zero_grad(set_to_none=False) in torch.optim)."""
+    model = nn.Linear(4, 3)
+    keep = nn.Linear(4, 3)
+    keep.load_state_dict(model.state_dict())
+    opt = flatopt.SGD(model, lr=0.1, momentum=0.9, weight_decay=0.1)
+    opt_keep = flatopt.SGD(keep, lr=0.1, momentum=0.9, weight_decay=0.1)
+    for m, o in ((model, opt), (keep, opt_keep)):
+        m(torch.ones(2, 4)).sum().backward()
+        o.step()
+    opt.zero_grad()
+    opt_keep.zero_grad(set_to_none=False)
+    assert grad_storage(opt).nbytes() == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+        opt_keep.step()
+    for p, q in zip(model.parameters(), keep.parameters()):
+        torch.testing.assert_close(p, q, **SAME)
+        assert not p.grad.any()
+
+
+def test_an_optimizer_gone_leaves_the_model_plain():
+    """Deleting the optimizer removes its patches and hooks: the model runs torch's own layers again."""
+    model, _ = build("transformer")
+    base = [len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()]
+    opt = flatopt.AdamW(model, **HP)
+    lm_loss(model, *batch("transformer", torch.Generator().manual_seed(6))).backward()
+    opt.step()
+    assert any("_compiled_call_impl" in m.__dict__ for m in model.modules())
+    del opt
+    gc.collect()
+    assert not any("_compiled_call_impl" in m.__dict__ for m in model.modules())
+    assert [len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()] == base
