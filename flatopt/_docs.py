@@ -30,8 +30,16 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             independent runs); refused by default, since in-backward steps happen before
             DistributedDataParallel averages gradients (default: False)
 
-        flatopt's own options (``flat`` to ``allow_several_ranks``) are keyword-only; any other
-        keyword raises TypeError."""
+        direct_grads (bool, optional): in step mode, the covered layers (``nn.Linear``,
+            ``nn.Embedding``) of the model write their gradients straight into the flat gradient
+            buffer; every other gradient is copied in by a hook. ``False`` copies every gradient
+            in (default: True)
+        model (nn.Module, optional): the model whose covered layers write their gradients into
+            the buffer when ``params`` are parameters or param groups (default: ``params`` when
+            it is a module)
+
+        flatopt's own options (``flat`` to ``model``) are keyword-only; any other keyword raises
+        TypeError."""
 
 # torch.optim's implementation options, taken at the values that change nothing for flatopt (see
 # flatopt.options.check_torch_options); any other value raises ValueError saying why.
@@ -51,8 +59,9 @@ FUSED = """fused (bool, optional): None or True: flatopt always steps each flat 
 
 NOTES = """
     Gradients: with ``flat=True`` gradients live in one flat buffer per (device, dtype).
-    ``zero_grad()`` sets every ``.grad`` to None, as torch.optim does, and a hook copies each new
-    gradient into the parameter's view and puts the view back in ``.grad``;
+    ``zero_grad()`` sets every ``.grad`` to None and frees the buffer's storage, as torch.optim
+    frees its gradients; covered layers (``nn.Linear``, ``nn.Embedding``) write each new gradient
+    into the parameter's view, and a hook copies the others in and puts the view back in ``.grad``;
     ``zero_grad(set_to_none=False)`` zeroes the buffer and keeps the views. ``step()`` zeroes the
     views of parameters that received no gradient and steps them too (``skip_unused=True`` skips
     them), and copies in a ``.grad`` set behind the optimizer's back. ``step()`` accepts

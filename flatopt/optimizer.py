@@ -190,9 +190,10 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             set_to_none (bool): instead of setting to zero, set the grads to None (default: True).
 
         With ``flat=True`` the gradients still land in the flat gradient buffer. ``set_to_none=True``
-        sets every ``.grad`` to None; the next backward pass copies each new gradient into the
-        parameter's view of the buffer and puts the view back in ``.grad`` (a read and a write of
-        its bytes), and ``step()`` zeroes the views of parameters that received none. With
+        sets every ``.grad`` to None and releases the buffer's storage until the next gradient
+        arrives; covered layers write their gradients into their views, the others are copied in
+        (a read and a write of their bytes), and ``step()`` zeroes the views of parameters that
+        received none. With
         ``set_to_none=False`` the views are put back in ``.grad`` (a None ``.grad`` stays None with
         ``skip_unused=True``) and each buffer is zeroed (one operation each), and autograd adds each
         gradient into its view (a write, then two reads and a write). See :mod:`flatopt.grads`.

@@ -4,7 +4,7 @@ and states that the flat step and in-backward engines keep.
 An engine is chosen once, at construction, by :func:`flatopt.engines.make_engine`, and does one
 optimizer's work behind torch.optim's interface (:class:`flatopt.optimizer.FlatOptimizer`). It
 reads the optimizer's public attributes (``param_groups``, ``state``, ``rule``, ``options``,
-``backend``, ``names``, ``hparams``, ``module``, ``use_step_graph``) and writes only
+``backend``, ``names``, ``hparams``, ``module``, ``model``, ``use_step_graph``) and writes only
 ``state`` (torch.optim's per-parameter dicts, as views into its buffers).
 """
 
