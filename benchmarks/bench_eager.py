@@ -300,7 +300,8 @@ IMPLS = {
     "torch-fused": "torch.optim.AdamW(fused=True)",
     "torch-foreach": "torch.optim.AdamW(foreach=True), torch's default on CUDA",
     "torch-default": "torch.optim.AdamW() with torch's defaults (the for-loop implementation on the CPU)",
-    "flatopt": "flatopt.AdamW(model), eager",
+    "flatopt": "flatopt.AdamW(model), eager: covered layers write their gradients into the flat buffer",
+    "flatopt-hooks": "flatopt.AdamW(model, direct_grads=False), eager: every gradient copied in by hook",
 }
 MINE, REFERENCE = "flatopt", "torch-fused"
 
@@ -308,14 +309,15 @@ MINE, REFERENCE = "flatopt", "torch-fused"
 def impls_for(device):
     """The implementations timed on ``device``: torch's default is the for-loop one on the CPU and the foreach one
     (timed already) on CUDA."""
-    names = ["torch-fused", "torch-foreach", "flatopt"]
+    names = ["torch-fused", "torch-foreach", "flatopt-hooks", "flatopt"]
     return names if device.type == "cuda" else ["torch-default", *names]
 
 
 def build(name, model, device):
     """``name`` over ``model``: (optimizer, step(x, y) -> loss)."""
-    if name == "flatopt":
-        opt = flatopt.AdamW(model, **HPARAMS, backend="triton" if device.type == "cuda" else "torch")
+    if name.startswith("flatopt"):
+        backend = "triton" if device.type == "cuda" else "torch"
+        opt = flatopt.AdamW(model, **HPARAMS, backend=backend, direct_grads=name == "flatopt")
     else:
         flags = {"torch-fused": dict(fused=True), "torch-foreach": dict(foreach=True), "torch-default": {}}[name]
         opt = torch.optim.AdamW(model.parameters(), **HPARAMS, **flags)

@@ -1038,7 +1038,7 @@ def test_eager_model_sizes(eager, harness):
 def test_eager_smoke_run_on_cpu(eager, eager_smoke):
     record = json.loads(eager_smoke.read_text())
     assert record["benchmark"] == "eager" and record["kind"] == "smoke" and record["env"]["device_name"]
-    names = ["torch-default", "torch-fused", "torch-foreach", "flatopt"]
+    names = ["torch-default", "torch-fused", "torch-foreach", "flatopt-hooks", "flatopt"]
     assert list(record["impls"]) == names
     alone = {(r["model"], r["impl"]): r for r in record["results"]}
     for m in eager.MODELS:
@@ -1051,7 +1051,7 @@ def test_eager_smoke_run_on_cpu(eager, eager_smoke):
         assert max(losses) - min(losses) <= 2e-3 * max(losses), (m, losses)  # same init, data and steps
         assert alone[(m, "flatopt")]["final_loss"] < alone[(m, "flatopt")]["first_loss"]  # it trains
         (p,) = [p for p in record["paired"] if p["model"] == m]
-        assert p["status"] == "ok" and p["impls"] == names and list(p["ratios"]) == names[:3]
+        assert p["status"] == "ok" and p["impls"] == names and list(p["ratios"]) == names[:4]
         for n in names:
             assert p[n]["median_ms"] > 0 and p[n]["b2b_median_ms"] > 0
         q = p["ratios"]["torch-fused"]["synchronised"]
