@@ -136,7 +136,7 @@ class LandingSlots:
         self.epoch = 0
         self.keep_allocated = False
         self.reset_seen = False  # a landed .grad was found None again (set to None behind zero_grad())
-        self._slots = {}  # parameter -> _Slot
+        self._slots = {}  # id(parameter) -> _Slot (keyed by id: a tensor's own __hash__ is Python code)
         self._by_buffer = []
         self._count = []  # per buffer: parameters that received a gradient this epoch
         self._storages, self._nbytes, self._pads, self._released, self._baseline = [], [], [], [], []
@@ -147,9 +147,9 @@ class LandingSlots:
                 raise ValueError(f"buffer {b} has no flat gradient buffer: build it with FlatBuffer(..., grad=True)")
             slots = []
             for i, p in enumerate(buf.params):
-                if p in self._slots:
+                if id(p) in self._slots:
                     raise ValueError(f"a parameter of shape {tuple(p.shape)} is in two buffers; give each one slot")
-                self._slots[p] = s = _Slot(p, b, i, buf.starts[i], buf.grad_views[i])
+                self._slots[id(p)] = s = _Slot(p, b, i, buf.starts[i], buf.grad_views[i])
                 slots.append(s)
             self._by_buffer.append(slots)
             self._count.append(0)
@@ -177,16 +177,21 @@ class LandingSlots:
             pads.append(buf.grad[end:])
         return pads
 
+    def _get(self, p):
+        """``p``'s slot, or None."""
+        s = self._slots.get(id(p))
+        return s if s is not None and s.param is p else None
+
     # ---- what the optimizer asks -------------------------------------------------------------------
 
     def slot(self, p):
         """(FlatBuffer, index, start) of parameter ``p``, or None when it has no slot here."""
-        s = self._slots.get(p)
+        s = self._get(p)
         return None if s is None else (self.buffers[s.b], s.index, s.start)
 
     def owns_grad(self, p):
         """Whether ``p.grad`` is a view of its slot put there by this module (or the buffer's own view)."""
-        s = self._slots.get(p)
+        s = self._get(p)
         g = p.grad
         return s is not None and g is not None and (g is s.grad or g is s.view)
 
@@ -295,7 +300,7 @@ class LandingSlots:
 
     def _route(self, p, grad_mode):
         """(_FRESH | _ACCUM | _SKIP | _FALLBACK, slot) for a gradient of ``p`` computed in a backward."""
-        s = self._slots.get(p)
+        s = self._get(p)
         if s is not None and s.acc is None:
             s.acc = _accumulator(p)  # frozen when the slots were built, trains now
         if s is None or s.acc is None or p.dtype != s.view.dtype or p.device != s.view.device:
@@ -373,7 +378,7 @@ class LandingSlots:
         """Copy ``p.grad`` into the slot and make ``.grad`` a view of it, if it is a dense tensor of its own
         (a gradient of an uncovered use); for the optimizer's post-accumulate-grad hook. Returns whether
         it copied."""
-        s = self._slots.get(p)
+        s = self._get(p)
         g = p.grad
         if s is None or g is None or g is s.grad or g is s.view:
             return False
@@ -412,9 +417,9 @@ class LandingSlots:
             # the Function runs for a trainable weight with a slot (LayerNorm: weight or bias); a Linear whose
             # weight is frozen is left to torch (its bias, if it trains, lands by adopt())
             keys = (m.weight, m.bias) if type(m) is nn.LayerNorm else (m.weight,)
-            if not any(p is not None and p.requires_grad and p in self._slots for p in keys):
+            if not any(p is not None and p.requires_grad and self._get(p) is not None for p in keys):
                 continue
-            own = [p for p in m.parameters(recurse=False) if p in self._slots]
+            own = [p for p in m.parameters(recurse=False) if self._get(p) is not None]
             current = m.__dict__.get("_compiled_call_impl")
             if current is not None and not isinstance(current, _Call):
                 continue
@@ -484,7 +489,7 @@ class _Call:
 
 def _usable(p, slots, x):
     """Whether ``p`` trains and still has its slot's dtype and device (not cast or moved since), on ``x``'s device."""
-    s = slots._slots.get(p) if p is not None else None
+    s = slots._get(p) if p is not None else None
     return (
         s is not None
         and p.requires_grad
@@ -506,6 +511,13 @@ def _cast(t, dtype):
     return t.to(dtype)
 
 
+def _apply(function, *args):
+    """``function.apply(*args)`` without torch's Python wrapper, whose work (unwrapping functorch's dead
+    wrappers, binding default arguments) is for cases the covered call excludes: no functorch transform
+    is active (``_Call`` checks), and the Functions here take positional arguments only."""
+    return function.c_apply(*args)
+
+
 # ---- nn.Linear ----------------------------------------------------------------------------------------
 
 
@@ -516,7 +528,7 @@ def _linear_forward(m, slots, x):
     cast = _autocast(x.device.type)
     if cast is not None and (x.device.type not in ("cpu", "cuda") or x.dtype == torch.float64):
         return None
-    return _Linear.apply(x, w, m.bias, slots, cast)
+    return _apply(_Linear, x, w, m.bias, slots, cast)
 
 
 def _lowp_to_fp32(src, param):
@@ -624,7 +636,7 @@ def _embedding_forward(m, slots, idx):
         or not _usable(w, slots, idx)
     ):
         return None
-    return _Embedding.apply(idx, w, slots, m.padding_idx)
+    return _apply(_Embedding, idx, w, slots, m.padding_idx)
 
 
 class _Embedding(torch.autograd.Function):
@@ -687,7 +699,7 @@ def _layer_norm_forward(m, slots, x):
         if x.device.type not in _LAYER_NORM_FP32 + ("cpu",):
             return None
         fp32 = x.device.type in _LAYER_NORM_FP32
-    return _LayerNorm.apply(x, w, b, slots, tuple(m.normalized_shape), m.eps, fp32)
+    return _apply(_LayerNorm, x, w, b, slots, tuple(m.normalized_shape), m.eps, fp32)
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -732,7 +744,7 @@ def _rms_norm_forward(m, slots, x):
     ):
         return None
     normed = F.rms_norm(x, m.normalized_shape, None, m.eps)
-    return _Scale.apply(normed, w, slots)
+    return _apply(_Scale, normed, w, slots)
 
 
 class _Scale(torch.autograd.Function):
@@ -777,3 +789,9 @@ DEFAULT_CLASSES = (nn.Linear, nn.Embedding)
 """Covered unless told otherwise: where the bytes are. A covered call runs a Python autograd.Function, more host
 time than torch's native layer; LayerNorm's gradients are copied in anyway (nothing saved) and RMSNorm's are one
 element per feature, so the hook path costs them less."""
+
+
+# Each Function's C++ apply (torch._C._FunctionBase.apply bound to it), for _apply.
+for _function in (_Linear, _Embedding, _LayerNorm, _Scale):
+    _function.c_apply = super(torch.autograd.function._SingleLevelFunction, _function).apply
+del _function
