@@ -234,11 +234,13 @@ class CapturedStep:
 
     def release(self):
         """Free the graph and its private memory pool (activations and temporaries of train_step)."""
+        held = self.body is not None  # once: a second release() lets go of nothing
         self.graph = None
         self.outputs = None
         self.static = None
         self.body = None
-        self.opt.engine.hold_grads(False)
+        if held:
+            self.opt.engine.hold_grads(False)
 
 
 class RecordedBody:

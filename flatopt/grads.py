@@ -176,7 +176,13 @@ class GradLanding:
         the last step, at a full check, under skip_unused (a None .grad stays None), or when the first or
         last parameter of a buffer has lost its view (model.zero_grad() with no backward since). Otherwise
         nothing has touched the .grads since they were settled but the caller itself: O(1) host work."""
-        return full or self.dirty or self.keep_none or not all(map(self._in_slot, self.ends))
+        return (
+            full
+            or self.dirty
+            or self.keep_none
+            or self.slots.reset_seen  # a landed .grad set to None behind zero_grad() (model.zero_grad())
+            or not all(map(self._in_slot, self.ends))
+        )
 
     def _in_slot(self, pair):
         """Whether ``p.grad`` is its view, or the slot's tensor a covered layer put there."""
@@ -242,6 +248,7 @@ class GradLanding:
     def apply(self, plan):
         zero, copy = plan
         self.dirty = False
+        self.slots.reset_seen = False
         self.pooled.clear()
         if not zero and not copy:
             return

@@ -88,7 +88,7 @@ class _Slot:
     FlatBuffer's own object), the tensor this module last put into ``.grad`` and the epoch in which
     the slot last received a gradient."""
 
-    __slots__ = ("param", "b", "index", "start", "view", "acc", "grad", "epoch", "task")
+    __slots__ = ("param", "b", "index", "start", "view", "acc", "grad", "epoch", "task", "home")
 
     def __init__(self, param, b, index, start, view):
         self.param, self.b, self.index, self.start, self.view = param, b, index, start, view
@@ -96,6 +96,7 @@ class _Slot:
         self.grad = None
         self.epoch = -1
         self.task = -1  # the backward pass (autograd graph task) that wrote the slot afresh
+        self.home = None  # where the parameter's data lives in the buffer (it is elsewhere once laid out anew)
 
 
 def _accumulator(p):
@@ -150,6 +151,7 @@ class LandingSlots:
                 if id(p) in self._slots:
                     raise ValueError(f"a parameter of shape {tuple(p.shape)} is in two buffers; give each one slot")
                 self._slots[id(p)] = s = _Slot(p, b, i, buf.starts[i], buf.grad_views[i])
+                s.home = buf.data_views[i].data_ptr()
                 slots.append(s)
             self._by_buffer.append(slots)
             self._count.append(0)
@@ -305,6 +307,8 @@ class LandingSlots:
             s.acc = _accumulator(p)  # frozen when the slots were built, trains now
         if s is None or s.acc is None or p.dtype != s.view.dtype or p.device != s.view.device:
             return _FALLBACK, None  # no slot, or the parameter was cast or moved since (model.to())
+        if p.data_ptr() != s.home:
+            return _FALLBACK, None  # laid out elsewhere since (another optimizer's buffers): not this slot's
         g = p.grad
         if grad_mode or p._backward_hooks or torch.compiler.is_compiling():
             # create_graph=True (AccumulateGrad then replaces .grad out of place), tensor hooks, which must

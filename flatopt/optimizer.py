@@ -45,6 +45,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self.module = None  # weak reference to the module, when given one (capture restores its buffers)
         model = self.options.model
         if model is not None:  # held weakly, as the module is: the options keep no model alive
+            self._check_module(model)
             self.options = dataclasses.replace(self.options, model=None)
         by_name = {}
         if isinstance(params, nn.Module):

@@ -120,6 +120,13 @@ class FlatOptions:
             raise ValueError(
                 f"{cls_name}: bucket_size applies to in_backward=True only; drop it or pass in_backward=True"
             )
+        for name in ("direct_grads", "model"):
+            if name in kwargs and (in_backward or not flat):
+                mode = "in_backward=True" if in_backward else "flat=False"
+                raise ValueError(
+                    f"{cls_name}: {name} applies to step mode with flat=True (gradients landing in the flat "
+                    f"buffer), not to {mode}; drop {name}"
+                )
         model = kwargs.get("model")
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(

@@ -307,3 +307,82 @@ def test_an_optimizer_gone_leaves_the_model_plain():
     gc.collect()
     assert not any("_compiled_call_impl" in m.__dict__ for m in model.modules())
     assert [len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()] == base
+
+
+def test_model_zero_grad_then_a_backward_reaching_covered_layers_only_steps_no_stale_gradient():
+    """model.zero_grad() (not the optimizer's) sets every .grad to None without releasing anything; a backward
+    that reaches only covered layers writes their slots afresh, and a parameter it does not reach (between
+    them in the buffer) must be stepped with a zero gradient, not with what its view held before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    keep = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    keep.load_state_dict(model.state_dict())
+    opt = flatopt.SGD(model, lr=0.1)
+    opt_keep = flatopt.SGD(keep, lr=0.1)
+    x = torch.randn(3, 4)
+    for m, o in ((model, opt), (keep, opt_keep)):
+        m(x).sum().backward()  # every parameter gets a gradient
+        o.step()
+    model.zero_grad()
+    opt_keep.zero_grad(set_to_none=False)
+    for m in (model, keep):
+        (m[2](m[0](x))).sum().backward()  # the LayerNorm is skipped: no gradient for it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+        opt_keep.step()
+    for (name, p), q in zip(model.named_parameters(), keep.parameters()):
+        torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_sparse_embedding_in_a_model_named_beside_param_groups_is_refused():
+    model = nn.Sequential(nn.Embedding(5, 3, sparse=True), nn.Linear(3, 2))
+    with pytest.raises(ValueError, match="does not support sparse gradients.*'0' has sparse=True"):
+        flatopt.AdamW([{"params": list(model.parameters())}], model=model)
+
+
+@pytest.mark.parametrize("mode", [dict(in_backward=True), dict(flat=False)])
+@pytest.mark.parametrize("option", [dict(direct_grads=False), dict(model=None)])
+def test_landing_options_outside_step_mode_are_named(mode, option):
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=f"{next(iter(option))} applies to step mode with flat=True"):
+        flatopt.AdamW(model, **mode, **option)
+
+
+def test_a_second_optimizer_takes_the_model_and_the_first_writes_nothing():
+    """A second optimizer over the same model (here copying every gradient in) lays the parameters out in its
+    own buffers: the first optimizer's covered layers no longer write into the buffer it had."""
+    model, _ = build("transformer")
+    first = flatopt.AdamW(model, **HP)
+    lm_loss(model, *batch("transformer", torch.Generator().manual_seed(7))).backward()
+    first.step()
+    second = flatopt.AdamW(model, direct_grads=False, **HP)
+    gen = torch.Generator().manual_seed(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm_loss(model, *batch("transformer", gen)).backward()
+        second.step()  # its first step removes the hooks it keeps until then (a tensor hook sends torch's way)
+    with StorageWrites(flatopt.inspect(first).buffers[0].grad) as writes:
+        second.zero_grad()
+        lm_loss(model, *batch("transformer", gen)).backward()
+        second.step()
+    assert not writes.writes, writes.ops()
+    for name, p in model.named_parameters():
+        assert p.grad.untyped_storage().data_ptr() == grad_storage(second).data_ptr(), name
+    del first
+
+
+def test_each_captured_step_holds_the_gradient_storage_until_released():
+    """Two graphs that recorded the gradient buffer's address: releasing one must not let zero_grad() free
+    the storage the other still replays into."""
+    model = nn.Linear(4, 3)
+    opt = flatopt.AdamW(model)
+    engine = flatopt.inspect(opt).engine
+    engine.hold_grads()
+    engine.hold_grads()
+    engine.hold_grads(False)
+    opt.zero_grad()
+    assert grad_storage(opt).nbytes() > 0, "released while a captured step still holds it"
+    engine.hold_grads(False)
+    opt.zero_grad()
+    assert grad_storage(opt).nbytes() == 0

@@ -24,6 +24,7 @@ class FlatStepEngine(FlatEngine):
         self.seen = set()
         self.recording = False  # inside capture(): step() leaves the hyper-parameter refresh to the replay
         self.sources = None  # capture(): {FlatBuffer: GradSources} the next step gathers its gradients from
+        self.holds = 0  # captured steps alive that recorded the gradient buffers' addresses
 
     # ------------------------------------------------------------------ layout
     def detach(self):
@@ -174,10 +175,12 @@ class FlatStepEngine(FlatEngine):
 
     def hold_grads(self, keep=True):
         """Keep the gradient storage allocated, at a fixed address, through zero_grad() (``keep=True``), for
-        CUDA graphs that recorded its address; ``keep=False`` lets zero_grad() release it again."""
-        if keep:
+        a CUDA graph that recorded its address; ``keep=False`` when that graph is released: once no graph
+        holds it, zero_grad() releases the storage again."""
+        self.holds += 1 if keep else -1  # one per captured step alive
+        if self.holds > 0:
             self._acquire_grads()
-        self.landing.slots.hold(keep)
+        self.landing.slots.hold(self.holds > 0)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite):
