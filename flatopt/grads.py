@@ -86,6 +86,9 @@ class GradLanding:
             return
         if self.direct and self.module is not None:
             self.slots.install(self.module)
+        for p, view in self.views.items():  # .grad is never the buffer's own view object (see restore())
+            if p.grad is view:
+                self.slots.put(p)
         ref = weakref.ref(self)  # the hooks live on the parameters: no reference back to the landing
         views, homes, strided = self.views, self.homes, torch.strided
 
@@ -165,10 +168,13 @@ class GradLanding:
         launching nothing (its values are stale until the buffer is zeroed): after a failed capture,
         and before ``zero_grad(set_to_none=False)`` zeroes them. A released storage is brought back first."""
         self.slots.acquire()
+        owns = self.slots.owns_grad
         for p, view in self.views.items():
             g = p.grad
-            if g is not view and self._fits(p, None, view) and not (g is None and self.keep_none):
-                p.grad = view
+            if not (g is not None and owns(p)) and self._fits(p, None, view) and not (g is None and self.keep_none):
+                # a view of the slot, as a tensor object of its own: one the caller keeps then holds the storage
+                # (the buffer's own view objects are never handed out, so a kept one cannot be missed)
+                self.slots.put(p)
         self.dirty = True  # zero_grad(set_to_none=False): a .grad replaced after the next backward is still seen
 
     def needs_settling(self, full=False):
@@ -220,7 +226,7 @@ class GradLanding:
                 rest.append((p, view, g))
         self.apply((zero, rest))
         for p in taken:
-            p.grad = self.views[p]
+            self.slots.put(p)
         return taken
 
     def plan(self):
@@ -267,10 +273,10 @@ class GradLanding:
             for dst, src in groups.values():
                 torch._foreach_copy_(dst, src)
         if not self.keep_none:
-            for p, view in zero:
-                p.grad = view
-        for p, view, g in copy:
-            p.grad = view
+            for p, _ in zero:
+                self.slots.put(p)
+        for p, _, g in copy:
+            self.slots.put(p)
             if g is not None and p not in self.hooked:
                 self.hook(p)  # a covered parameter whose gradient came torch's way: copied as it comes from now on
 

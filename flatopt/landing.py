@@ -378,6 +378,15 @@ class LandingSlots:
         s.task = torch._C._current_graph_task_id()
         return None
 
+    def put(self, p):
+        """Make ``p.grad`` a view of its slot: a tensor object of its own (never the buffer's own view), so
+        that a reference the caller keeps to it holds the storage through zero_grad(). Returns it."""
+        s = self._get(p)
+        out = s.view.detach()
+        p.grad = out
+        s.grad = out
+        return out
+
     def adopt(self, p):
         """Copy ``p.grad`` into the slot and make ``.grad`` a view of it, if it is a dense tensor of its own
         (a gradient of an uncovered use); for the optimizer's post-accumulate-grad hook. Returns whether

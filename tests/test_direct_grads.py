@@ -386,3 +386,31 @@ def test_each_captured_step_holds_the_gradient_storage_until_released():
     engine.hold_grads(False)
     opt.zero_grad()
     assert grad_storage(opt).nbytes() == 0
+
+
+@pytest.mark.parametrize("how", ["construction", "after_step", "set_to_none_false", "unused"])
+def test_a_grad_the_caller_keeps_stays_readable_after_zero_grad(how):
+    """A .grad kept by the caller holds the gradient storage through zero_grad(): reading it afterwards must
+    not touch released memory (a crash). Whatever put the .grad there: the constructor, a step (settling), a
+    zero_grad(set_to_none=False), or the zeroing of a parameter that received no gradient."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.LayerNorm(4))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    opt = flatopt.AdamW(model)
+    x = torch.randn(2, 4)
+    if how != "construction":
+        if how == "set_to_none_false":
+            opt.zero_grad(set_to_none=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (model[1](model[0](x)) if how == "unused" else model(x)).sum().backward()
+            opt.step()
+    kept = {name: p.grad for name, p in model.named_parameters()}
+    expected = {name: g.clone() for name, g in kept.items()}
+    opt.zero_grad()
+    assert grad_storage(opt).nbytes() > 0, "released while the caller holds a .grad"
+    for name, g in kept.items():
+        torch.testing.assert_close(g, expected[name], **SAME, msg=lambda m: f"{name}: {m}")
+    del kept, g
+    opt.zero_grad()
+    assert grad_storage(opt).nbytes() == 0, "not released once nothing holds it"
