@@ -449,3 +449,20 @@ def test_a_backward_that_raised_is_dropped_by_zero_grad_and_training_goes_on():
     opt.step()
     steps = {float(opt.state[p]["step"]) for p in model.parameters()}
     assert steps <= {1.0, 2.0}  # the failed pass's finished buckets stay stepped
+
+
+def test_an_in_backward_optimizer_gone_takes_its_hooks_with_it():
+    """The hooks hold no reference to the optimizer: once it is garbage collected, backward steps nothing."""
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    base = [len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()]
+    opt = OPTIMIZERS["adamw"](model, in_backward=True)
+    assert [len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()] != base
+    del opt
+    gc.collect()
+    assert [len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()] == base
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(2, 4)).sum().backward()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before)), "a parameter was stepped"

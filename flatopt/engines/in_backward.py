@@ -25,6 +25,7 @@ time when gradients arrive in layout order) plus the gradient autograd is produc
 """
 
 import threading
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -108,6 +109,11 @@ def make_buckets(buf, bucket_size):
     return buckets
 
 
+def _remove(handles):
+    for h in handles:
+        h.remove()
+
+
 class InBackwardEngine(FlatEngine):
     """The hooks, buckets and end-of-backward flush of one optimizer with ``in_backward=True``."""
 
@@ -147,7 +153,15 @@ class InBackwardEngine(FlatEngine):
                 p = b.buf.params[i]
                 self.bucket_of[p] = (b, b.buf.starts[i] - b.start)
                 self.index_of[p] = i
-        self.handles = [p.register_post_accumulate_grad_hook(self.hook) for p in self.bucket_of]
+        method = weakref.WeakMethod(self.hook)  # the hooks live on the parameters: no reference back to the engine
+
+        def hook(p):
+            engine_hook = method()
+            if engine_hook is not None:
+                engine_hook(p)
+
+        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in self.bucket_of]
+        self._finalizer = weakref.finalize(self, _remove, self.handles)  # gone with the engine (and optimizer)
 
     def detach(self):
         self.remove()
@@ -194,6 +208,8 @@ class InBackwardEngine(FlatEngine):
         )
 
     def remove(self):
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()
         for h in self.handles:
             h.remove()
         self.handles = []
