@@ -29,6 +29,7 @@ buffers exactly as they were (a ``.grad`` that was None is afterwards its zeroed
 replay is the first training step.
 """
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -114,14 +115,26 @@ class CapturedStep:
     signature = None  # [(shape, dtype, CUDA device index)] of the static inputs, when all are CUDA tensors
 
     def __init__(self, opt, train_step, example_inputs, *, warmup=3, max_grad_norm=None, scaler=None):
-        cls = type(opt).__name__
         check_capturable(opt)
         if not isinstance(warmup, int) or warmup < 2:
             raise ValueError(f"Invalid warmup: {warmup!r}; expected an int >= 2 (the last one checks for host syncs)")
         if max_grad_norm is not None and not float(max_grad_norm) > 0:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}; expected a positive number")
         opt.check_bindings(full=True)  # names a parameter frozen, moved or cast since construction
-        opt.engine.hold_grads()  # the graph records the gradient buffers' addresses: zero_grad() must not free them
+        # the graph records the gradient buffers' addresses: zero_grad() must not free them while it exists; let
+        # go once, at release(), when this object is collected, or when capture fails
+        hold = opt.engine.hold_grads
+        hold()
+        self._unhold = weakref.finalize(self, hold, False)
+        try:
+            self._record(opt, train_step, example_inputs, warmup, max_grad_norm, scaler)
+        except BaseException:
+            self._unhold()
+            raise
+
+    def _record(self, opt, train_step, example_inputs, warmup, max_grad_norm, scaler):
+        """Warm up and record (see the module docstring)."""
+        cls = type(opt).__name__
         self.opt = opt
         self.static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
         if all(isinstance(s, torch.Tensor) and s.is_cuda for s in self.static):
@@ -234,13 +247,11 @@ class CapturedStep:
 
     def release(self):
         """Free the graph and its private memory pool (activations and temporaries of train_step)."""
-        held = self.body is not None  # once: a second release() lets go of nothing
         self.graph = None
         self.outputs = None
         self.static = None
         self.body = None
-        if held:
-            self.opt.engine.hold_grads(False)
+        self._unhold()  # once: a second release() lets go of nothing
 
 
 class RecordedBody:

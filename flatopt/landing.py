@@ -436,6 +436,8 @@ class LandingSlots:
             current = m.__dict__.get("_compiled_call_impl")
             if current is not None and not isinstance(current, _Call):
                 continue
+            if _patched(m):  # a forward of the caller's (accelerate's hooks, a monkeypatch): torch runs it
+                continue
             call = _Call(m, self, COVERED[type(m)])
             m._compiled_call_impl = call
             self._patches.append((weakref.ref(m), call))
@@ -486,6 +488,7 @@ class _Call:
             and len(args) == 1
             and not kwargs
             and type(m) is self.cls
+            and not _patched(m)
             and torch.is_grad_enabled()
             and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
             and not any(_HOOKS)
@@ -542,6 +545,10 @@ def _linear_forward(m, slots, x):
     if cast is not None and (x.device.type not in ("cpu", "cuda") or x.dtype == torch.float64):
         return None
     return _apply(_Linear, x, w, m.bias, slots, cast)
+
+
+# aten's GEMM with an fp32 result from bf16/fp16 operands (torch.mm(..., out_dtype=)): torch 2.8 and later
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype_out")
 
 
 def _lowp_to_fp32(src, param):
@@ -606,7 +613,7 @@ def _weight_grad(slots, weight, g2, x2, grad_mode):
         def add(grad):
             mat(grad).addmm_(a, b)
 
-    elif _lowp_to_fp32(g2, weight):
+    elif _lowp_to_fp32(g2, weight) and _MM_OUT_DTYPE:
 
         def write(out):  # a bf16/fp16 GEMM with an fp32 result (aten mm.dtype_out: CUDA only)
             torch.mm(a, b, out_dtype=torch.float32, out=mat(out))
@@ -790,6 +797,16 @@ class _Scale(torch.autograd.Function):
         return gn, gw, None
 
 
+# Each covered class's own forward, as torch defines it: a module whose forward is another (set on the
+# instance, or on the class after import) runs torch's way, so that the forward it was given is the one run.
+_FORWARDS = {cls: cls.__dict__["forward"] for cls in (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)}
+
+
+def _patched(m):
+    """Whether ``m``'s forward is not its class's own (replaced on the instance or on the class)."""
+    return "forward" in m.__dict__ or type(m).__dict__.get("forward") is not _FORWARDS.get(type(m))
+
+
 COVERED = {
     nn.Linear: _linear_forward,
     nn.Embedding: _embedding_forward,
@@ -804,7 +821,10 @@ time than torch's native layer; LayerNorm's gradients are copied in anyway (noth
 element per feature, so the hook path costs them less."""
 
 
-# Each Function's C++ apply (torch._C._FunctionBase.apply bound to it), for _apply.
+# Each Function's C++ apply (torch._C._FunctionBase.apply bound to it), for _apply; where torch's classes
+# are laid out otherwise, the public apply.
 for _function in (_Linear, _Embedding, _LayerNorm, _Scale):
-    _function.c_apply = super(torch.autograd.function._SingleLevelFunction, _function).apply
-del _function
+    _base = getattr(torch.autograd.function, "_SingleLevelFunction", None)
+    _c = super(_base, _function).apply if _base is not None and _base in _function.__mro__ else None
+    _function.c_apply = _c if getattr(_c, "__self__", None) is _function else _function.apply
+del _function, _base, _c

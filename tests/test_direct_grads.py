@@ -303,9 +303,9 @@ def test_an_optimizer_gone_leaves_the_model_plain():
     lm_loss(model, *batch("transformer", torch.Generator().manual_seed(6))).backward()
     opt.step()
     assert any("_compiled_call_impl" in m.__dict__ for m in model.modules())
-    del opt
-    gc.collect()
+    del opt  # no reference cycle: freed at once, before any collection by the garbage collector
     assert not any("_compiled_call_impl" in m.__dict__ for m in model.modules())
+    gc.collect()
     assert [len(p._post_accumulate_grad_hooks or ()) for p in model.parameters()] == base
 
 
@@ -414,3 +414,57 @@ def test_a_grad_the_caller_keeps_stays_readable_after_zero_grad(how):
     del kept, g
     opt.zero_grad()
     assert grad_storage(opt).nbytes() == 0, "not released once nothing holds it"
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_forward_patched_on_the_instance_is_the_one_run(when):
+    """accelerate's hooks and user monkeypatches replace a module's forward on the instance: that forward
+    runs, whether it was set before the optimizer covered the layer or after."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    inner = model[0]
+
+    def doubled(x):
+        return 2 * nn.Linear.forward(inner, x)
+
+    if when == "before":
+        inner.forward = doubled
+    opt = flatopt.AdamW(model)
+    if when == "after":
+        inner.forward = doubled
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        expected = model[1](2 * nn.functional.linear(x, inner.weight, inner.bias))
+    out = model(x)
+    torch.testing.assert_close(out, expected, **SAME)
+    out.sum().backward()
+    opt.step()  # the patched layer's gradient arrives by the copying hook
+
+
+def test_a_forward_patched_on_the_class_is_the_one_run(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    opt = flatopt.AdamW(model)
+    original = nn.Linear.forward
+    monkeypatch.setattr(nn.Linear, "forward", lambda self, x: 3 * original(self, x))
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        expected = 3 * nn.functional.linear(3 * nn.functional.linear(x, model[0].weight, model[0].bias),
+                                            model[1].weight, model[1].bias)  # fmt: skip
+    torch.testing.assert_close(model(x), expected, **SAME)
+    del opt
+
+
+def test_a_captured_step_that_fails_lets_go_of_the_gradient_storage(monkeypatch):
+    """capture() holds the gradient storage for the graph it records; when it fails (here: no GPU), the hold
+    is let go, and zero_grad() frees the storage again."""
+    from flatopt import capture
+
+    model = nn.Linear(4, 3)
+    opt = flatopt.AdamW(model)
+    monkeypatch.setattr(capture, "check_capturable", lambda opt: None)  # get past the GPU check on the CPU
+    monkeypatch.setattr(capture.CapturedStep, "_record", lambda self, *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        opt.capture(lambda: None)
+    opt.zero_grad()
+    assert grad_storage(opt).nbytes() == 0, "a failed capture kept holding the storage"

@@ -9,6 +9,7 @@ reads the optimizer's public attributes (``param_groups``, ``state``, ``rule``, 
 """
 
 import warnings
+import weakref
 
 import torch
 
@@ -26,8 +27,13 @@ class Engine:
     devices = ()  # the devices of the trainable parameters
 
     def __init__(self, opt):
-        self.opt = opt
+        self._opt = weakref.ref(opt)  # the optimizer holds its engine: no cycle, so `del opt` frees both at once
         self.cls = type(opt).__name__
+
+    @property
+    def opt(self):
+        """The optimizer this engine works for."""
+        return self._opt()
 
     def build(self):
         """(Re)lay out the trainable parameters: at construction and after add_param_group()."""

@@ -42,6 +42,8 @@ class FlatStepEngine(FlatEngine):
             direct=opt.options.direct_grads,
         )  # fmt: skip
         self.landing.attach()  # for good: also after model.zero_grad() or zero_grad(set_to_none=False)
+        if self.holds > 0:  # laid out anew under a captured step: the new storage is held too
+            self.landing.slots.hold(True)
         params = [p for b in self.buffers for p in b.params]
         if not self.unused_reported:
             self.hooks = [p.register_post_accumulate_grad_hook(self.seen.add) for p in params]
