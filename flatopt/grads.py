@@ -1,33 +1,29 @@
-"""How gradients reach the flat gradient buffers: copied in as autograd produces them.
+"""How gradients reach the flat gradient buffers.
 
-Zeroing the buffers and letting autograd add every new gradient into its ``.grad`` view
-(``zero_grad(set_to_none=False)``) costs a write, then two reads and a write, of every gradient's
-bytes. torch.optim's default, ``zero_grad(set_to_none=True)``, costs nothing there: autograd hands
-over the gradient it computed. flatopt does the same and then copies it in, a read and a write:
+Each parameter has a slot in its buffer (:mod:`flatopt.landing`). The covered layers of the model
+(``nn.Linear``, ``nn.Embedding``) write their gradients into the slots during backward, with the op
+that computes them; every other gradient is born as a tensor of its own and a post-accumulate-grad
+hook copies it into its slot (a read and a write of its bytes), which frees the tensor at once.
 
-* :meth:`GradLanding.release` (``opt.zero_grad()``) sets every ``.grad`` to None, as torch does;
-* autograd gives each parameter its first gradient as a tensor of its own, and a
-  post-accumulate-grad hook copies it into the parameter's view and puts the view back in
-  ``.grad``, which frees the tensor at once (so flatopt holds one gradient beyond its buffers at a
-  time). A second backward pass before the next ``zero_grad()`` (gradient accumulation) adds into
-  the view as usual. The hooks stay registered for the optimizer's life, so a ``.grad`` set to
-  None behind the optimizer's back (``model.zero_grad()``) is handled alike;
+* :meth:`GradLanding.release` (``opt.zero_grad()``) sets every ``.grad`` to None, as torch does,
+  and releases the gradient storage until the next gradient arrives;
+* a second backward pass before the next ``zero_grad()`` (gradient accumulation) adds into the
+  slots, as autograd adds into any existing ``.grad``;
 * :meth:`GradLanding.settle`, run before anything reads the buffers (``step()``,
-  ``clip_grad_norm_()``, ``check_bindings()``), zeroes the view of every parameter whose ``.grad``
+  ``clip_grad_norm_()``, ``check_bindings()``), zeroes the slot of every parameter whose ``.grad``
   is still None (it received no gradient) and copies in any ``.grad`` that is a tensor of its own
   (set by ``p.grad = ...``, or by DistributedDataParallel: a parameter only other ranks used, or
   ``gradient_as_bucket_view=True``), so the buffers hold what zeroing plus accumulation would have
   left.
 
-Between ``zero_grad()`` and ``step()`` a ``.grad`` is therefore None (no gradient yet) or the
-parameter's view holding its gradient, as torch.optim users expect. Inside ``capture()``
+Between ``zero_grad()`` and ``step()`` a ``.grad`` is therefore None (no gradient yet) or a view of
+its slot holding its gradient (a tensor object of its own: never the buffer's own view, so that one
+the caller keeps holds the storage), as torch.optim users expect. Inside ``capture()``
 (``deferred``) the hooks leave the new gradients in the graph's memory pool; after backward the
-optimizer's kernel reads them there and stores them into the views as it steps
+optimizer's kernel reads them there and stores them into the slots as it steps
 (:meth:`GradLanding.settle_gathering`), and those it cannot read in place, or all of them when
 something reads the views before the step (max_grad_norm, a train_step that steps itself, a step
-pre-hook), are copied in
-by settle(), one batched copy per (dtype, device): fewer kernels in the graph, for all the gradients
-alive at once in the pool.
+pre-hook), are copied in by settle(), one batched copy per (dtype, device).
 """
 
 import weakref
@@ -158,7 +154,8 @@ class GradLanding:
         return p.dtype is view.dtype and p.get_device() == view.get_device() and (g is None or g.dtype is view.dtype)
 
     def release(self):
-        """``zero_grad()``: every ``.grad`` to None; the next gradients are copied in."""
+        """``zero_grad()``: every ``.grad`` to None and the storage released; covered layers write the next
+        gradients into their slots, the hooks copy the others in."""
         self.slots.zero_grad(set_to_none=True)  # every .grad to None; the storage released unless held
         self.pooled.clear()
         self.dirty = True

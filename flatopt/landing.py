@@ -118,14 +118,16 @@ class LandingSlots:
             AccumulateGrad does: a temporary and a pass less, one rounding instead of two, not
             bit-identical to torch. Default: False.
 
-    What an optimizer calls: :meth:`install` once (the model; :attr:`covered` then holds the
-    parameters of covered modules); :meth:`zero_grad` for its ``zero_grad()``; :meth:`adopt` in a
-    post-accumulate-grad hook on the other parameters (their gradients are tensors of their own);
-    before anything reads ``buf.grad`` (its step, a norm clip), :meth:`acquire`, then, unless
-    :meth:`all_landed` (O(1)), zero the views of the :meth:`unlanded` parameters whose ``.grad`` is
-    None and copy in the others (:meth:`stale` for a ``.grad`` replaced after landing, O(n));
-    :meth:`hold` around CUDA graphs; :meth:`data_ptr` to notice a buffer that came back at another
-    address. :meth:`owns_grad` tells whether a ``.grad`` is its slot.
+    What the optimizer (:class:`flatopt.grads.GradLanding`) calls: :meth:`install` once (the model;
+    :attr:`covered` then holds the parameters of covered modules); :meth:`zero_grad` for its
+    ``zero_grad()``; :meth:`adopt` in a post-accumulate-grad hook on the other parameters (their
+    gradients are tensors of their own); :meth:`put` whenever it puts a slot into ``.grad``;
+    :meth:`acquire` before anything reads ``buf.grad``; :meth:`owns_grad` to tell a ``.grad`` that is
+    its slot; :attr:`reset_seen` (a landed ``.grad`` set to None behind ``zero_grad()``: look at every
+    ``.grad``); :meth:`hold` around CUDA graphs; :attr:`on_fallback`, called with a covered parameter
+    whose gradient goes torch's way. The optimizer settles by one scan of every ``.grad`` after a
+    ``zero_grad()``; the O(1) counters (:meth:`all_landed`, :meth:`unlanded`, :meth:`stale`) and
+    ``fuse_accumulation`` are not used by it today.
     """
 
     def __init__(self, buffers, *, fuse_accumulation=False):
