@@ -313,10 +313,9 @@ class RecordedBody:
         opt = self.opt
         engine = opt.engine
         grads = engine.landing
-        with self._counting_steps() as steps, engine.recorded():
+        with self._counting_steps() as steps, engine.recorded(), grads.deferring():
             try:
                 grads.release()  # zero_grad(): the gradients are copied in after backward (see flatopt.grads)
-                grads.deferred = True
                 out = self.fn(*self.static)
                 sources = None
                 if steps or not (gather and self.sources) or not engine.gathers():
@@ -340,8 +339,6 @@ class RecordedBody:
             except BaseException:
                 grads.restore()  # launching nothing: a failed recording leaves the stream unusable until it ends
                 raise
-            finally:
-                grads.deferred = False
         return out
 
     def warmup(self, graph_mode, check_sync=False):

@@ -27,6 +27,7 @@ pre-hook), are copied in by settle(), one batched copy per (dtype, device).
 """
 
 import weakref
+from contextlib import contextmanager
 
 import torch
 
@@ -51,7 +52,14 @@ class GradLanding:
     def __init__(self, buffers, *, keep_none=False, names=None, cls="flatopt", module=None, direct=True):
         self.views = {p: view for buf in buffers for p, view in zip(buf.params, buf.grad_views)}
         # the parameters' slots: where covered layers write their gradients, and the storage released by zero_grad()
-        self.slots = LandingSlots(buffers)
+        hook = weakref.WeakMethod(self.hook)  # the slots live on in the modules' patches: no reference back
+
+        def on_fallback(p):
+            method = hook()
+            if method is not None:
+                method(p)
+
+        self.slots = LandingSlots(buffers, on_fallback=on_fallback)
         self.module = module  # the model to cover (direct=True): its covered layers write into the slots
         self.direct = direct
         # where each parameter's data lives in these buffers: a hook does nothing for a parameter that another
@@ -121,16 +129,18 @@ class GradLanding:
         self._land = land
         self.hooked = {p for p in self.views if p not in self.slots.covered}
         self.handles = [p.register_post_accumulate_grad_hook(land) for p in self.hooked]
-        hook = weakref.WeakMethod(self.hook)  # the slots live on in the modules' patches: no reference back
-
-        def on_fallback(p):
-            method = hook()
-            if method is not None:
-                method(p)
-
-        self.slots.on_fallback = on_fallback
         # once the landing is gone, its hooks go too: they hold the views, and so the gradient buffer
         self._finalizer = weakref.finalize(self, _remove, self.handles)
+
+    @contextmanager
+    def deferring(self):
+        """Inside capture(): the hooks leave each new gradient where autograd put it (the graph's pool), for
+        settle_gathering() or one batched copy by settle() after backward."""
+        self.deferred = True
+        try:
+            yield
+        finally:
+            self.deferred = False
 
     def hook(self, p):
         """Give covered parameter ``p`` the copying hook (once): its gradients arrive as tensors of their own."""
@@ -140,7 +150,6 @@ class GradLanding:
             self.handles.append(handle)  # the finalizer's list: removed with the others
 
     def detach(self):
-        self.slots.on_fallback = None
         self.slots.uninstall()
         if self._finalizer is not None:
             self._finalizer()  # removes the hooks, once
@@ -251,7 +260,7 @@ class GradLanding:
     def apply(self, plan):
         zero, copy = plan
         self.dirty = False
-        self.slots.reset_seen = False
+        self.slots.settled()
         self.pooled.clear()
         if not zero and not copy:
             return

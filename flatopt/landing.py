@@ -117,6 +117,8 @@ class LandingSlots:
             with beta=1, ``index_add_``) rather than computing the gradient and adding it as
             AccumulateGrad does: a temporary and a pass less, one rounding instead of two, not
             bit-identical to torch. Default: False.
+        on_fallback (Callable, optional): called with a covered parameter whose gradient goes
+            torch's way (a tensor hook on it, ``create_graph=True``, compiled autograd).
 
     What the optimizer (:class:`flatopt.grads.GradLanding`) calls: :meth:`install` once (the model;
     :attr:`covered` then holds the parameters of covered modules); :meth:`zero_grad` for its
@@ -124,13 +126,13 @@ class LandingSlots:
     gradients are tensors of their own); :meth:`put` whenever it puts a slot into ``.grad``;
     :meth:`acquire` before anything reads ``buf.grad``; :meth:`owns_grad` to tell a ``.grad`` that is
     its slot; :attr:`reset_seen` (a landed ``.grad`` set to None behind ``zero_grad()``: look at every
-    ``.grad``); :meth:`hold` around CUDA graphs; :attr:`on_fallback`, called with a covered parameter
-    whose gradient goes torch's way. The optimizer settles by one scan of every ``.grad`` after a
-    ``zero_grad()``; the O(1) counters (:meth:`all_landed`, :meth:`unlanded`, :meth:`stale`) and
+    ``.grad``, then :meth:`settled`); :meth:`hold` around CUDA graphs; ``on_fallback`` (an argument),
+    called with a covered parameter whose gradient goes torch's way. The optimizer settles by one
+    scan of every ``.grad`` after a ``zero_grad()``; the O(1) counters (:meth:`all_landed`, :meth:`unlanded`, :meth:`stale`) and
     ``fuse_accumulation`` are not used by it today.
     """
 
-    def __init__(self, buffers, *, fuse_accumulation=False):
+    def __init__(self, buffers, *, fuse_accumulation=False, on_fallback=None):
         buffers = list(buffers)
         if not buffers:
             raise ValueError("LandingSlots needs at least one FlatBuffer")
@@ -166,7 +168,7 @@ class LandingSlots:
         self._baseline = [_storage_use_count(st._cdata) if _storage_use_count else None for st in self._storages]
         self._patches = []  # (weak module, the installed call)
         self.covered = set()  # parameters of covered modules (the others land by adopt() only)
-        self.on_fallback = None  # called with a covered parameter whose gradient goes torch's way this time
+        self.on_fallback = on_fallback  # called with a covered parameter whose gradient goes torch's way
         self._finalizer = weakref.finalize(self, _remove_patches, self._patches)
 
     @staticmethod
@@ -379,6 +381,10 @@ class LandingSlots:
         s.grad = out
         s.task = torch._C._current_graph_task_id()
         return None
+
+    def settled(self):
+        """The optimizer has looked at every ``.grad`` since a landed one was found None again."""
+        self.reset_seen = False
 
     def put(self, p):
         """Make ``p.grad`` a view of its slot: a tensor object of its own (never the buffer's own view), so

@@ -7,6 +7,7 @@ torch.optim; ``.grad`` set to None or replaced behind the optimizer's back is se
 no gradient outlives its hook; the hooks neither pile up nor outlive their optimizer.
 """
 
+import contextlib
 import copy
 import gc
 import re
@@ -549,13 +550,12 @@ def test_deferred_landing_copies_every_gradient_at_settle():
     x = [torch.randn(3, 4) for _ in range(2)]
     for m, o, deferred in ((models[0], opts[0], True), (models[1], opts[1], False)):
         o.zero_grad()
-        flatopt.inspect(o).landing.deferred = deferred
-        for xi in x:
-            loss(m, xi).backward()
-        if deferred:
-            assert not any(p.grad.untyped_storage().data_ptr() == b.grad.untyped_storage().data_ptr()
-                           for p in m.parameters() for b in flatopt.inspect(o).buffers), "copied early"  # fmt: skip
-        flatopt.inspect(o).landing.deferred = False
+        with flatopt.inspect(o).landing.deferring() if deferred else contextlib.nullcontext():
+            for xi in x:
+                loss(m, xi).backward()
+            if deferred:
+                assert not any(p.grad.untyped_storage().data_ptr() == b.grad.untyped_storage().data_ptr()
+                               for p in m.parameters() for b in flatopt.inspect(o).buffers), "copied early"  # fmt: skip
         o.step()
     for b, c in zip(flatopt.inspect(opts[0]).buffers, flatopt.inspect(opts[1]).buffers):
         assert torch.equal(b.grad, c.grad)
