@@ -25,7 +25,8 @@ weight decay, zero_grad() with torch's default set_to_none=True before every for
     torch-fused     torch.optim.AdamW(fused=True)
     torch-foreach   torch.optim.AdamW(foreach=True), torch's default on CUDA
     torch-default   torch.optim.AdamW() (CPU only: the for-loop implementation)
-    flatopt         flatopt.AdamW(model), eager
+    flatopt-hooks   flatopt.AdamW(model, direct_grads=False), eager: every gradient copied in by hook
+    flatopt         flatopt.AdamW(model), eager: covered layers write their gradients into the flat buffer
 
 Two phases per model. Alone: each implementation on a fresh model with nothing else on the device; the peak
 memory of its training (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` before the model is

@@ -152,8 +152,8 @@ CASES = (
     ),
     Case(
         "flatopt",
-        "flatopt.AdamW(model), step mode: zero_grad() (.grad None; hooks copy gradients into the buffer), forward, "
-        "backward, step()",
+        "flatopt.AdamW(model), step mode: zero_grad() (.grad None, the gradient storage released), forward, "
+        "backward (covered layers write their gradients into the buffer, hooks copy the others), step()",
         ours=True,
     ),
     Case(

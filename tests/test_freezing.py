@@ -1,6 +1,6 @@
 """Freezing a parameter after the optimizer was created. torch.optim skips a parameter whose .grad is
-None; flatopt's gradient views never are None, so it refuses to go on silently stepping a frozen
-parameter (unless skip_unused=True, which steps only parameters that received a gradient)."""
+None; flatopt settles a None .grad into a zeroed view at every step, so it refuses to go on silently stepping a
+frozen parameter (unless skip_unused=True, which steps only parameters that received a gradient)."""
 
 import copy
 import warnings
