@@ -5,7 +5,8 @@ storage; covered layers write their gradients into their slots and a hook copies
 gradient in (tests/test_direct_grads.py covers the covered layers through the optimizer);
 ``zero_grad(set_to_none=False)`` zeroes the buffer and autograd adds into the views. Both must leave
 the same buffers and train the same, bit for bit, and match torch.optim; ``.grad`` set to None or
-replaced behind the optimizer's back is settled at the step; no gradient outlives its hook; the hooks neither pile up nor outlive their optimizer.
+replaced behind the optimizer's back is settled at the step; no gradient outlives its hook; the
+hooks neither pile up nor outlive their optimizer.
 """
 
 import contextlib
