@@ -1044,9 +1044,13 @@ def output_path(args, kind):
 
 # ------------------------------------------------------------------------------------------- main tail
 def main(argv, parse_args, run, markdown):
-    """Every benchmark's main(): parse; --report prints a stored result's tables; otherwise ``run(args, argv)``
-    (on the CPU with one thread, see cpu_threads) and return its exit status."""
-    args = parse_args(argv)
+    """Every benchmark's main(): parse (bad arguments: argparse's message and exit status 2, returned); --report
+    prints a stored result's tables; otherwise ``run(args, argv)`` (on the CPU with one thread, see cpu_threads)
+    and return its exit status."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return e.code
     if getattr(args, "report", None) is not None:
         print(markdown(json.loads(Path(args.report).read_text())), end="")
         return 0

@@ -242,12 +242,7 @@ def markdown(record):
 
 
 def main(argv=None):
-    try:
-        args = parse_args(argv)
-    except SystemExit as e:
-        return e.code
-    with harness.cpu_threads(args.device):
-        return run(args, argv)
+    return harness.main(argv, parse_args, run, markdown)
 
 
 def run(args, argv):
