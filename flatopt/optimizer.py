@@ -55,6 +55,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             params = list(params.parameters())
         self.names = Names(by_name, [])
         self.rule.check(defaults)
+        if self.rule.check_args is not None:
+            self.rule.check_args(defaults)
         self.hparams = HParamTable(self.rule.row, self.rule.check, self.rule.lr_column)
         super().__init__(params, defaults)
         self.names.param_groups = self.param_groups

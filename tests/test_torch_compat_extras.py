@@ -742,3 +742,41 @@ def test_step_without_torchs_hook_tables_is_left_for_torch_to_wrap(monkeypatch):
     assert calls == ["pre", "post", "pre", "post"]
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "betas",
+    [(0.9, torch.tensor(0.99)), (torch.tensor(0.9), 0.99), (0, 0.99)],
+    ids=["float-tensor", "tensor-float", "int"],
+)
+def test_constructor_betas_of_mixed_kinds_are_refused_as_torch_refuses_them(betas):
+    """torch.optim.AdamW wants its constructor's betas both floats or both tensors (an int is neither)."""
+    with pytest.raises(ValueError) as expected:
+        torch.optim.AdamW(nn.Linear(2, 2).parameters(), betas=betas)
+    model = nn.Linear(2, 2)
+    before = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ValueError, match=re.escape(str(expected.value))):
+        flatopt.AdamW(model, betas=betas)
+    assert [p.data_ptr() for p in model.parameters()] == before, "the failed constructor rebound parameters"
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_sgd_without_momentum_keeps_no_state_as_torch(flat):
+    """torch.optim.SGD with momentum=0 keeps no state entry for any parameter; one appears with the momentum
+    buffer once a group turns momentum on."""
+    torch.manual_seed(0)
+    model, ref = nn.Linear(3, 2), nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    opt = flatopt.SGD(model, lr=0.1, flat=flat)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for momentum in (0.0, 0.0, 0.9, 0.9):
+        for o in (opt, opt_ref):
+            o.param_groups[0]["momentum"] = momentum
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad()
+            m(torch.ones(4, 3)).sum().backward()
+            o.step()
+        assert len(opt.state) == len(opt_ref.state), f"momentum {momentum}: {dict(opt.state)}"
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert set(opt.state.get(p, {})) == set(opt_ref.state.get(q, {}))
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

@@ -146,7 +146,7 @@ class FlatEngine(Engine):
         self.frozen = [p for group in opt.param_groups for p in group["params"] if not p.requires_grad]
         for buf in buffers:
             for i, p in enumerate(buf.params):
-                opt.state[p] = self.state_of(buf, i)
+                self.put_state(p, buf, i)
             self.refresh_uniform(buf)
         opt.hparams.invalidate()
         self.step_graph = StepGraph()  # graphs of the old layout read its freed tables: never replay them
@@ -158,6 +158,15 @@ class FlatEngine(Engine):
         if self.opt.rule.exported_step:
             state = {"step": buf.meta.steps[i], **state}
         return state
+
+    def put_state(self, p, buf, i):
+        """``opt.state[p]`` as views into the buffers; no entry where there is no state (SGD without
+        momentum), as torch.optim keeps none."""
+        state = self.state_of(buf, i)
+        if state:
+            self.opt.state[p] = state
+        else:
+            self.opt.state.pop(p, None)
 
     def steps_by_param(self):
         return {p: buf.meta.steps[i] for buf in self.buffers for i, p in enumerate(buf.params)}
@@ -204,7 +213,7 @@ class FlatEngine(Engine):
                 buf.meta.steps[first] = 0.0
             if missing:
                 for i, p in enumerate(buf.params):
-                    opt.state[p] = self.state_of(buf, i)
+                    self.put_state(p, buf, i)
             if missing or first:
                 self.refresh_uniform(buf)
 

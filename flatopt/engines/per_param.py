@@ -72,7 +72,7 @@ class PerParamEngine(Engine):
         """``p``'s StepMeta and the flat (1-D) views of its parameter, gradient and states, creating them
         at its first step."""
         opt = self.opt
-        state = opt.state[p]
+        state = opt.state.get(p, {})  # no entry where there is no state (SGD without momentum), as in torch.optim
         meta = self.metas.get(p)
         if meta is None:
             dev = p.device
@@ -94,6 +94,8 @@ class PerParamEngine(Engine):
                 meta.steps.zero_()
         if opt.rule.exported_step:
             state["step"] = meta.steps[0]
+        if state:
+            opt.state[p] = state
         tensors = [p, p.grad] + [state.get(n) for n in opt.rule.state_names]
         flat = [None if t is None else t.as_strided((t.numel(),), (1,), t.storage_offset()) for t in tensors]
         return meta, flat

@@ -34,6 +34,14 @@ def check(group):
         raise ValueError("flatopt.AdamW does not implement amsgrad; use torch.optim.AdamW(amsgrad=True)")
 
 
+def check_args(defaults):
+    """torch.optim.AdamW's check of its constructor's betas (not of later param groups): both floats or both
+    tensors."""
+    b1, b2 = defaults["betas"]
+    if not ((isinstance(b1, float) and isinstance(b2, float)) or (torch.is_tensor(b1) and torch.is_tensor(b2))):
+        raise ValueError("betas must be either both floats or both Tensors")
+
+
 def one_minus_pow(log_beta, t):
     """1 - beta**t from log(beta), in float64."""
     return -torch.expm1(torch.as_tensor(t, dtype=torch.float64) * torch.as_tensor(log_beta, dtype=torch.float64))
@@ -75,4 +83,5 @@ ADAMW = Rule(
     math=adamw_math,
     state_names=("exp_avg", "exp_avg_sq"),
     exported_step=True,
+    check_args=check_args,
 )

@@ -31,6 +31,8 @@ class Rule:
         exported_step (bool): whether torch's state for this optimizer holds a ``step``.
         state_used (Callable[[str, dict], bool] or None): whether a param group uses a state (None: every
             group uses every state).
+        check_args (Callable[[dict], None] or None): what torch checks of the constructor's arguments only
+            (not of later param groups), after ``check``.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Rule:
     state_names: tuple
     exported_step: bool = False
     state_used: Callable | None = None
+    check_args: Callable | None = None
 
     def __post_init__(self):
         if len(set(self.columns)) != len(self.columns) or "lr" not in self.columns:
