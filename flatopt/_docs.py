@@ -69,10 +69,11 @@ NOTES = """
 
     The implementation options of torch.optim (or lion-pytorch) named above are taken for
     drop-in use at the values that change nothing and refused, with the reason, at any other.
-    They are not stored in the parameter groups: ``state_dict()`` carries none of them, and
-    torch.optim fills in its own defaults when it loads one; those a torch.optim state dict
-    records (``foreach``, ``fused``, ...) are kept in the groups, saved again, and change nothing
-    (but AdamW refuses ``amsgrad=True``).
+    The parameter groups carry torch.optim's keys (``foreach``, ``fused``, ``differentiable``, and
+    for AdamW ``capturable``, ``amsgrad``, ``decoupled_weight_decay``) at torch's defaults, whatever
+    was passed, so that code reading them works and a torch.optim optimizer loading flatopt's state
+    dict keeps its own defaults; those a torch.optim state dict records are kept in the groups,
+    saved again, and change nothing (but AdamW refuses ``amsgrad=True``).
 
     Checkpoints: the optimizer object cannot be pickled or copied (``copy.deepcopy``,
     ``torch.save(opt)``): with ``flat=True`` its tensors are views into buffers shared with the

@@ -57,6 +57,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self.rule.check(defaults)
         if self.rule.check_args is not None:
             self.rule.check_args(defaults)
+        defaults = {**defaults, **dict(self.rule.torch_keys)}  # torch.optim's keys, at values that change nothing
         self.hparams = HParamTable(self.rule.row, self.rule.check, self.rule.lr_column)
         super().__init__(params, defaults)
         self.names.param_groups = self.param_groups

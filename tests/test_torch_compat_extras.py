@@ -381,14 +381,19 @@ ACCEPTED = {
     "name,options", [(n, o) for n, opts in ACCEPTED.items() for o in opts], ids=lambda v: str(v).replace(" ", "")
 )
 def test_options_that_change_nothing_are_taken(name, options):
-    """Taken, ignored, and not stored: the groups, defaults, state dict and steps are those of an
-    optimizer created without them."""
+    """Taken and ignored: the groups carry torch.optim's keys at torch's defaults whatever was passed (so
+    that code reading them works and a torch.optim loading the state dict keeps its own defaults), and the
+    groups, defaults, state dict and steps are those of an optimizer created without them."""
     cls, _, kw = OPTIMIZERS[name]
     model, twin = make_model(), make_model()
     opt, plain = cls(model, **kw, **options), cls(twin, **kw)
     assert opt.defaults == plain.defaults
+    neutral = dict(cls.rule.torch_keys)  # none for Lion: lion-pytorch keeps its options out of the groups
     for key in options:
-        assert key not in opt.defaults and all(key not in g for g in opt.param_groups)
+        if key in neutral:
+            assert opt.defaults[key] == neutral[key] and all(g[key] == neutral[key] for g in opt.param_groups)
+        else:
+            assert key not in opt.defaults and all(key not in g for g in opt.param_groups)
     train(model, opt, 3)
     train(twin, plain, 3)
     assert_values(model, values(twin))
@@ -510,9 +515,10 @@ def test_options_this_optimizer_does_not_have_are_type_errors_as_in_torch(name, 
 @pytest.mark.parametrize("name", ["AdamW", "SGD"])
 @pytest.mark.parametrize("direction", ["flatopt_to_torch", "torch_to_flatopt"])
 def test_state_dict_round_trip_with_options(name, direction):
-    """flatopt's state dict carries none of the options, so torch.optim loads it with its own defaults
-    (fused or capturable asked of flatopt does not make torch.optim's CPU step fused or capturable);
-    torch.optim's state dict carries its options, which flatopt keeps in the groups and saves again."""
+    """flatopt's state dict carries torch.optim's option keys at torch's defaults, so torch.optim loads it with
+    its own defaults (fused or capturable asked of flatopt does not make torch.optim's CPU step fused or
+    capturable); torch.optim's state dict carries its options, which flatopt keeps in the groups and saves
+    again."""
     cls, torch_cls, kw = OPTIMIZERS[name]
     model, ref = make_model(), make_model()
     flat_kw = dict(fused=True, capturable=True) if name == "AdamW" else dict(fused=True)
@@ -525,7 +531,8 @@ def test_state_dict_round_trip_with_options(name, direction):
         target = torch_cls(target_model.parameters(), **kw)
         target_model.load_state_dict(model.state_dict())
         sd = ours.state_dict()
-        assert not {"foreach", "fused", "capturable", "differentiable", "amsgrad"} & set(sd["param_groups"][0])
+        carried = {k: v for k, v in sd["param_groups"][0].items() if k in dict(cls.rule.torch_keys)}
+        assert carried == dict(cls.rule.torch_keys), carried
         target.load_state_dict(sd)
         group = target.param_groups[0]
         assert group["foreach"] is None and group["fused"] in (None, False) and group["differentiable"] is False
@@ -780,3 +787,14 @@ def test_sgd_without_momentum_keeps_no_state_as_torch(flat):
         for p, q in zip(model.parameters(), ref.parameters()):
             assert set(opt.state.get(p, {})) == set(opt_ref.state.get(q, {}))
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_param_groups_have_torchs_keys(name):
+    """Code that reads opt.param_groups[0]["foreach"] (or fused, differentiable, ...) works as with torch.optim:
+    every key torch's group has, flatopt's has."""
+    cls, torch_cls, kw = OPTIMIZERS[name]
+    ours, theirs = cls(make_model(), **kw), torch_cls(make_model().parameters(), **kw)
+    assert set(ours.param_groups[0]) == set(theirs.param_groups[0])
+    ours.add_param_group({"params": [nn.Parameter(torch.randn(3))]})
+    assert set(ours.param_groups[1]) == set(theirs.param_groups[0])

@@ -84,4 +84,8 @@ ADAMW = Rule(
     state_names=("exp_avg", "exp_avg_sq"),
     exported_step=True,
     check_args=check_args,
+    torch_keys=(
+        ("foreach", None), ("fused", None), ("capturable", False), ("differentiable", False), ("amsgrad", False),
+        ("decoupled_weight_decay", True),
+    ),  # fmt: skip
 )

@@ -33,6 +33,10 @@ class Rule:
             group uses every state).
         check_args (Callable[[dict], None] or None): what torch checks of the constructor's arguments only
             (not of later param groups), after ``check``.
+        torch_keys (tuple[tuple[str, object], ...]): the implementation keys torch.optim keeps in each param
+            group (``foreach``, ``fused``, ...), with torch's defaults: carried in flatopt's groups so that code
+            reading them works, and neutral for a torch.optim optimizer that loads flatopt's state dict. flatopt
+            steps the same whatever they say.
     """
 
     name: str
@@ -45,6 +49,7 @@ class Rule:
     exported_step: bool = False
     state_used: Callable | None = None
     check_args: Callable | None = None
+    torch_keys: tuple = ()
 
     def __post_init__(self):
         if len(set(self.columns)) != len(self.columns) or "lr" not in self.columns:

@@ -52,4 +52,5 @@ SGD = Rule(
     math=sgd_math,
     state_names=("momentum_buffer",),
     state_used=lambda name, group: group["momentum"] != 0,
+    torch_keys=(("foreach", None), ("fused", None), ("differentiable", False)),
 )
