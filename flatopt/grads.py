@@ -60,6 +60,8 @@ class GradLanding:
                 method(p)
 
         self.slots = LandingSlots(buffers, on_fallback=on_fallback)
+        # (parameter, view, slot) for settling's scan: one attribute read and two identity tests per parameter
+        self.entries = [(p, view, self.slots.slot_of(p)) for p, view in self.views.items()]
         self.module = module  # the model to cover (direct=True): its covered layers write into the slots
         self.direct = direct
         # where each parameter's data lives in these buffers: a hook does nothing for a parameter that another
@@ -237,13 +239,12 @@ class GradLanding:
 
     def plan(self):
         """What settle() does, checked but not done: ((param, view) to zero, (param, view, tensor or None)
-        to copy). One identity test per parameter when every ``.grad`` is its view (step() runs it
-        when needs_settling() says so)."""
+        to copy). Two or three identity tests per parameter when every ``.grad`` is in its slot (step()
+        runs it when needs_settling() says so)."""
         zero, copy = [], []
-        owns = self.slots.owns_grad
-        for p, view in self.views.items():
+        for p, view, slot in self.entries:
             g = p.grad
-            if g is view or (g is not None and owns(p)):  # in place (a covered layer wrote it into its slot)
+            if g is not None and (g is slot.grad or g is view):  # in place: a covered layer's, or settled
                 continue
             if not self._fits(p, g, view):
                 continue  # the parameter moved or was cast: check_bindings() raises for it

@@ -195,6 +195,10 @@ class LandingSlots:
         s = self._get(p)
         return None if s is None else (self.buffers[s.b], s.index, s.start)
 
+    def slot_of(self, p):
+        """``p``'s slot object (its ``grad`` is the tensor this module last put into ``.grad``), or None."""
+        return self._get(p)
+
     def owns_grad(self, p):
         """Whether ``p.grad`` is a view of its slot put there by this module (or the buffer's own view)."""
         s = self._get(p)

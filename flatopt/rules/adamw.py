@@ -85,7 +85,11 @@ ADAMW = Rule(
     exported_step=True,
     check_args=check_args,
     torch_keys=(
-        ("foreach", None), ("fused", None), ("capturable", False), ("differentiable", False), ("amsgrad", False),
+        ("foreach", None),
+        ("fused", None),
+        ("capturable", False),
+        ("differentiable", False),
+        ("amsgrad", False),
         ("decoupled_weight_decay", True),
     ),  # fmt: skip
 )
