@@ -159,7 +159,7 @@ class LandingSlots:
                 slots.append(s)
             self._by_buffer.append(slots)
             self._count.append(0)
-            self._pads.append(self._padding(buf))
+            self._pads.append(buf.padding(buf.grad))
             st = buf.grad.untyped_storage()
             self._storages.append(st)
             self._nbytes.append(st.nbytes())
@@ -170,18 +170,6 @@ class LandingSlots:
         self.covered = set()  # parameters of covered modules (the others land by adopt() only)
         self.on_fallback = on_fallback  # called with a covered parameter whose gradient goes torch's way
         self._finalizer = weakref.finalize(self, _remove_patches, self._patches)
-
-    @staticmethod
-    def _padding(buf):
-        """Views of the elements between parameters and after the last one (must stay zero)."""
-        pads, end = [], 0
-        for start, p in sorted(zip(buf.starts, buf.params), key=lambda t: t[0]):
-            if start > end:
-                pads.append(buf.grad[end:start])
-            end = start + p.numel()
-        if buf.grad.numel() > end:
-            pads.append(buf.grad[end:])
-        return pads
 
     def _get(self, p):
         """``p``'s slot, or None."""

@@ -119,6 +119,18 @@ class FlatBuffer:
         self.states[name] = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self.state_views[name] = [self.view(self.states[name], i) for i in range(len(self.params))]
 
+    def padding(self, flat):
+        """Views of ``flat`` (one of this buffer's flat tensors) between parameters and after the last one:
+        the alignment padding, which must stay zero."""
+        pads, end = [], 0
+        for start, p in sorted(zip(self.starts, self.params), key=lambda t: t[0]):
+            if start > end:
+                pads.append(flat[end:start])
+            end = start + p.numel()
+        if flat.numel() > end:
+            pads.append(flat[end:])
+        return pads
+
     def view(self, flat, i):
         """The view of parameter ``i`` in ``flat``, with the parameter's shape and strides."""
         p = self.params[i]

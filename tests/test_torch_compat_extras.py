@@ -798,3 +798,30 @@ def test_param_groups_have_torchs_keys(name):
     assert set(ours.param_groups[0]) == set(theirs.param_groups[0])
     ours.add_param_group({"params": [nn.Parameter(torch.randn(3))]})
     assert set(ours.param_groups[1]) == set(theirs.param_groups[0])
+
+
+# the Triton interpreter (numpy) warns of the padding's 0 / 0, which is the case under test
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+@pytest.mark.parametrize("mode", [{}, {"in_backward": True}], ids=["step", "in_backward"])
+def test_eps_zero_keeps_the_padding_zero(backend, mode):
+    """eps=0 (accepted, as by torch): a padding element's update is 0 / 0, so the engines zero the padding again
+    after the step; the parameters still follow torch.optim.AdamW(eps=0)."""
+    from conftest import device_for
+
+    device = device_for(backend)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)).to(device)
+    ref = copy.deepcopy(model)
+    opt = flatopt.AdamW(model, lr=1e-2, eps=0.0, backend=backend, **mode)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=0.0)
+    for _ in range(3):
+        x = torch.randn(4, 3, device=device)
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad()
+            m(x).sum().backward()
+            o.step()
+    for buf in flatopt.inspect(opt).buffers:
+        for pad in buf.padding(buf.data):
+            assert not pad.any() and not torch.isnan(pad).any(), "the padding is not zero"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -62,7 +62,18 @@ class Engine:
     def refresh_hparams(self):
         """Bring the device tables of hyper-parameters up to date with ``param_groups``."""
         opt = self.opt
-        opt.hparams.refresh(opt.param_groups, self.devices, on_change=self.ensure_states)
+        if opt.hparams.refresh(opt.param_groups, self.devices, on_change=self.ensure_states):
+            stay = opt.rule.zeros_stay_zero
+            self.padding_at_risk = stay is not None and not all(stay(g) for g in opt.param_groups)
+
+    padding_at_risk = False  # a group's update can turn the zero padding into NaN (see Rule.zeros_stay_zero)
+    data_padding = ()  # views of the flat parameter buffers' alignment padding
+
+    def keep_padding_zero(self):
+        """After a step whose update can turn zeros into NaN (AdamW with eps=0): zero the parameters'
+        alignment padding again (one batched op), so that it stays zero."""
+        if self.padding_at_risk and self.data_padding:
+            torch._foreach_zero_(self.data_padding)
 
     def ensure_states(self):
         """Allocate the states a group starts to use (SGD's momentum buffer once momentum is turned on)."""
@@ -143,6 +154,7 @@ class FlatEngine(Engine):
             buffers.append(buf)
         self.buffers = buffers
         self.devices = list(dict.fromkeys(b.device for b in buffers))
+        self.data_padding = [pad for buf in buffers for pad in buf.padding(buf.data)]
         self.frozen = [p for group in opt.param_groups for p in group["params"] if not p.requires_grad]
         for buf in buffers:
             for i, p in enumerate(buf.params):

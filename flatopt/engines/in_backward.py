@@ -353,6 +353,7 @@ class InBackwardEngine(FlatEngine):
         for b in self.buckets:
             if not b.done and (b.arrived or not opt.skip_unused):
                 self._step(b, partial=True)
+        self.keep_padding_zero()  # every bucket of the pass is stepped by now
 
     def _step(self, bucket, partial=False):
         opt, buf = self.opt, bucket.buf

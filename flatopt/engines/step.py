@@ -155,6 +155,7 @@ class FlatStepEngine(FlatEngine):
             self.step_graph.run_keyed(key, launch)
         else:
             launch()
+        self.keep_padding_zero()
         return loss
 
     def graph_usable(self):

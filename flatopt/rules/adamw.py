@@ -92,4 +92,5 @@ ADAMW = Rule(
         ("amsgrad", False),
         ("decoupled_weight_decay", True),
     ),  # fmt: skip
+    zeros_stay_zero=lambda group: group["eps"] > 0,  # with eps=0 the padding's update is 0 / 0
 )

@@ -37,6 +37,9 @@ class Rule:
             group (``foreach``, ``fused``, ...), with torch's defaults: carried in flatopt's groups so that code
             reading them works, and neutral for a torch.optim optimizer that loads flatopt's state dict. flatopt
             steps the same whatever they say.
+        zeros_stay_zero (Callable[[dict], bool] or None): whether a param group's update keeps a zero parameter
+            with a zero gradient and zero states at zero (None: always); where it does not (AdamW with
+            ``eps=0``: 0/0), the engines zero the buffers' alignment padding after the step.
     """
 
     name: str
@@ -50,6 +53,7 @@ class Rule:
     state_used: Callable | None = None
     check_args: Callable | None = None
     torch_keys: tuple = ()
+    zeros_stay_zero: Callable | None = None
 
     def __post_init__(self):
         if len(set(self.columns)) != len(self.columns) or "lr" not in self.columns:
