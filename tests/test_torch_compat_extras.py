@@ -825,3 +825,27 @@ def test_eps_zero_keeps_the_padding_zero(backend, mode):
             assert not pad.any() and not torch.isnan(pad).any(), "the padding is not zero"
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_from_before_the_optimizer_count_as_received():
+    """A backward before the optimizer exists leaves gradients that the first step uses: the unused-parameter
+    warning names only parameters that had none."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    model[0](torch.randn(4, 3)).sum().backward()  # model[1] gets no gradient
+    opt = flatopt.AdamW(model)
+    with pytest.warns(UserWarning, match="received no gradient") as record:
+        opt.step()
+    message = str(record[0].message)
+    assert "'1.weight'" in message and "'1.bias'" in message and "'0." not in message, message
+
+
+def test_a_post_accumulate_grad_hook_returning_a_value_fails_as_in_torch():
+    messages = []
+    for make in (lambda m: torch.optim.AdamW(m.parameters()), flatopt.AdamW):
+        model = nn.Linear(3, 2)
+        make(model)
+        model.weight.register_post_accumulate_grad_hook(lambda p: 1)
+        with pytest.raises(Exception) as caught:
+            model(torch.randn(2, 3)).sum().backward()
+        messages.append((type(caught.value), str(caught.value)))
+    assert messages[0] == messages[1]

@@ -117,9 +117,10 @@ class FlatEngine(Engine):
     def detach(self):
         """Before a re-layout: remove what holds on to the old buffers."""
 
-    def attach(self, without_grad):
+    def attach(self, without_grad, with_grad):
         """After a layout: connect gradients to the new buffers. ``without_grad``: the parameters whose
-        ``.grad`` was None before the layout (under skip_unused, they stay None)."""
+        ``.grad`` was None before the layout (under skip_unused, they stay None); ``with_grad``: those
+        that had a gradient (it was copied into the buffer)."""
 
     def build(self):
         """(Re)lay out every trainable parameter into flat buffers, keeping values, grads and state."""
@@ -137,6 +138,7 @@ class FlatEngine(Engine):
                     members[key][1].append(gi)
         old_steps = {p: float(s) for p, s in self.steps_by_param().items()}
         self.detach()
+        with_grad = [p for ps, _ in members.values() for p in ps if p.grad is not None]
         without_grad = [p for ps, _ in members.values() for p in ps if p.grad is None] if opt.skip_unused else []
         buffers = []
         for key in keys:
@@ -162,7 +164,7 @@ class FlatEngine(Engine):
             self.refresh_uniform(buf)
         opt.hparams.invalidate()
         self.step_graph = StepGraph()  # graphs of the old layout read its freed tables: never replay them
-        self.attach(without_grad)
+        self.attach(without_grad, with_grad)
 
     def state_of(self, buf, i):
         """torch.optim's per-parameter state, as views into the flat buffers."""

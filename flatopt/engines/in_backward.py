@@ -145,7 +145,7 @@ class InBackwardEngine(FlatEngine):
         order = sorted(range(len(params)), key=lambda i: not is_large(params[i], self.bucket_size))
         return [params[i] for i in order], [groups[i] for i in order]
 
-    def attach(self, without_grad):
+    def attach(self, without_grad, with_grad):
         self.buckets = [b for buf in self.buffers for b in make_buckets(buf, self.bucket_size)]
         self.bucket_of, self.index_of = {}, {}
         for b in self.buckets:

@@ -34,7 +34,7 @@ class FlatStepEngine(FlatEngine):
         if self.landing is not None:
             self.landing.detach()
 
-    def attach(self, without_grad):
+    def attach(self, without_grad, with_grad):
         opt = self.opt
         module = opt.model() if opt.model is not None else None
         self.landing = GradLanding(
@@ -46,6 +46,7 @@ class FlatStepEngine(FlatEngine):
             self.landing.slots.hold(True)
         params = [p for b in self.buffers for p in b.params]
         if not self.unused_reported:
+            self.seen.update(with_grad)  # a gradient from before the layout is one received
             self.hooks = [p.register_post_accumulate_grad_hook(self.seen.add) for p in params]
             # a covered layer makes dense gradients, and a tensor hook would send its parameter the copying way
             covered = self.landing.slots.covered
