@@ -138,7 +138,7 @@ class CheckpointMixin:
 
         # Checked: now change things.
         for group, saved in zip(groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+            group.update({k: v for k, v in saved.items() if k != "params"})  # param_names too, as torch.optim
         self.hparams.invalidate()
         placed = self.engine.load(parsed)
         for p in list(self.state):

@@ -849,3 +849,21 @@ def test_a_post_accumulate_grad_hook_returning_a_value_fails_as_in_torch():
             model(torch.randn(2, 3)).sum().backward()
         messages.append((type(caught.value), str(caught.value)))
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("saved_with_names", [True, False])
+def test_param_names_of_a_loaded_state_dict_are_taken_as_torch_takes_them(saved_with_names):
+    """torch.optim takes the param_names a loaded state dict has (they replace the optimizer's) and keeps its own
+    where it has none."""
+    groups = []
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: flatopt.AdamW(ps, lr=1e-2)):
+        source_model, target_model = make_model(), make_model()
+        named = list(source_model.named_parameters())
+        source = make(named if saved_with_names else [p for _, p in named])
+        train(source_model, source, 1)
+        target = make([(f"other.{n}", p) for n, p in target_model.named_parameters()])
+        target.load_state_dict(source.state_dict())
+        groups.append(target.param_groups[0].get("param_names"))
+    assert groups[0] == groups[1]
+    expected = [n for n, _ in make_model().named_parameters()]
+    assert groups[1] == (expected if saved_with_names else [f"other.{n}" for n in expected])
