@@ -1023,11 +1023,14 @@ def parser(doc, budget_s, report=True):
     return p
 
 
-def check_device(p, args, cpu_ok=False):
-    """Refuse a CPU run that is not a smoke run (unless ``cpu_ok``) and a CUDA run without CUDA, saying what to do."""
+def check_device(p, args, cpu_ok=False, measures=None):
+    """Refuse a CPU run that is not a smoke run (unless ``cpu_ok``) and a CUDA run without CUDA, saying what to do.
+    ``measures``: what the script measures on a GPU, for the CPU refusal's message."""
     if getattr(args, "report", None) is not None:
         return
     if torch.device(args.device).type == "cpu" and not (args.smoke or cpu_ok):
+        if measures is not None:
+            p.error(f"{p.prog} {measures} and needs a CUDA GPU; none here (--device cpu --smoke runs its code path)")
         p.error("CPU timings answer nothing this benchmark asks; use --device cuda, or --smoke for a code-path check")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but CUDA is not available here; use --device cpu --smoke for a code-path check")

@@ -220,11 +220,7 @@ def parse_args(argv=None):
     add("--top", type=int, default=15, help="kernels listed per implementation (default: 15)")
     add("--compile-backend", default="inductor", help="for the torch.compile implementations (default: inductor)")
     args = p.parse_args(argv)
-    if torch.device(args.device).type == "cpu" and not args.smoke:
-        print("profile_capture.py profiles CUDA graphs and kernels and needs a CUDA GPU; none here "
-              "(--device cpu --smoke runs its code path)", file=sys.stderr)  # fmt: skip
-        raise SystemExit(2)
-    harness.check_device(p, args)
+    harness.check_device(p, args, measures="profiles CUDA graphs and kernels")
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 20)
     args.iters = args.iters if args.iters is not None else (2 if args.smoke else 40)
     args.steps = args.steps if args.steps is not None else (2 if args.smoke else 20)

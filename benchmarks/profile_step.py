@@ -276,11 +276,7 @@ def parse_args(argv=None):
     p.add_argument("--sections", type=harness.csv_list(SECTIONS), default=list(SECTIONS),
                    help="comma-separated, some of host,device,gather (default: all three)")  # fmt: skip
     args = p.parse_args(argv)
-    if torch.device(args.device).type == "cpu" and not args.smoke:
-        print("profile_step.py profiles Triton launches and CUDA graphs and needs a CUDA GPU; none here "
-              "(--device cpu --smoke runs its code path)", file=sys.stderr)  # fmt: skip
-        raise SystemExit(2)
-    harness.check_device(p, args)
+    harness.check_device(p, args, measures="profiles Triton launches and CUDA graphs")
     return args
 
 
