@@ -13,9 +13,10 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             ``"torch"`` (pure torch over the same buffers, the default on the CPU)
         skip_unused (bool, optional): leave parameters whose ``.grad`` is None at ``step()``
             untouched (no weight decay, no state update, step count unchanged), exactly as
-            torch.optim does. Costs one small host-to-device copy per step.
-            By default such parameters are stepped with a zero gradient and a warning names them
-            at the first step (default: False)
+            torch.optim does. When every parameter has a gradient the step is the same single
+            launch per buffer; otherwise a small mask per pattern of missing gradients is
+            uploaded once and reused. ``False`` steps such parameters with a zero gradient
+            (weight decay and state decay apply) (default: True)
         in_backward (bool, optional): step each bucket of parameters during backward, from
             post-accumulate-grad hooks, as soon as its gradients exist, and free those gradients:
             there is no flat gradient buffer and ``p.grad`` is None after backward. ``step()`` and
@@ -62,9 +63,9 @@ NOTES = """
     ``zero_grad()`` sets every ``.grad`` to None and frees the buffer's storage, as torch.optim
     frees its gradients; covered layers (``nn.Linear``, ``nn.Embedding``) write each new gradient
     into the parameter's view, and a hook copies the others in and puts the view back in ``.grad``;
-    ``zero_grad(set_to_none=False)`` zeroes the buffer and keeps the views. ``step()`` zeroes the
-    views of parameters that received no gradient and steps them too (``skip_unused=True`` skips
-    them), and copies in a ``.grad`` set behind the optimizer's back. ``step()`` accepts
+    ``zero_grad(set_to_none=False)`` zeroes the buffer and keeps the views. ``step()`` leaves
+    parameters whose ``.grad`` is None untouched, as torch.optim does (``skip_unused=False`` steps
+    them with a zero gradient), and copies in a ``.grad`` set behind the optimizer's back. ``step()`` accepts
     GradScaler's ``grad_scale`` and ``found_inf`` inside the kernel, with no host synchronisation.
 
     The implementation options of torch.optim (or lion-pytorch) named above are taken for

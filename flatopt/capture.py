@@ -50,12 +50,6 @@ def check_capturable(opt):
         raise RuntimeError(f"{cls}(flat=False) cannot be captured: capture relies on flat buffers that never move")
     if opt.in_backward:
         raise RuntimeError(f"{cls}(in_backward=True) cannot be captured; use in_backward=False with capture()")
-    if opt.skip_unused:
-        raise RuntimeError(
-            f"{cls}(skip_unused=True) cannot be captured: which parameters received a gradient is decided on the "
-            "host at every step. Give every parameter a gradient in train_step, or set requires_grad=False on "
-            "the parameters it does not train"
-        )
     if not torch.cuda.is_available():
         raise RuntimeError(f"{cls}.capture() records a CUDA graph and needs a CUDA GPU; this machine has none")
     if not opt.engine.buffers or any(b.device.type != "cuda" for b in opt.engine.buffers):

@@ -80,7 +80,8 @@ class FlatOptions:
         flat: parameters, gradients and states in flat buffers (False: the caller's tensors, one
             launch per parameter).
         backend: ``"triton"``, ``"torch"`` or None (chosen from the parameters' devices).
-        skip_unused: leave parameters whose ``.grad`` is None untouched at a step.
+        skip_unused: leave parameters whose ``.grad`` is None untouched at a step, as torch.optim
+            does (False: step them with a zero gradient).
         in_backward: step buckets of parameters during backward.
         bucket_size: elements of consecutive parameters stepped by one launch in in-backward mode.
         allow_several_ranks: in-backward mode under several distributed ranks that share no
@@ -94,7 +95,7 @@ class FlatOptions:
 
     flat: bool = True
     backend: str | None = None
-    skip_unused: bool = False
+    skip_unused: bool = True
     in_backward: bool = False
     bucket_size: int = DEFAULT_BUCKET_SIZE
     allow_several_ranks: bool = False
@@ -140,7 +141,7 @@ class FlatOptions:
         return cls(
             flat=flat,
             backend=kwargs.get("backend"),
-            skip_unused=bool(kwargs.get("skip_unused", False)),
+            skip_unused=bool(kwargs.get("skip_unused", True)),
             in_backward=in_backward,
             bucket_size=bucket_size,
             allow_several_ranks=bool(kwargs.get("allow_several_ranks", False)),

@@ -19,9 +19,10 @@ key. In a training loop the caching allocator hands the same blocks out step aft
 graphs are reused; where it does not, recording stops (see ``run_keyed``) and the steps launch
 directly.
 
-Steps with ``skip_unused``'s mask (a new host-to-device copy per step), steps inside a stream
-capture (``optimizer.capture``, or the caller's own graph), buffers on several devices and the
-torch backend launch directly.
+A step that leaves out parameters whose ``.grad`` is None reads a mask of them; the masks are kept
+per pattern (see ``FlatStepEngine._set_masks``), and their addresses are part of the key. Steps
+inside a stream capture (``optimizer.capture``, or the caller's own graph), buffers on several
+devices and the torch backend launch directly.
 """
 
 from collections import OrderedDict
@@ -60,19 +61,19 @@ class StepGraph:
                 buf.grad.data_ptr(),
                 tuple((name, t.data_ptr()) for name, t in buf.states.items()),
                 buf.meta.steps.data_ptr(),
+                None if buf.meta.active is None else buf.meta.active.data_ptr(),
                 buf.meta.uniform,
             )
             for buf in buffers
         )
 
     @staticmethod
-    def usable(enabled, backend, skip_unused, devices):
+    def usable(enabled, backend, devices):
         """Whether launches may go through graphs: ``enabled`` (the optimizer's ``use_step_graph``), Triton
-        kernels on one CUDA device, no per-step mask, and not inside the caller's own stream capture."""
+        kernels on one CUDA device, and not inside the caller's own stream capture."""
         return (
             enabled
             and backend == "triton"
-            and not skip_unused
             and len(devices) == 1
             and devices[0].type == "cuda"
             and not torch.cuda.is_current_stream_capturing()

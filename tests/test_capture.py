@@ -31,7 +31,6 @@ def test_capture_without_gpu_says_so():
     [
         (dict(flat=False), r"flat=False\) cannot be captured"),
         (dict(in_backward=True), r"in_backward=True\) cannot be captured"),
-        (dict(skip_unused=True), r"skip_unused=True\) cannot be captured"),
     ],
 )
 def test_modes_that_cannot_be_captured_are_refused_before_running(kwargs, match):
@@ -344,7 +343,7 @@ def test_recorded_body_run_eagerly_matches_eager_flatopt():
     opt, opt_ref = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1), flatopt.AdamW(ref, lr=1e-2, weight_decay=0.1)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) for _ in range(2)]
     for m in (model, ref):  # stale gradients in the never-used layer: the recorded step must zero them
-        m.unused.weight.grad.fill_(1.0)
+        m.unused.weight.grad = torch.ones_like(m.unused.weight)
     body = RecordedBody(opt, tied_late_step(model, opt, scalers[0]), [])
     eager = tied_late_step(ref, opt_ref, scalers[1])
     g = torch.Generator().manual_seed(0)
@@ -354,18 +353,22 @@ def test_recorded_body_run_eagerly_matches_eager_flatopt():
         body.static[:] = [tokens, target, poison]
         opt.engine.refresh_hparams()  # as each replay's call does before the graph runs
         body.run()
-        opt_ref.zero_grad(set_to_none=False)  # zeroed and added to: the other way gradients reach the buffer
+        opt_ref.zero_grad()
         eager(tokens, target, poison)
         assert scalers[0].get_scale() == scalers[1].get_scale(), f"step {i}: loss scales differ"
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"step {i}, {n}: {m}")
+            if q.grad is None:  # never used: not stepped, as torch.optim leaves a parameter whose .grad is None
+                assert p.grad is None, f"step {i}, {n}: a .grad where eager flatopt has none"
+                continue
             torch.testing.assert_close(  # at the inf step: the same inf/nan where the inf was injected
                 p.grad, q.grad, **SAME, equal_nan=True, msg=lambda m: f"step {i}, {n}.grad: {m}"
             )
         for b, c in zip(flatopt.inspect(opt).buffers, flatopt.inspect(opt_ref).buffers):
             for key, value in c.states.items():
                 torch.testing.assert_close(b.states[key], value, **SAME, msg=lambda m: f"step {i}, {key}: {m}")
-    assert not model.unused.weight.grad.any()
+    assert model.unused.weight.grad is None
+    assert float(opt.state[model.unused.weight]["step"]) == 0.0  # never stepped, as in torch.optim
     assert float(opt.state[model.late.weight]["step"]) == 5.0  # 6 steps, one skipped for the inf
     opt.check_bindings(full=True)
 
@@ -417,7 +420,7 @@ def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
     kw = dict(backend="triton", direct_grads=False)
     opt, opt_ref = OPTS[name](model, **kw), OPTS[name](ref, **kw)
     for m in (model, ref):
-        m.unused.weight.grad.fill_(1.0)
+        m.unused.weight.grad = torch.ones_like(m.unused.weight)
     body = RecordedBody(opt, gathering_step(model, "view"), [])
     assert body.sources is not None
     eager = gathering_step(ref, "copy")
@@ -439,16 +442,20 @@ def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
         for p in (model.unused.weight, model.mid.weight):  # zeroed, or copied in: read from the view
             assert read[p] == src[p].data_ptr()
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **tol, msg=lambda m: f"step {i}, {n}: {m}")
+            if n.startswith("unused."):  # no gradient: .grad stays None and the parameter is not stepped
+                assert p.grad is None and q.grad is None, f"step {i}, {n}: a .grad where none was made"
+                continue
             view = src[p]  # .grad is a view of the parameter's place in the buffer (a tensor object of its own)
+            assert p.grad is not None, f"step {i}, {n}: .grad is None"
             same = (p.grad.data_ptr(), p.grad.stride()) == (view.data_ptr(), view.stride())
             assert same, f"step {i}, {n}: .grad is not its view"
-            torch.testing.assert_close(p, q, **tol, msg=lambda m: f"step {i}, {n}: {m}")
             torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"step {i}, {n}.grad: {m}")
         for b, c in zip(flatopt.inspect(opt).buffers, flatopt.inspect(opt_ref).buffers):
             for key, value in c.states.items():
                 torch.testing.assert_close(b.states[key], value, **tol, msg=lambda m: f"step {i}, {key}: {m}")
             torch.testing.assert_close(b.meta.steps, c.meta.steps, atol=0, rtol=0)
-    assert not model.unused.weight.grad.any()
+    assert model.unused.weight.grad is None
     opt.check_bindings(full=True)
 
 
@@ -498,7 +505,7 @@ def test_captured_gathering_step_with_tied_late_and_unused_parameters(name):
     ref = copy.deepcopy(model)
     opt, opt_ref = OPTS[name](model), OPTS[name](ref)
     for m in (model, ref):
-        m.unused.weight.grad.fill_(1.0)
+        m.unused.weight.grad = torch.ones_like(m.unused.weight)
     data = [(torch.stack([a[0], b[0]]), torch.stack([a[1], b[1]])) for a, b in zip(batches(9), batches(9, seed=1))]
     step = opt.capture(gathering_step(model, "view"), *data[0])
     buf = flatopt.inspect(opt).buffers[0]
@@ -546,13 +553,13 @@ def test_captured_gradients_with_tied_late_and_unused_parameters_unscale_and_cli
     data = [(torch.stack([a[0], b[0]]), torch.stack([a[1], b[1]])) for a, b in zip(batches(9), batches(9, seed=1))]
     zero, inf = torch.zeros((), device="cuda"), torch.full((), float("inf"), device="cuda")
     for m in (model, ref):  # stale gradients in the never-used layer: the recorded step must zero them
-        m.unused.weight.grad.fill_(1.0)
+        m.unused.weight.grad = torch.ones_like(m.unused.weight)
     step = opt.capture(tied_late_step(model, opt, scalers[0]), *data[0], zero, scaler=scalers[0])
     eager = tied_late_step(ref, opt_ref, scalers[1])
     for i, (tokens, target) in enumerate(data[1:], start=1):
         poison = inf if i == 4 else zero
         step(tokens, target, poison)
-        opt_ref.zero_grad(set_to_none=False)  # zeroed and added to: the other way gradients reach the buffer
+        opt_ref.zero_grad()
         eager(tokens, target, poison)
         assert scalers[0].get_scale() == scalers[1].get_scale(), f"replay {i}: loss scales differ"
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):

@@ -15,7 +15,7 @@ import flatopt
 
 def materialize_grads(model):
     """Zero .grad tensors on every trainable parameter: torch.optim then steps parameters that
-    get no gradient with a zero gradient, as flatopt does by default."""
+    get no gradient with a zero gradient, as flatopt does with skip_unused=False."""
     for q in model.parameters():
         if q.requires_grad:
             q.grad = torch.zeros_like(q)
@@ -32,8 +32,10 @@ def compare_states(ours, theirs, model, ref, step):
                 assert_same(mine, value, step, f"{name}.{key}")
 
 
-def train_pair(device, make_ours, make_theirs, steps=10, skip_unused=False, sched=None, check_every_step=True):
-    """Train a model with flatopt and a copy with the reference from one initialisation, comparing."""
+def train_pair(device, make_ours, make_theirs, steps=10, skip_unused=True, sched=None, check_every_step=True):
+    """Train a model with flatopt and a copy with the reference from one initialisation, comparing.
+    ``skip_unused=False``: the reference gets zero gradients where the model gets none, and both zero
+    their gradients with set_to_none=False (flatopt's ``skip_unused=False`` steps them so)."""
     torch.manual_seed(0)
     model = Net().to(device)
     ref = copy.deepcopy(model)
@@ -104,10 +106,12 @@ def test_lion_matches_paper_reference(backend):
     )
 
 
+@pytest.mark.parametrize("skip_unused", [True, False], ids=["default", "skip_unused=False"])
 @pytest.mark.parametrize("opt", ["adamw", "sgd", "lion"])
-def test_skip_unused_matches_torch_default(backend, opt):
-    """skip_unused=True: parameters without a gradient are left alone, as torch.optim leaves
-    p.grad None parameters (torch's default zero_grad(set_to_none=True))."""
+def test_unused_parameters_as_torch(backend, opt, skip_unused):
+    """By default parameters without a gradient are left alone (no decay, no state, no step count), as
+    torch.optim leaves parameters whose .grad is None; skip_unused=False steps them with a zero gradient,
+    as torch.optim does after zero_grad(set_to_none=False) once they have a zero .grad."""
     make = {
         "adamw": (lambda ps, **k: flatopt.AdamW(ps, lr=1e-2, **k), lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
         "sgd": (
@@ -119,13 +123,15 @@ def test_skip_unused_matches_torch_default(backend, opt):
             lambda ps: LionReference(ps, 1e-3, weight_decay=0.1),
         ),
     }[opt]
+    kw = {} if skip_unused else dict(skip_unused=False)
     model, ref, ours, theirs = train_pair(
         device_for(backend),
-        lambda m: make[0](m.parameters(), backend=backend, skip_unused=True),
+        lambda m: make[0](m.parameters(), backend=backend, **kw),
         lambda m: make[1](m.parameters()),
-        skip_unused=True,
+        skip_unused=skip_unused,
     )
-    assert ours.state_dict()["state"].keys() == theirs.state_dict()["state"].keys()
+    if skip_unused:
+        assert ours.state_dict()["state"].keys() == theirs.state_dict()["state"].keys()
 
 
 def test_unused_parameters_warn_once_with_names():
@@ -182,7 +188,6 @@ def test_grad_scaler_with_injected_inf(backend, opt):
     torch.manual_seed(0)
     model = Net().to(device)
     ref = copy.deepcopy(model)
-    materialize_grads(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ours, theirs = make[0](model), make[1](ref)

@@ -272,26 +272,33 @@ def test_activation_checkpointing_trains_like_torch(reentrant):
             torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, {name}: {m}")
 
 
-def test_a_step_without_any_gradient_sees_zeros():
-    """zero_grad() released the buffer and no backward ran: step() brings it back zeroed (weight decay and
-    moment decay apply to every parameter, as after zero_grad(set_to_none=False) in torch.optim)."""
+def test_a_step_without_any_gradient_changes_nothing():
+    """zero_grad() released the buffer and no backward ran: every .grad is None, so step() changes nothing
+    (as torch.optim), and the buffer stays released; with skip_unused=False it comes back zeroed and every
+    parameter is stepped with a zero gradient (weight decay and momentum apply), as after
+    zero_grad(set_to_none=False)."""
     model = nn.Linear(4, 3)
     keep = nn.Linear(4, 3)
     keep.load_state_dict(model.state_dict())
     opt = flatopt.SGD(model, lr=0.1, momentum=0.9, weight_decay=0.1)
-    opt_keep = flatopt.SGD(keep, lr=0.1, momentum=0.9, weight_decay=0.1)
+    opt_keep = flatopt.SGD(keep, lr=0.1, momentum=0.9, weight_decay=0.1, skip_unused=False)
     for m, o in ((model, opt), (keep, opt_keep)):
         m(torch.ones(2, 4)).sum().backward()
         o.step()
     opt.zero_grad()
-    opt_keep.zero_grad(set_to_none=False)
+    opt_keep.zero_grad()
     assert grad_storage(opt).nbytes() == 0
+    before = [p.detach().clone() for p in model.parameters()]
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt.step()
         opt_keep.step()
-    for p, q in zip(model.parameters(), keep.parameters()):
-        torch.testing.assert_close(p, q, **SAME)
+    for p, b, m in zip(model.parameters(), before, momentum):
+        assert torch.equal(p.detach(), b) and p.grad is None
+        assert torch.equal(opt.state[p]["momentum_buffer"], m)
+    for p, b in zip(keep.parameters(), before):
+        assert not torch.equal(p.detach(), b), "skip_unused=False steps with a zero gradient"
         assert not p.grad.any()
 
 

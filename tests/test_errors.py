@@ -665,7 +665,7 @@ def test_a_tensor_subclass_without_its_own_dispatch_is_stepped_as_a_tensor():
     theirs = nn.Parameter(ours.detach().clone())
     opt, ref = silent(flatopt.AdamW, [ours], lr=1e-2), torch.optim.AdamW([theirs], lr=1e-2)
     grad = torch.randn(3, 4)
-    ours.grad.copy_(grad)
+    ours.grad = grad.clone()
     theirs.grad = grad.clone()
     silent(opt.step)  # the gradient was set, not accumulated: the first-step warning would name it
     ref.step()

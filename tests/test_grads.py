@@ -56,9 +56,11 @@ def batches(n, seed=0):
     return [torch.randint(0, 11, (4, 5), generator=g) for _ in range(n)]
 
 
-def three(seed=0, **hp):
+def three(seed=0, skip_unused=False, **hp):
     """The same Tied model three times: flatopt with zero_grad(), flatopt with zero_grad(set_to_none=False),
-    torch.optim.AdamW (set_to_none=False: it then steps every parameter, as flatopt does)."""
+    torch.optim.AdamW (to be zeroed with set_to_none=False). With ``skip_unused=False`` flatopt steps every
+    parameter, and torch.optim's parameters start with zero gradients so that it does too; with
+    ``skip_unused=True`` (the default of flatopt) neither steps a parameter whose .grad is None."""
     torch.manual_seed(seed)
     hp = {"lr": 1e-2, "weight_decay": 0.1, **hp}
     models = [Tied() for _ in range(3)]
@@ -66,8 +68,8 @@ def three(seed=0, **hp):
         m.load_state_dict(models[0].state_dict())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        opts = [flatopt.AdamW(models[0], **hp), flatopt.AdamW(models[1], **hp)]
-    for p in models[2].parameters():
+        opts = [flatopt.AdamW(models[i], skip_unused=skip_unused, **hp) for i in (0, 1)]
+    for p in models[2].parameters() if not skip_unused else ():
         p.grad = torch.zeros_like(p)
     opts.append(torch.optim.AdamW(models[2].parameters(), **hp))
     return models, opts
@@ -85,12 +87,14 @@ def assert_view(p, opt, what):
 
 
 @pytest.mark.filterwarnings("ignore:.*received no gradient")
+@pytest.mark.parametrize("skip_unused", [True, False], ids=["default", "skip_unused=False"])
 @pytest.mark.parametrize("micro", [1, 3])
-def test_both_zero_grads_train_alike_and_match_torch(micro):
+def test_both_zero_grads_train_alike_and_match_torch(micro, skip_unused):
     """Over 8 steps of ``micro`` micro-batches (the late parameter gets its first gradient in the second):
     zero_grad() and zero_grad(set_to_none=False) leave the same gradient buffers and parameters and states,
-    bit for bit, and match torch.optim. Between zero_grad() and step(), a .grad is None or its view."""
-    (ours, keep, ref), (opt, opt_keep, opt_ref) = three()
+    bit for bit, and match torch.optim. Between zero_grad() and step(), a .grad is None or its view; after
+    the step, a view (by default, None where no gradient came, as in torch)."""
+    (ours, keep, ref), (opt, opt_keep, opt_ref) = three(skip_unused=skip_unused)
     data = batches(8 * micro)
     for step in range(8):
         opt.zero_grad()
@@ -113,15 +117,18 @@ def test_both_zero_grads_train_alike_and_match_torch(micro):
             f"step {step}: gradient buffers"
         )
         for (name, p), q, r in zip(ours.named_parameters(), keep.parameters(), ref.parameters()):
-            assert_view(p, opt, f"step {step}, {name} after step()")
             torch.testing.assert_close(p, q, **SAME, msg=lambda m: f"step {step}, {name}: {m}")
             torch.testing.assert_close(p, r, **TOL, msg=lambda m: f"step {step}, {name} vs torch: {m}")
+            if r.grad is None:
+                assert p.grad is None and q.grad is None, f"step {step}, {name}: a .grad where torch has none"
+                continue
+            assert_view(p, opt, f"step {step}, {name} after step()")
             torch.testing.assert_close(
                 p.grad, r.grad, **GRAD_TOL, msg=lambda m: f"step {step}, {name}.grad vs torch: {m}"
             )
         for key, value in flatopt.inspect(opt_keep).buffers[0].states.items():
             assert torch.equal(flatopt.inspect(opt).buffers[0].states[key], value), f"step {step}: state {key}"
-    assert not ours.unused.weight.grad.any()
+    assert ours.unused.weight.grad is None if skip_unused else not ours.unused.weight.grad.any()
 
 
 @pytest.mark.filterwarnings("ignore:.*received no gradient")
@@ -485,12 +492,15 @@ def test_captured_step_shows_its_gradients_after_zero_grad_between_replays():
 
 
 def test_step_looks_at_every_grad_only_after_something_may_have_changed_them(monkeypatch):
-    """step() compares every .grad with its view after a zero_grad() of either kind or a hook's copy, and
-    at full checks; a step with the .grads untouched since the last one looks only at the ends of each
-    buffer (O(1) host work, what bench_step's 148- against 3000-parameter host times measure)."""
+    """With skip_unused=False, step() compares every .grad with its view after a zero_grad() of either kind
+    or a hook's copy, and at full checks; a step with the .grads untouched since the last one looks only at
+    the ends of each buffer (O(1) host work). By default (torch.optim's rule) it looks at every .grad at
+    every step, as torch.optim does, since any of them may have been set to None."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])
-    opt = flatopt.AdamW(model, lr=1e-3, direct_grads=False)  # the hooks' copies (covered layers: test_landing.py)
+    opt = flatopt.AdamW(
+        model, lr=1e-3, direct_grads=False, skip_unused=False
+    )  # the hooks' copies (covered layers: test_landing.py)
     plans = []
     plan = flatopt.inspect(opt).landing.plan
     monkeypatch.setattr(flatopt.inspect(opt).landing, "plan", lambda: plans.append(1) or plan())

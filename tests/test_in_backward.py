@@ -318,7 +318,8 @@ def test_unused_parameters_warn_once_at_the_end_of_the_first_backward():
 
 def test_state_dict_round_trip_with_torch_optim():
     """5 steps in in-backward mode, saved, loaded into torch.optim.AdamW, 5 more: equal to 10 steps
-    of torch.optim.AdamW; and the reverse direction."""
+    of torch.optim.AdamW; and the reverse direction (every parameter stepped: skip_unused=False, and
+    torch.optim given zero gradients)."""
     torch.manual_seed(0)
     base = Net()
     for direction in ("to_torch", "from_torch"):
@@ -332,7 +333,9 @@ def test_state_dict_round_trip_with_torch_optim():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if direction == "to_torch":
-                first = flatopt.AdamW(param_groups(model, weight_decay=0.1), in_backward=True, bucket_size=100)
+                first = flatopt.AdamW(
+                    param_groups(model, weight_decay=0.1), in_backward=True, bucket_size=100, skip_unused=False
+                )
             else:
                 first = torch.optim.AdamW(param_groups(model, weight_decay=0.1))
             for _ in range(5):
@@ -350,7 +353,9 @@ def test_state_dict_round_trip_with_torch_optim():
                         q.grad = torch.zeros_like(q)
                 second = torch.optim.AdamW(param_groups(model2, weight_decay=0.1))
             else:
-                second = flatopt.AdamW(param_groups(model2, weight_decay=0.1), in_backward=True, bucket_size=100)
+                second = flatopt.AdamW(
+                    param_groups(model2, weight_decay=0.1), in_backward=True, bucket_size=100, skip_unused=False
+                )
             second.load_state_dict(sd)
             for step in range(6, 11):
                 loss_fn(ref, make_batch(gen_ref)).backward()

@@ -183,7 +183,7 @@ def test_views_keep_the_parameter_strides():
     buf = flatopt.inspect(opt).buffers[0]
     for i, p in enumerate(params):
         assert p.stride() == strides[i], f"params[{i}] lost its strides"
-        assert p.grad.stride() == strides[i], f"params[{i}].grad has strides {p.grad.stride()}"
+        assert p.grad is None, "a parameter with no gradient keeps .grad None, as in torch"
         assert torch.equal(p.detach(), values[i])
         assert_view_of(p.data, buf.data, buf.index[p][0], f"params[{i}].data")
     assert params[0].is_contiguous(memory_format=torch.channels_last)
@@ -315,6 +315,8 @@ def test_one_buffer_per_dtype():
     gen = torch.Generator().manual_seed(0)
     dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32]
     params = [nn.Parameter(torch.randn(5 + i, generator=gen).to(dt)) for i, dt in enumerate(dtypes)]
+    for p in params:  # an existing gradient is copied into the gradient buffer, and .grad becomes its view
+        p.grad = torch.randn_like(p)
     opt = flatopt.AdamW([{"params": params[:3]}, {"params": params[3:], "lr": 0.1}])
     assert [buf.dtype for buf in flatopt.inspect(opt).buffers] == [torch.float32, torch.bfloat16, torch.float16]
     for buf in flatopt.inspect(opt).buffers:
@@ -330,8 +332,11 @@ def test_one_buffer_per_dtype():
 
 
 def check_grad_views(opt, model):
+    """Every trainable parameter's .grad is its view, but those of the layer no forward uses (Net.unused),
+    whose .grad stays None as in torch."""
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or name.startswith("unused."):
+            assert p.grad is None, f"{name}.grad"
             continue
         buf = buffer_of(opt, p)
         assert_view_of(p.grad, buf.grad, buf.index[p][0], f"{name}.grad")
@@ -349,22 +354,25 @@ def test_zero_grad_set_to_none_false_keeps_views_and_zeroes_the_buffer():
     for buf in flatopt.inspect(opt).buffers:
         assert not buf.grad.any()
     for p in model.parameters():
-        assert p.grad is None if not p.requires_grad else not p.grad.any()
+        assert p.grad is None or not p.grad.any()
 
 
-def test_zero_grad_sets_none_and_the_next_step_finds_views():
-    """zero_grad() (set_to_none=True) as torch.optim: every .grad None; step() puts the views back, those of
-    parameters that received no gradient zeroed (tests/test_grads.py covers the rest)."""
+def test_zero_grad_sets_none_and_the_next_backward_finds_views():
+    """zero_grad() (set_to_none=True) as torch.optim: every .grad None, and a step then changes nothing; the
+    next backward's gradients are views of the buffer (tests/test_grads.py covers the rest)."""
     torch.manual_seed(0)
     model = Net()
     opt = silent(flatopt.AdamW, model)
-    loss_fn(model, make_batch(torch.Generator().manual_seed(1))).backward()
+    gen = torch.Generator().manual_seed(1)
+    loss_fn(model, make_batch(gen)).backward()
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
     silent(opt.step)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before)), "nothing to step"
+    loss_fn(model, make_batch(gen)).backward()
     check_grad_views(opt, model)
-    for buf in flatopt.inspect(opt).buffers:
-        assert not buf.grad.any()
 
 
 def test_two_backwards_accumulate_in_place():
@@ -451,9 +459,8 @@ def test_add_param_group_keeps_values_and_state(backend):
     for p in first + rest:
         buf = buffer_of(ours, p)
         assert_view_of(p.data, buf.data, buf.index[p][0], names[p])
-        assert_view_of(p.grad, buf.grad, buf.index[p][0], names[p] + ".grad")
-    for p in rest:
-        ref_of[p].grad = torch.zeros_like(ref_of[p])  # flatopt steps them from now on, as torch.optim does
+        if any(p is q for q in first):  # the others' .grad stays None until a backward gives them one, as in torch
+            assert_view_of(p.grad, buf.grad, buf.index[p][0], names[p] + ".grad")
     for step in (3, 4, 5):
         train(step, first + rest)
 
@@ -481,8 +488,7 @@ def test_momentum_switched_on_later_in_a_buffer_shared_with_a_momentum_group(bac
         if step in MOMENTUM_SCHEDULES[schedule]:  # a scheduler or the user changes the second group's momentum
             ours.param_groups[1]["momentum"] = theirs.param_groups[1]["momentum"] = MOMENTUM_SCHEDULES[schedule][step]
         ga, gb = torch.randn(5, generator=gen).to(device), torch.randn(6, generator=gen).to(device)
-        a.grad.copy_(ga)
-        b.grad.copy_(gb)
+        a.grad, b.grad = ga.clone(), gb.clone()
         a2.grad, b2.grad = ga.clone(), gb.clone()
         silent(ours.step)
         theirs.step()

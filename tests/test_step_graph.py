@@ -17,7 +17,7 @@ def test_step_graph_is_not_used_off_cuda():
     opt = flatopt.AdamW(model)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    assert not StepGraph.usable(opt.use_step_graph, opt.backend, opt.skip_unused, flatopt.inspect(opt).engine.devices)
+    assert not StepGraph.usable(opt.use_step_graph, opt.backend, flatopt.inspect(opt).engine.devices)
     assert flatopt.inspect(opt).step_graph.graph is None
 
 

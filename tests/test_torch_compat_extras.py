@@ -479,7 +479,7 @@ def test_lion_decoupled_weight_decay_equivalent_is_what_the_message_says():
     for new_lr in (lr, lr / 2):
         opt.param_groups[0]["lr"] = new_lr
         expected = p.detach() * (1 - new_lr * wd / lr)  # then minus lr * sign(g), with g = 0: sign 0
-        p.grad.zero_()
+        p.grad = torch.zeros_like(p)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # no backward: the parameter "received no gradient"
             opt.step()

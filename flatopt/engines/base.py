@@ -193,9 +193,10 @@ class FlatEngine(Engine):
         return steps
 
     def refresh_uniform(self, buf):
-        """Whether ``buf`` launches UNIFORM (one group, equal step counts, no active mask)."""
+        """Whether ``buf`` launches UNIFORM (one group, equal step counts); a step with a mask of parameters
+        left out launches otherwise (see FlatStepEngine._set_masks)."""
         steps = buf.meta.steps
-        buf.meta.uniform = not self.opt.skip_unused and len(set(buf.group_ids)) == 1 and bool((steps == steps[0]).all())
+        buf.meta.uniform = len(set(buf.group_ids)) == 1 and bool((steps == steps[0]).all())
 
     def ensure_states(self):
         """Allocate a state buffer that a group needs now but did not at construction (SGD's
@@ -275,11 +276,12 @@ class FlatEngine(Engine):
         opt = self.opt
         names = opt.names.of(unused)
         action = (
-            "skips them as torch.optim does (skip_unused=True)"
+            "does not step them (no weight decay, no state update), as torch.optim does not; set "
+            "requires_grad=False on parameters you do not train"
             if opt.skip_unused
-            else "steps them with a zero gradient (weight decay and state decay apply, as in torch.optim "
-            "after zero_grad(set_to_none=False)); pass skip_unused=True to skip them as torch.optim does, or "
-            "set requires_grad=False on parameters you do not train"
+            else "steps them with a zero gradient (skip_unused=False: weight decay and state decay apply, as in "
+            "torch.optim after zero_grad(set_to_none=False)); drop skip_unused=False to leave them untouched as "
+            "torch.optim does, or set requires_grad=False on parameters you do not train"
         )
         ranks = world_size()
         where = "" if ranks == 1 else f" from this rank's backward pass (one of {ranks} ranks)"

@@ -311,7 +311,7 @@ class InBackwardEngine(FlatEngine):
         if self.dirty:
             for b in self.buckets:
                 steps = b.meta.steps[b.first : b.stop]
-                b.meta.uniform = not opt.skip_unused and b.single_groups and bool((steps == steps[0]).all())
+                b.meta.uniform = b.single_groups and bool((steps == steps[0]).all())
             self.dirty = False
         self.task = task
         self.pending = False  # gradients accumulated under no_step() are taken by this pass
@@ -363,6 +363,7 @@ class InBackwardEngine(FlatEngine):
             active = torch.zeros(len(buf.params), dtype=torch.uint8)
             active[[self.index_of[p] for p in bucket.arrived]] = 1
             meta = StepMeta(**{**vars(meta), "active": active.to(buf.device), "uniform": False})
+            bucket.meta.uniform = False  # the step counts of its parameters differ from now on
         s, e = bucket.start, bucket.end
         states = [buf.states.get(n) for n in opt.rule.state_names]
         hparams = opt.hparams.on(buf.device)
@@ -381,4 +382,4 @@ class InBackwardEngine(FlatEngine):
 
     def graph_usable(self):
         opt = self.opt
-        return StepGraph.usable(opt.use_step_graph, opt.backend, opt.skip_unused, self.devices)
+        return StepGraph.usable(opt.use_step_graph, opt.backend, self.devices)
