@@ -1,10 +1,11 @@
 """Checks that the parameters still live where the optimizer laid them out.
 
 A parameter's data is a view into its flat buffer. ``model.to()``, ``model.half()`` or
-``p.data = ...`` replace it, freezing a parameter after construction would keep it stepped, and a
-parameter unfrozen or added to the module after construction has no place in the buffers. The
-usual check looks at the first and last parameter of each buffer (O(1) host work, which catches
-``model.to()`` at once); a full check looks at every parameter.
+``p.data = ...`` replace it; with ``skip_unused=False``, freezing a parameter after construction would
+keep it stepped; a parameter added to the module (not to the optimizer) after construction would
+never be stepped. The usual check looks at the first and last parameter of each buffer (O(1) host
+work, which catches ``model.to()`` at once); a full check looks at every parameter. (Parameters
+unfrozen or added to ``param_groups`` are laid out again: ``FlatEngine.follow_members``.)
 """
 
 FULL_CHECK_EVERY = 256  # step() (or, in-backward, a backward pass) checks every parameter's bindings this often
@@ -22,11 +23,12 @@ def ends_bound(buffers):
     return True
 
 
-def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, module):
+def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, module, removed=()):
     """Raise RuntimeError, saying what to do, if a parameter of ``buffers`` no longer lives in its buffer,
-    or was frozen since the layout (unless ``skip_unused``); with ``full``, every parameter is looked
-    at, and also those ``frozen`` at the layout that require grad now, and trainable parameters of
-    ``module`` (or None) that the optimizer lacks. Otherwise only the first and last of each buffer.
+    or was frozen since the layout (with ``skip_unused=False`` only); with ``full``, every parameter is
+    looked at, and also trainable parameters of ``module`` (or None) that the optimizer lacks (neither
+    laid out nor among the ``frozen`` parameters of its groups, nor ``removed`` from its groups). Otherwise
+    only the first and last of each buffer.
 
     Args:
         cls (str): the optimizer's class name, for messages.
@@ -51,21 +53,12 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
         raise RuntimeError(
             f"{cls}: {len(now_frozen)} parameter(s) were trainable when the optimizer was created and have "
             f"requires_grad=False now: {names.of(now_frozen)}. Their .grad views stay in the flat gradient buffer, "
-            "so flatopt would keep stepping them with a zero gradient (weight decay and momentum would still change "
-            "them), where torch.optim skips a parameter whose .grad is None. Create the optimizer after "
-            "freezing (save opt.state_dict() and load it into the new optimizer to keep the state), or pass "
-            "skip_unused=True, which steps only parameters that received a gradient"
-        )
-    unfrozen = [p for p in frozen if p.requires_grad] if full else []
-    if unfrozen:
-        raise RuntimeError(
-            f"{cls}: {len(unfrozen)} parameter(s) had requires_grad=False when the optimizer was created and "
-            f"require grad now: {names.of(unfrozen)}. The optimizer left them out of its flat buffers, so it would "
-            "never step them. Set requires_grad before creating the optimizer; to keep the optimizer state, save "
-            "opt.state_dict() first and load it into the new optimizer"
+            "so with skip_unused=False flatopt would keep stepping them with a zero gradient (weight decay and "
+            "momentum would still change them), where torch.optim skips a parameter whose .grad is None. Drop "
+            "skip_unused=False (the default steps only parameters whose .grad is not None, as torch.optim)"
         )
     if full and module is not None:  # built from a module: a trainable parameter of it that this optimizer lacks
-        held = {id(p) for buf in buffers for p in buf.params} | {id(p) for p in frozen}
+        held = {id(p) for buf in buffers for p in buf.params} | {id(p) for p in frozen} | {id(p) for p in removed}
         missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
         if missing:
             shown = ", ".join(f"'{n}'" for n in missing[:8]) + (", ..." if len(missing) > 8 else "")

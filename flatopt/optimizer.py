@@ -114,7 +114,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 for p in param_group["params"]:
                     p = p[1] if isinstance(p, tuple) else p
                     if isinstance(p, torch.Tensor):
-                        self._check_param(p)
+                        self.check_param(p)
             self.rule.check({**self.defaults, **param_group})
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -129,7 +129,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if self.engine is not None:
             self.engine.build()
 
-    def _check_param(self, p):
+    def check_param(self, p):
+        """Raise, saying what to do, for a parameter this optimizer cannot hold."""
         cls, flat = type(self).__name__, self.options.flat
         if p.is_complex():
             raise ValueError(

@@ -411,26 +411,6 @@ def test_rebound_parameter_is_detected_at_the_next_step(how, steps_before):
     step_until_refused(model, opt, pattern, bound)
 
 
-@pytest.mark.parametrize("steps_before", [0, 1])
-def test_parameter_unfrozen_after_construction_is_refused(steps_before):
-    """A parameter frozen when the optimizer was created has no place in its buffers: training it
-    later is refused (by opt.check_bindings() at once, by step() within FULL_CHECK_EVERY steps), not
-    silently skipped."""
-    model, opt, gen = trained(steps=steps_before)
-    model.frozen.requires_grad_(True)
-    loss_fn(model, make_batch(gen)).backward()
-    pattern = (
-        r"2 parameter\(s\) had requires_grad=False when the optimizer was created and require grad now: "
-        r"'frozen\.weight', 'frozen\.bias'\..*never step them.*Set requires_grad before creating the optimizer"
-    )
-    params = list(model.parameters())
-    before = snapshot(params, opt)
-    with pytest.raises(RuntimeError, match=pattern):
-        opt.check_bindings()
-    assert_unchanged(before, snapshot(params, opt))
-    step_until_refused(model, opt, pattern, FULL_CHECK_EVERY if steps_before else 1)
-
-
 def test_rebound_parameter_message_uses_torch_param_names():
     """Parameters given as named_parameters() (torch.optim keeps the names in 'param_names')."""
     torch.manual_seed(0)

@@ -1,6 +1,11 @@
-"""Freezing a parameter after the optimizer was created. torch.optim skips a parameter whose .grad is
-None; flatopt settles a None .grad into a zeroed view at every step, so it refuses to go on silently stepping a
-frozen parameter (unless skip_unused=True, which steps only parameters that received a gradient)."""
+"""Freezing, unfreezing and editing ``param_groups`` after the optimizer was created.
+
+torch.optim steps what its groups hold whose ``.grad`` is not None, at every step. flatopt does the
+same: a parameter frozen later gets no gradient and is not stepped; one that starts requiring grad or
+is appended to a group's params list joins the flat buffers at the next step (values, gradients and
+every state kept); one removed from a group leaves them. Bad edits are refused before anything
+changes.
+"""
 
 import copy
 import warnings
@@ -11,6 +16,8 @@ from torch import nn
 
 import flatopt
 
+TOL = dict(atol=1e-6, rtol=1e-5)
+
 
 def make(in_backward=False, **kw):
     torch.manual_seed(0)
@@ -18,48 +25,215 @@ def make(in_backward=False, **kw):
     return model, flatopt.AdamW(model, lr=1e-2, weight_decay=0.1, in_backward=in_backward, **kw)
 
 
-def train(model, opt, steps, x):
-    for _ in range(steps):
+def quiet(fn, *args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kw)
+
+
+def train_both(pairs, steps, x, events=None, compare=True):
+    """Train each (model, optimizer) pair the same way; ``events[step](pairs)`` runs before that step.
+    Compares every pair's parameters and states with the last pair's (torch.optim's) after each step."""
+    for step in range(steps):
+        if events and step in events:
+            events[step](pairs)
+        for m, o in pairs:
+            o.zero_grad()
+            m(x).square().mean().backward()
+            quiet(o.step)
+        if compare:
+            assert_same(pairs, step)
+
+
+def assert_same(pairs, step):
+    (model, opt), (ref, ref_opt) = pairs[0], pairs[-1]
+    held = {q for group in ref_opt.param_groups for q in group["params"]}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"step {step}, {name}: {m}")
+        if q not in held:  # torch.optim keeps the state of a parameter removed from its groups; flatopt drops it
+            assert p not in opt.state, f"step {step}, {name}: state kept for a parameter the groups do not hold"
+            continue
+        for key, value in ref_opt.state.get(q, {}).items():
+            mine = opt.state[p][key]
+            if key == "step":
+                assert float(mine) == float(value), f"step {step}, {name}: step {float(mine)} != {float(value)}"
+            else:
+                torch.testing.assert_close(mine, value, **TOL, msg=lambda m, n=name: f"step {step}, {n}.{key}: {m}")
+
+
+def pair(in_backward=False, frozen=(), **kw):
+    """flatopt and torch.optim over copies of one model, with the layers ``frozen`` at construction."""
+    model, _ = make()
+    for i in frozen:
+        model[i].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    opt = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1, in_backward=in_backward, **kw)
+    return [(model, opt), (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1))]
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
+@pytest.mark.parametrize("layer", [0, 2, 4], ids=["first", "middle", "last"])
+def test_a_parameter_frozen_later_is_no_longer_stepped(in_backward, layer):
+    """Frozen at step 3 (first, middle or last of the buffer): not stepped from the very next step on, no
+    weight decay and no state change, as torch.optim (its .grad is None after zero_grad())."""
+    pairs = pair(in_backward)
+
+    def freeze(pairs):
+        for m, _ in pairs:
+            m[layer].requires_grad_(False)
+
+    x = torch.randn(4, 6)
+    train_both(pairs, 3, x)
+    before = pairs[0][0][layer].weight.detach().clone()
+    train_both(pairs, 3, x, {0: freeze})
+    assert torch.equal(pairs[0][0][layer].weight.detach(), before)
+
+
+@pytest.mark.parametrize("layer", [0, 2], ids=["first", "middle"])
+def test_a_parameter_unfrozen_later_is_trained_from_the_next_step(layer):
+    """Frozen at construction (left out of the buffers) and unfrozen at step 3, progressive unfreezing: it
+    joins the flat buffers and is stepped from the next step on, its state starting at step 0 as in
+    torch.optim; the others keep their values and states."""
+    pairs = pair(frozen=[layer])
+    (model, opt) = pairs[0]
+    assert not any(p is q for p in model[layer].parameters() for q in flatopt.inspect(opt).buffers[0].params)
+
+    def unfreeze(pairs):
+        for m, _ in pairs:
+            m[layer].requires_grad_(True)
+
+    x = torch.randn(4, 6)
+    train_both(pairs, 6, x, {3: unfreeze})
+    assert float(opt.state[model[layer].weight]["step"]) == 3.0
+    assert float(opt.state[model[0 if layer else 2].weight]["step"]) == 6.0
+    (buf,) = flatopt.inspect(opt).buffers
+    for p in model.parameters():  # every parameter lives in the new buffer
+        s, _ = buf.index[p]
+        assert p.data_ptr() == buf.data[s:].data_ptr()
+    opt.check_bindings()
+
+
+def test_unfreezing_keeps_every_state_and_gradient():
+    """The re-layout copies values, states, step counts and pending gradients into the new buffers: a step
+    after unfreezing (with gradients accumulated before it) is the same as torch.optim's."""
+    pairs = pair(frozen=[2])
+    x = torch.randn(4, 6)
+    train_both(pairs, 3, x)
+    for m, _ in pairs:  # a backward before unfreezing, another after: both land in .grad
+        m(x).square().mean().backward()
+        m[2].requires_grad_(True)
+        m(x).square().mean().backward()
+    for _, o in pairs:
+        quiet(o.step)
+    assert_same(pairs, 3)
+    train_both(pairs, 2, x)
+
+
+def test_a_parameter_appended_to_a_group_is_trained_and_one_removed_is_not():
+    """opt.param_groups[0]["params"] is the truth, as in torch.optim: a parameter appended to it is stepped
+    from the next step on, one removed is no longer stepped (and leaves the flat buffers: its data is a
+    tensor of its own again, and its state is gone)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    ref = copy.deepcopy(model)
+    first = [model[0].weight, model[0].bias, model[2].weight]
+    opt = flatopt.AdamW(first, lr=1e-2, weight_decay=0.1)
+    ref_of = dict(zip(model.parameters(), ref.parameters()))
+    ref_opt = torch.optim.AdamW([ref_of[p] for p in first], lr=1e-2, weight_decay=0.1)
+    pairs = [(model, opt), (ref, ref_opt)]
+
+    def append(pairs):
+        opt.param_groups[0]["params"].append(model[4].weight)
+        ref_opt.param_groups[0]["params"].append(ref_of[model[4].weight])
+
+    def remove(pairs):
+        del opt.param_groups[0]["params"][1]  # model[0].bias
+        del ref_opt.param_groups[0]["params"][1]
+
+    x = torch.randn(4, 6)
+    train_both(pairs, 6, x, {2: append, 4: remove})
+    assert float(opt.state[model[4].weight]["step"]) == 4.0
+    assert model[0].bias not in opt.state
+    buffers = flatopt.inspect(opt).buffers
+    assert all(model[0].bias is not p for b in buffers for p in b.params)
+    assert all(model[0].bias.untyped_storage().data_ptr() != b.data.untyped_storage().data_ptr() for b in buffers)
+    sd = opt.state_dict()  # a checkpoint of what the groups hold now, loadable by torch.optim
+    torch.optim.AdamW([ref_of[p] for p in opt.param_groups[0]["params"]]).load_state_dict(sd)
+
+
+def test_a_params_list_replaced_is_followed():
+    pairs = pair()
+    (model, opt), (ref, ref_opt) = pairs
+
+    def replace(pairs):
+        opt.param_groups[0]["params"] = tuple(model[2].parameters())
+        ref_opt.param_groups[0]["params"] = list(ref[2].parameters())
+
+    train_both(pairs, 4, torch.randn(4, 6), {2: replace})
+    assert [p.shape for p in flatopt.inspect(opt).buffers[0].params] == [(6, 6), (6,)]
+
+
+def test_nothing_changed_keeps_the_buffers():
+    """Detection costs identity tests only: steps with nothing changed keep the same buffers."""
+    model, opt = make()
+    x = torch.randn(4, 6)
+    buffers = list(flatopt.inspect(opt).buffers)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).sum().backward()
+        quiet(opt.step)
+    assert flatopt.inspect(opt).buffers == buffers
+
+
+@pytest.mark.parametrize(
+    "edit, error, match",
+    [
+        ("twice", ValueError, r"'2\.weight' appears more than once in opt\.param_groups"),
+        ("complex", ValueError, r"does not support complex parameters"),
+        ("not a tensor", TypeError, r"holds a str in its params"),
+        ("new group", RuntimeError, r"has 2 groups, and the optimizer was laid out for 1.*add_param_group"),
+    ],
+)
+def test_bad_edits_are_refused_before_anything_changes(edit, error, match):
+    model, opt = make()
+    x = torch.randn(4, 6)
+    opt.zero_grad()
+    model(x).sum().backward()
+    quiet(opt.step)
+    opt.zero_grad()
+    model(x).sum().backward()
+    group = opt.param_groups[0]
+    if edit == "twice":
+        group["params"].append(model[2].weight)
+    elif edit == "complex":
+        group["params"].append(nn.Parameter(torch.ones(3, dtype=torch.complex64)))
+    elif edit == "not a tensor":
+        group["params"].append("weight")
+    else:
+        opt.param_groups.append({**group, "params": [nn.Parameter(torch.ones(3))]})
+    before = [p.detach().clone() for p in model.parameters()]
+    states = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+    with pytest.raises(error, match=match):
+        opt.step()
+    with pytest.raises(error, match=match):  # zero_grad() follows param_groups too
+        opt.zero_grad()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    assert all(torch.equal(opt.state[model[0].weight][k], v) for k, v in states.items())
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
+def test_with_skip_unused_false_freezing_is_refused(in_backward):
+    """skip_unused=False steps parameters whose .grad is None with a zero gradient: a parameter frozen after
+    construction would go on being stepped, so the binding check refuses it and changes nothing."""
+    model, opt = make(in_backward, skip_unused=False)
+    x = torch.randn(4, 6)
+    for _ in range(3):
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-
-
-@pytest.mark.parametrize("in_backward", [False, True])
-def test_freezing_the_first_layer_is_refused_at_the_next_step(in_backward):
-    model, opt = make(in_backward)
-    x = torch.randn(4, 6)
-    train(model, opt, 3, x)
     model[0].requires_grad_(False)
     before = model[0].weight.detach().clone()
-    with pytest.raises(RuntimeError, match=r"have requires_grad=False now: '0\.weight'\..*skip_unused=True"):
-        train(model, opt, 1, x)
+    with pytest.raises(RuntimeError, match=r"have requires_grad=False now: '0\.weight'\..*Drop skip_unused=False"):
+        model(x).square().mean().backward()
+        opt.step()
     assert torch.equal(model[0].weight.detach(), before)
-
-
-def test_freezing_a_middle_layer_is_found_by_check_bindings():
-    model, opt = make()
-    x = torch.randn(4, 6)
-    train(model, opt, 2, x)
-    model[2].requires_grad_(False)
-    with pytest.raises(RuntimeError, match=r"'2\.weight', '2\.bias'"):
-        opt.check_bindings()
-
-
-def test_with_skip_unused_a_frozen_parameter_stays_put_as_with_torch():
-    model, opt = make(skip_unused=True)
-    ref = copy.deepcopy(model)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    x = torch.randn(4, 6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for step in range(6):
-            if step == 3:
-                model[0].requires_grad_(False)
-                ref[0].requires_grad_(False)
-            for m, o in ((model, opt), (ref, opt_ref)):
-                m(x).square().mean().backward()
-                o.step()
-                o.zero_grad()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

@@ -8,6 +8,7 @@ reads the optimizer's public attributes (``param_groups``, ``state``, ``rule``, 
 ``state`` (torch.optim's per-parameter dicts, as views into its buffers).
 """
 
+import operator
 import warnings
 import weakref
 
@@ -104,6 +105,8 @@ class FlatEngine(Engine):
         self.buffers = []
         self.devices = []
         self.frozen = []  # parameters with requires_grad=False at the last layout
+        self.members = []  # per param group at the last layout: (its params list, a copy of it)
+        self.removed = weakref.WeakSet()  # parameters removed from param_groups (not replaced in the module)
         self.group_states = []  # per param group: the state names it has used so far
         self.checked_steps = 0  # steps whose binding check passed (a full one every FULL_CHECK_EVERY)
         self.unused_reported = False
@@ -127,9 +130,10 @@ class FlatEngine(Engine):
         opt = self.opt
         rule = opt.rule
         keys, members = [], {}
+        placed = {p for buf in self.buffers for p in buf.params}  # laid out before: they keep their place
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
-                if p.requires_grad:
+                if p.requires_grad or p in placed:
                     key = (p.device, p.dtype)
                     if key not in members:
                         keys.append(key)
@@ -157,7 +161,16 @@ class FlatEngine(Engine):
         self.buffers = buffers
         self.devices = list(dict.fromkeys(b.device for b in buffers))
         self.data_padding = [pad for buf in buffers for pad in buf.padding(buf.data)]
-        self.frozen = [p for group in opt.param_groups for p in group["params"] if not p.requires_grad]
+        held = {p for buf in buffers for p in buf.params}
+        self.frozen = [p for group in opt.param_groups for p in group["params"] if p not in held]
+        self.members = [(group["params"], list(group["params"])) for group in opt.param_groups]
+        with torch.no_grad():
+            for p in placed - held:  # removed from the groups: off the old buffers, which would stay alive for it
+                self.removed.add(p)
+                p.data = p.data.clone()
+                if p.grad is not None:
+                    p.grad = p.grad.clone()
+                opt.state.pop(p, None)  # as it is no longer the optimizer's (torch.optim's state_dict() fails on it)
         for buf in buffers:
             for i, p in enumerate(buf.params):
                 self.put_state(p, buf, i)
@@ -165,6 +178,58 @@ class FlatEngine(Engine):
         opt.hparams.invalidate()
         self.step_graph = StepGraph()  # graphs of the old layout read its freed tables: never replay them
         self.attach(without_grad, with_grad)
+
+    def members_changed(self):
+        """Whether the parameters to lay out differ from the last layout's: a group's params list edited or
+        replaced, or a parameter frozen at the layout that requires grad now. O(parameters) identity tests
+        (what torch.optim's step does anyway), run at every step."""
+        groups = self.opt.param_groups
+        if len(groups) != len(self.members):
+            return True
+        for group, (params, copy) in zip(groups, self.members):
+            now = group["params"]
+            if now is not params or len(now) != len(copy) or not all(map(operator.is_, now, copy)):
+                return True
+        return any(p.requires_grad for p in self.frozen)
+
+    def follow_members(self):
+        """Lay the parameters out again when ``param_groups`` or ``requires_grad`` say so (see members_changed),
+        keeping every value, gradient and state, as torch.optim simply steps what the groups hold: a parameter
+        that starts requiring grad or is appended to a group's params joins the buffers (its state starts
+        empty, as in torch), one removed from a group leaves them (with its state). Checked first, changing
+        nothing on error. Returns whether it laid out again."""
+        if not self.members_changed():
+            return False
+        self.check_data_bindings(full=True)  # a parameter moved or cast meanwhile is refused, not laid out anew
+        opt = self.opt
+        if len(opt.param_groups) != len(self.members):
+            raise RuntimeError(
+                f"{self.cls}: opt.param_groups has {len(opt.param_groups)} groups, and the optimizer was laid out "
+                f"for {len(self.members)}. Add a group with opt.add_param_group(); to remove one, create a new "
+                "optimizer (save opt.state_dict() first and load it, without the group, to keep the state)"
+            )
+        known = {p for _, copy in self.members for p in copy}
+        seen = set()
+        for gi, group in enumerate(opt.param_groups):
+            params = group["params"]
+            if not isinstance(params, list):  # a tuple or another sequence assigned by hand: torch iterates it
+                params = group["params"] = list(params)
+            for p in params:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(
+                        f"{self.cls}: param group {gi} holds a {type(p).__name__} in its params; only tensors "
+                        "can be optimized"
+                    )
+                if p in seen:
+                    raise ValueError(
+                        f"{self.cls}: parameter {opt.names(p)} appears more than once in opt.param_groups' params "
+                        "(torch.optim's add_param_group refuses that too); remove the repeat"
+                    )
+                seen.add(p)
+                if p not in known:
+                    opt.check_param(p)
+        self.build()
+        return True
 
     def state_of(self, buf, i):
         """torch.optim's per-parameter state, as views into the flat buffers."""
@@ -261,7 +326,8 @@ class FlatEngine(Engine):
         opt = self.opt
         module = opt.module() if full and opt.module is not None else None
         check_data_bindings(
-            self.cls, self.buffers, opt.names, full=full, frozen=self.frozen, skip_unused=opt.skip_unused,
+            self.cls, self.buffers, opt.names, full=full, frozen=self.frozen, removed=self.removed,
+            skip_unused=opt.skip_unused,
             module=module,
         )  # fmt: skip
 

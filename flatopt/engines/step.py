@@ -83,7 +83,10 @@ class FlatStepEngine(FlatEngine):
         self._check_bindings(full)
 
     def _check_bindings(self, full, settle=True):
-        """The data bindings, then (``settle``) the gradients settled into the flat buffers."""
+        """The parameters laid out again if ``param_groups`` or ``requires_grad`` changed, the data bindings,
+        then (``settle``) the gradients settled into the flat buffers."""
+        if self.follow_members():
+            full = True
         if full or not self.ends_bound():
             self.check_data_bindings(full)
         if settle and self.landing is not None and self.landing.needs_settling(full):
@@ -258,6 +261,7 @@ class FlatStepEngine(FlatEngine):
         return total
 
     def zero_grad(self, set_to_none):
+        self.follow_members()  # torch.optim zeroes what the groups hold now
         if set_to_none:
             self.landing.release()
             return
