@@ -650,3 +650,20 @@ def test_a_grad_replaced_after_clipping_is_seen_by_step():
 
     torch.manual_seed(0)
     steps_like_torch_sgd(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)), edit)
+
+
+def test_a_sparse_grad_set_in_the_middle_of_a_buffer_is_refused_at_the_next_step():
+    """By default every step looks at every .grad (as torch.optim's does): a sparse .grad put on a parameter in
+    the middle of a buffer, with no zero_grad() since the last step, is refused by name, changing nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = flatopt.SGD(model, lr=0.1)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    opt.step()
+    model(x).sum().backward()  # no zero_grad(): accumulated into the views
+    model[1].weight.grad = torch.eye(4).to_sparse()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"does not support sparse gradients: parameter '1\.weight'"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
