@@ -197,11 +197,12 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         With ``flat=True`` the gradients still land in the flat gradient buffer. ``set_to_none=True``
         sets every ``.grad`` to None and releases the buffer's storage until the next gradient
         arrives; covered layers write their gradients into their views, the others are copied in
-        (a read and a write of their bytes), and ``step()`` zeroes the views of parameters that
-        received none. With
-        ``set_to_none=False`` the views are put back in ``.grad`` (a None ``.grad`` stays None with
-        ``skip_unused=True``) and each buffer is zeroed (one operation each), and autograd adds each
-        gradient into its view (a write, then two reads and a write). See :mod:`flatopt.grads`.
+        (a read and a write of their bytes), and ``step()`` leaves the parameters that received
+        none untouched. With
+        ``set_to_none=False`` the views are put back in ``.grad`` (a None ``.grad`` stays None, unless
+        ``skip_unused=False``) and each buffer is zeroed (one operation each), and autograd adds each
+        gradient into its view (a write, then two reads and a write). Parameters unfrozen or added to
+        ``param_groups`` since the last step are laid out first. See :mod:`flatopt.grads`.
         """
         self.engine.zero_grad(set_to_none)
 
@@ -228,10 +229,10 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         return self.engine.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite)
 
     def check_bindings(self, full=True):
-        """Raise if a parameter's data no longer lives in the flat buffers, or (with ``full=True``) if
-        a parameter that was frozen when the optimizer laid out its buffers requires grad now (it has
-        no place in them and would never be stepped), or one that was trainable is frozen now (it
-        would still be stepped, unless ``skip_unused=True``); then settle the gradients.
+        """Lay the parameters out again if ``param_groups`` or ``requires_grad`` changed (as ``step()``
+        and ``zero_grad()`` do); raise if a parameter's data no longer lives in the flat buffers, or
+        (with ``skip_unused=False``) one that was trainable is frozen now (it would still be stepped
+        with a zero gradient); then settle the gradients.
 
         ``step()`` checks every parameter at the first step and at every ``FULL_CHECK_EVERY``-th
         (256th) step after it, and otherwise only the first and last parameter of each buffer
@@ -239,11 +240,11 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         (``full=True``) to check every parameter now.
 
         Settling, with ``flat=True`` in step mode (see :mod:`flatopt.grads`): a ``.grad`` that is
-        None gets its view zeroed and put back (with ``skip_unused=True`` it stays None), one that is
-        a tensor of its own is copied into its view, which is put back; a sparse ``.grad`` or one
-        with autograd history raises. Every ``.grad`` is looked at after a ``zero_grad()`` of either
-        kind or a hook's copy since the last step, with ``skip_unused=True``, and at a full check;
-        otherwise the first and last of each buffer.
+        None gets its view zeroed (and stays None; with ``skip_unused=False`` the view is put back),
+        one that is a tensor of its own is copied into its view, which is put back; a sparse ``.grad``
+        or one with autograd history raises. Every ``.grad`` is looked at, but with
+        ``skip_unused=False`` only after a ``zero_grad()`` of either kind or a hook's copy since the
+        last step and at a full check (otherwise the first and last of each buffer).
         """
         self.engine.check_bindings(full)
 
