@@ -1,7 +1,7 @@
 """In-backward mode against torch.optim where the two part ways easily: a backward pass that raised and
-is retried, a refused backward pass, and backward passes nested in another one (reentrant activation
-checkpointing). Each case either matches torch.optim stepping a copy of the same model, or is refused
-before anything changes: no parameter or state updated, no gradient left in ``.grad``."""
+is retried, a refused backward pass, gradients set by hand, and backward passes nested in another one
+(reentrant activation checkpointing). Each case either matches torch.optim stepping a copy of the same
+model, or is refused before anything changes: no parameter or state updated, no gradient left in ``.grad``."""
 
 import copy
 
@@ -192,6 +192,44 @@ def test_a_refused_second_backward_leaves_nothing_behind(opt, bucket_size):
             assert all(torch.equal(p.detach(), a) for p, a in zip(twin.parameters(), after))
         ours.step()
         assert_matches_torch(twin, model, ours, theirs, step)
+
+
+# ---------------------------------------------------------------------- gradients set by hand
+
+
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_gradients_set_by_hand_are_stepped_by_step(opt, bucket_size):
+    """torch.autograd.grad(), then p.grad = g and step(): stepped as torch.optim steps them."""
+    model, theirs, twin, ours = pair(opt, bucket_size=bucket_size)
+    for step, batch in enumerate(batches(3), 1):
+        for m, o in ((model, theirs), (twin, ours)):
+            params = list(m.parameters())
+            for p, g in zip(params, torch.autograd.grad(loss_of(m, batch), params)):
+                p.grad = g
+            o.step()
+            o.zero_grad()
+        assert_matches_torch(twin, model, ours, theirs, step)
+    assert flatopt.inspect(ours).engine.launches > 0
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient before the first step")
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_gradients_set_by_hand_on_some_parameters_step_those_with_skip_unused(opt):
+    """torch.optim steps only the parameters whose .grad is set; so does skip_unused=True."""
+    model, theirs, twin, ours = pair(opt, skip_unused=True, bucket_size=512)
+    for step, batch in enumerate(batches(3), 1):
+        for m, o in ((model, theirs), (twin, ours)):
+            params = [m.a.weight, m.c.bias]
+            for p, g in zip(params, torch.autograd.grad(loss_of(m, batch), params)):
+                p.grad = g
+            o.step()
+            o.zero_grad()
+        assert_matches_torch(twin, model, ours, theirs, step)
+    torch.manual_seed(0)
+    untouched = MLP()
+    assert not torch.equal(twin.a.weight, untouched.a.weight), "a parameter with a gradient was not stepped"
+    assert torch.equal(twin.b.weight, untouched.b.weight), "a parameter without a gradient was stepped"
 
 
 # ---------------------------------------------------------------------- reentrant activation checkpointing

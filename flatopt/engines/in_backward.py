@@ -18,6 +18,8 @@ parameter's layout is stepped straight from ``p.grad``, with no copy. A callback
 autograd engine runs when the backward pass ends and steps the buckets that are still open,
 treating missing gradients as zero (or, with ``skip_unused=True``, stepping only the parameters
 that received one), so every backward pass equals one ``step()`` of step mode.
+``opt.step()`` steps the gradients it finds in ``p.grad`` (accumulated under ``no_step()``, or
+set by hand), as torch.optim does.
 
 A backward pass that cannot be stepped as one ``step()`` is refused at its first gradient, and
 the refused pass leaves no gradient in ``.grad``: a second stepping pass without ``opt.step()``
@@ -228,7 +230,9 @@ class InBackwardEngine(FlatEngine):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.pending:  # every micro-batch ran under no_step(): step their accumulated gradients now
+        # Gradients in p.grad: accumulated under no_step() by every micro-batch, or set by hand (p.grad = g
+        # after torch.autograd.grad): step them as torch.optim does. A backward pass leaves none.
+        if self.pending or any(p.grad is not None for p in self.bucket_of):
             self.step_pending()
         self.step_called = True
         self.passes_since_step = 0
@@ -290,7 +294,8 @@ class InBackwardEngine(FlatEngine):
     def abandon(self):
         """Called outside backward (zero_grad, step): a pass that began but never ended (its backward
         raised, out of memory say) is dropped, so the next backward starts afresh. Buckets it had
-        stepped stay stepped; the others are not, and the gradients moved into them are lost."""
+        stepped stay stepped; the others are not, and the gradients moved into them are lost. Gradients
+        it had not taken stay in ``p.grad``: ``zero_grad()`` drops them, ``step()`` steps them."""
         if self.task is not None:
             with self.lock:
                 self.reset()
