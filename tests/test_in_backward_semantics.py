@@ -1,7 +1,8 @@
 """In-backward mode against torch.optim where the two part ways easily: a backward pass that raised and
-is retried, a refused backward pass, gradients set by hand, and backward passes nested in another one
-(reentrant activation checkpointing). Each case either matches torch.optim stepping a copy of the same
-model, or is refused before anything changes: no parameter or state updated, no gradient left in ``.grad``."""
+is retried, a refused backward pass, gradients set by hand, gradient hooks registered after the
+optimizer, and backward passes nested in another one (reentrant activation checkpointing). Each
+case either matches torch.optim stepping a copy of the same model, or is refused before anything
+changes: no parameter or state updated, no gradient left in ``.grad``."""
 
 import copy
 
@@ -230,6 +231,59 @@ def test_gradients_set_by_hand_on_some_parameters_step_those_with_skip_unused(op
     untouched = MLP()
     assert not torch.equal(twin.a.weight, untouched.a.weight), "a parameter with a gradient was not stepped"
     assert torch.equal(twin.b.weight, untouched.b.weight), "a parameter without a gradient was stepped"
+
+
+# ---------------------------------------------------------------------- hooks registered after the optimizer
+
+
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_hooks_registered_after_the_optimizer_run_before_the_step(opt, bucket_size):
+    """Per-parameter clipping (in place, and by assigning p.grad) and a logging hook, registered on the
+    model after the optimizer: they see each gradient before it is stepped, as with torch.optim."""
+    model, theirs, twin, ours = pair(opt, bucket_size=bucket_size)
+
+    def clip(p):  # a post-accumulate-grad hook returns None
+        p.grad.clamp_(-0.02, 0.02)
+
+    def halve(p):
+        p.grad = p.grad * 0.5
+
+    logs = {}
+    for key, m in (("theirs", model), ("ours", twin)):
+        log = logs[key] = []
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(clip)
+            p.register_post_accumulate_grad_hook(lambda p, log=log: log.append(p.grad.norm().item()))
+        m.b.weight.register_post_accumulate_grad_hook(halve)
+    for step, batch in enumerate(batches(3), 1):
+        torch_step(model, theirs, batch)
+        loss_of(twin, batch).backward()
+        assert all(p.grad is None for p in twin.parameters()), "in-backward mode keeps no gradient"
+        ours.step()
+        assert_matches_torch(twin, model, ours, theirs, step)
+    assert sorted(logs["ours"]) == pytest.approx(sorted(logs["theirs"]), rel=1e-6, abs=0)
+    assert len(logs["ours"]) == 3 * 6
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient before the first step")
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_a_hook_that_drops_the_gradient_leaves_the_parameter_unstepped_with_skip_unused(opt):
+    """A hook after the optimizer's that sets p.grad = None: torch.optim skips the parameter, and so
+    does skip_unused=True."""
+    model, theirs, twin, ours = pair(opt, skip_unused=True, bucket_size=512)
+
+    def drop(p):
+        p.grad = None
+
+    for m in (model, twin):
+        m.c.bias.register_post_accumulate_grad_hook(drop)
+    for step, batch in enumerate(batches(3), 1):
+        torch_step(model, theirs, batch)
+        torch_step(twin, ours, batch)
+        assert_matches_torch(twin, model, ours, theirs, step)
+    torch.manual_seed(0)
+    assert torch.equal(twin.c.bias, MLP().c.bias), "c.bias had no gradient and was stepped"
 
 
 # ---------------------------------------------------------------------- reentrant activation checkpointing

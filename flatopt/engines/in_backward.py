@@ -21,6 +21,11 @@ that received one), so every backward pass equals one ``step()`` of step mode.
 ``opt.step()`` steps the gradients it finds in ``p.grad`` (accumulated under ``no_step()``, or
 set by hand), as torch.optim does.
 
+A parameter with post-accumulate-grad hooks registered after the optimizer's (per-parameter
+clipping, logging) keeps its gradient until those hooks have run: torch runs a parameter's hooks
+one after another, in registration order, so its gradient is taken at the next gradient hook on
+the same thread, or at the end of the pass.
+
 A backward pass that cannot be stepped as one ``step()`` is refused at its first gradient, and
 the refused pass leaves no gradient in ``.grad``: a second stepping pass without ``opt.step()``
 in between, a pass begun after one that raised with neither ``opt.zero_grad()`` nor
@@ -171,6 +176,7 @@ class InBackwardEngine(FlatEngine):
         self.paused = 0  # > 0 inside opt.no_step()
         self.passes_since_step = 0  # stepping backward passes that ended since the last opt.step()
         self.step_called = False
+        self.deferred = []  # (thread id, parameter): gradients to take once the parameter's later hooks ran
         self.stepped = 0  # parameters stepped so far in the backward pass in progress
         self.dirty = True  # recompute each bucket's UNIFORM flag at the next backward
         self.pending = False  # gradients accumulated under no_step() that no pass has taken yet
@@ -179,6 +185,7 @@ class InBackwardEngine(FlatEngine):
         self.held = 0  # staging-gradient elements allocated now
         self.peak_held = 0  # the most staging-gradient elements allocated at once
         self.handles = []
+        self.hook_id = {}  # param -> the id of the optimizer's hook in p._post_accumulate_grad_hooks
 
     # ------------------------------------------------------------------ layout
     def order(self, params, groups):
@@ -202,6 +209,7 @@ class InBackwardEngine(FlatEngine):
                 engine_hook(p)
 
         self.handles = [p.register_post_accumulate_grad_hook(hook) for p in self.bucket_of]
+        self.hook_id = {p: h.id for p, h in zip(self.bucket_of, self.handles)}
         self._finalizer = weakref.finalize(self, _remove, self.handles)  # gone with the engine (and optimizer)
 
     def detach(self):
@@ -284,6 +292,7 @@ class InBackwardEngine(FlatEngine):
             self._release(b)
             b.reset()
         self.task = None
+        self.deferred = []
         self.stepped = 0
 
     def _release(self, bucket):
@@ -302,20 +311,27 @@ class InBackwardEngine(FlatEngine):
 
     def _arrive(self, p):
         """The gradient of ``p`` in a stepping backward pass: begin the pass at its first gradient, or
-        refuse the pass (returns the message, once the refused gradient is dropped); then take ``p.grad``."""
+        refuse the pass (returns the message, once the refused gradients are dropped); then take
+        ``p.grad`` now, or, when hooks were registered on ``p`` after the optimizer's, once they have run."""
         task = _graph_task_id()
         if task != self.task:
             refusal = self._refusal(p)
             if refusal is not None:
                 return refusal
             self._begin(task)
-        elif p in self.bucket_of[p][0].arrived:
+        elif p in self.bucket_of[p][0].arrived or any(q is p for _, q in self.deferred):
             return self._refuse(
                 p,
                 f"{self.cls}(in_backward=True): the gradient hook of {self.opt.names(p)} fired twice in one "
                 "backward pass, which cannot be stepped as one step(); use in_backward=False (step mode)",
             )
-        self._take(p)
+        thread = threading.get_ident()
+        if self.deferred:
+            self._flush(thread)  # the previous gradient's later hooks on this thread have run by now
+        if self._hooked_after(p):
+            self.deferred.append((thread, p))
+        else:
+            self._take(p)
 
     def _refusal(self, p):
         """Why the backward pass that delivers ``p``'s gradient, the first of a pass, cannot be stepped
@@ -359,15 +375,33 @@ class InBackwardEngine(FlatEngine):
         return None
 
     def _refuse(self, p, message, keep_task=False):
-        """Drop the refused pass's gradient (``p``'s), so that no later pass or step() applies it, and
-        end the pass; ``keep_task`` keeps the graph task of a pass that raised, so that backward passes
-        are refused until zero_grad() or step() drops it."""
+        """Drop the refused pass's gradients (``p``'s, and those waiting for later hooks), so that no later
+        pass or step() applies them, and end the pass; ``keep_task`` keeps the graph task of a pass that
+        raised, so that backward passes are refused until zero_grad() or step() drops it."""
         p.grad = None
+        for _, q in self.deferred:
+            q.grad = None
         task = self.task
         self.reset()
         if keep_task:
             self.task = task
         return message
+
+    def _hooked_after(self, p):
+        """Whether hooks were registered on ``p`` after the optimizer's (torch runs them after it)."""
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+        return bool(hooks) and next(reversed(hooks)) != self.hook_id.get(p)
+
+    def _flush(self, thread=None):
+        """Take the gradients deferred on ``thread`` (on every thread at the end of the pass): their
+        parameters' later hooks have run. One whose hook set ``p.grad = None`` has no gradient in this pass."""
+        keep = []
+        for t, q in self.deferred:
+            if thread is not None and t != thread:
+                keep.append((t, q))
+            elif q.grad is not None:
+                self._take(q)
+        self.deferred = keep
 
     def _take(self, p):
         """Move ``p.grad`` into its bucket (or keep it, for a one-parameter bucket), free it, and step
@@ -419,6 +453,7 @@ class InBackwardEngine(FlatEngine):
         """End of the backward pass (queued on the autograd engine by its first gradient)."""
         with self.lock, torch.no_grad():
             try:
+                self._flush()
                 self._end_pass()
                 self.passes_since_step += 1
             finally:
