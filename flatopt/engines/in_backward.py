@@ -18,12 +18,27 @@ parameter's layout is stepped straight from ``p.grad``, with no copy. A callback
 autograd engine runs when the backward pass ends and steps the buckets that are still open,
 treating missing gradients as zero (or, with ``skip_unused=True``, stepping only the parameters
 that received one), so every backward pass equals one ``step()`` of step mode.
+``opt.step()`` steps the gradients it finds in ``p.grad`` (accumulated under ``no_step()``, or
+set by hand), as torch.optim does.
+
+A parameter with post-accumulate-grad hooks registered after the optimizer's (per-parameter
+clipping, logging) keeps its gradient until those hooks have run: torch runs a parameter's hooks
+one after another, in registration order, so its gradient is taken at the next gradient hook on
+the same thread, or at the end of the pass.
+
+A backward pass that cannot be stepped as one ``step()`` is refused at its first gradient, and
+the refused pass leaves no gradient in ``.grad``: a second stepping pass without ``opt.step()``
+in between, a pass begun after one that raised with neither ``opt.zero_grad()`` nor
+``opt.step()`` in between, and a pass run inside another one (reentrant activation
+checkpointing), detected from the hook's Python frames: an autograd Function's backward, or a
+second engine run, below it.
 
 Kernel launches per backward: about ``numel / bucket_size`` plus one per parameter larger than a
 bucket. Gradient memory held by flatopt: the open buckets' staging gradients (one bucket at a
 time when gradients arrive in layout order) plus the gradient autograd is producing.
 """
 
+import sys
 import threading
 import weakref
 from contextlib import contextmanager
@@ -40,6 +55,36 @@ from flatopt.step_graph import StepGraph
 def _graph_task_id():
     get = getattr(torch._C, "_current_graph_task_id", None)
     return get() if get is not None else -1
+
+
+def _code(obj, *path):
+    for name in path:
+        obj = getattr(obj, name, None)
+    return getattr(obj, "__code__", None)
+
+
+_FUNCTION_BACKWARD = _code(torch.autograd.function, "BackwardCFunction", "apply")  # runs a Function's backward
+_ENGINE_RUN = _code(torch.autograd.graph, "_engine_run_backward")  # torch.autograd.backward's and grad's engine call
+
+
+def nesting_backward():
+    """What runs the backward pass in progress inside another one, seen from a gradient hook of it:
+    the autograd Function whose backward started it (``CheckpointFunction`` for reentrant activation
+    checkpointing), ``"a hook"`` for a second engine run below this one, or None for a pass that is
+    not nested. A nested pass runs on the thread of the node that started it, below that node's
+    Python frames, on the thread that called backward() as on a device's worker thread."""
+    frame, runs = sys._getframe(1), 0
+    while frame is not None:
+        code = frame.f_code
+        if code is _FUNCTION_BACKWARD and code is not None:
+            fn = getattr(frame.f_locals.get("self"), "_forward_cls", None)
+            return getattr(fn, "__name__", "an autograd Function")
+        if code is _ENGINE_RUN and code is not None:
+            runs += 1
+            if runs > 1:
+                return "a hook"
+        frame = frame.f_back
+    return None
 
 
 class Bucket:
@@ -127,10 +172,12 @@ class InBackwardEngine(FlatEngine):
         self.bucket_of = {}  # param -> (bucket, element offset in the bucket)
         self.index_of = {}  # param -> index in its buffer
         self.lock = threading.Lock()
-        self.task = None  # graph task id of the backward pass in progress
+        self.task = None  # graph task id of the backward pass in progress (or of one that raised, until dropped)
         self.paused = 0  # > 0 inside opt.no_step()
-        self.backwards_since_step = 0
+        self.passes_since_step = 0  # stepping backward passes that ended since the last opt.step()
         self.step_called = False
+        self.deferred = []  # (thread id, parameter): gradients to take once the parameter's later hooks ran
+        self.stepped = 0  # parameters stepped so far in the backward pass in progress
         self.dirty = True  # recompute each bucket's UNIFORM flag at the next backward
         self.pending = False  # gradients accumulated under no_step() that no pass has taken yet
         self.backwards = 0  # backward passes begun (every FULL_CHECK_EVERY-th checks every parameter)
@@ -138,6 +185,7 @@ class InBackwardEngine(FlatEngine):
         self.held = 0  # staging-gradient elements allocated now
         self.peak_held = 0  # the most staging-gradient elements allocated at once
         self.handles = []
+        self.hook_id = {}  # param -> the id of the optimizer's hook in p._post_accumulate_grad_hooks
 
     # ------------------------------------------------------------------ layout
     def order(self, params, groups):
@@ -161,6 +209,7 @@ class InBackwardEngine(FlatEngine):
                 engine_hook(p)
 
         self.handles = [p.register_post_accumulate_grad_hook(hook) for p in self.bucket_of]
+        self.hook_id = {p: h.id for p, h in zip(self.bucket_of, self.handles)}
         self._finalizer = weakref.finalize(self, _remove, self.handles)  # gone with the engine (and optimizer)
 
     def detach(self):
@@ -189,10 +238,12 @@ class InBackwardEngine(FlatEngine):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.pending:  # every micro-batch ran under no_step(): step their accumulated gradients now
+        # Gradients in p.grad: accumulated under no_step() by every micro-batch, or set by hand (p.grad = g
+        # after torch.autograd.grad): step them as torch.optim does. A backward pass leaves none.
+        if self.pending or any(p.grad is not None for p in self.bucket_of):
             self.step_pending()
         self.step_called = True
-        self.backwards_since_step = 0
+        self.passes_since_step = 0
         return loss
 
     def zero_grad(self, set_to_none):
@@ -229,16 +280,20 @@ class InBackwardEngine(FlatEngine):
             return
         with self.lock, torch.no_grad():
             try:
-                self._arrive(p)
+                refusal = self._arrive(p)
             except BaseException:
                 self.reset()
                 raise
+        if refusal is not None:
+            raise RuntimeError(refusal)
 
     def reset(self):
         for b in self.buckets:
             self._release(b)
             b.reset()
         self.task = None
+        self.deferred = []
+        self.stepped = 0
 
     def _release(self, bucket):
         if bucket.grad is not None:
@@ -248,30 +303,105 @@ class InBackwardEngine(FlatEngine):
     def abandon(self):
         """Called outside backward (zero_grad, step): a pass that began but never ended (its backward
         raised, out of memory say) is dropped, so the next backward starts afresh. Buckets it had
-        stepped stay stepped; the others are not."""
+        stepped stay stepped; the others are not, and the gradients moved into them are lost. Gradients
+        it had not taken stay in ``p.grad``: ``zero_grad()`` drops them, ``step()`` steps them."""
         if self.task is not None:
             with self.lock:
                 self.reset()
 
     def _arrive(self, p):
-        opt = self.opt
+        """The gradient of ``p`` in a stepping backward pass: begin the pass at its first gradient, or
+        refuse the pass (returns the message, once the refused gradients are dropped); then take
+        ``p.grad`` now, or, when hooks were registered on ``p`` after the optimizer's, once they have run."""
         task = _graph_task_id()
-        if self.task is None:
+        if task != self.task:
+            refusal = self._refusal(p)
+            if refusal is not None:
+                return refusal
             self._begin(task)
-        elif task != self.task:
-            raise RuntimeError(
-                f"{self.cls}(in_backward=True): the gradient of {opt.names(p)} arrived in a nested "
-                "backward pass. Reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True) "
-                "runs one; use use_reentrant=False, or in_backward=False. (If instead the previous backward pass "
-                "raised and was retried without opt.zero_grad() in between, run this backward pass again)"
+        elif p in self.bucket_of[p][0].arrived or any(q is p for _, q in self.deferred):
+            return self._refuse(
+                p,
+                f"{self.cls}(in_backward=True): the gradient hook of {self.opt.names(p)} fired twice in one "
+                "backward pass, which cannot be stepped as one step(); use in_backward=False (step mode)",
             )
-        if p in self.bucket_of[p][0].arrived:
-            raise RuntimeError(
-                f"{self.cls}(in_backward=True): the gradient hook of {opt.names(p)} fired twice in one "
-                "backward pass (reentrant activation checkpointing does that); use "
-                "torch.utils.checkpoint(..., use_reentrant=False), or in_backward=False"
+        thread = threading.get_ident()
+        if self.deferred:
+            self._flush(thread)  # the previous gradient's later hooks on this thread have run by now
+        if self._hooked_after(p):
+            self.deferred.append((thread, p))
+        else:
+            self._take(p)
+
+    def _refusal(self, p):
+        """Why the backward pass that delivers ``p``'s gradient, the first of a pass, cannot be stepped
+        (None when it can): a pass nested in another one, a pass begun while one that raised was not
+        dropped, or a second stepping pass without opt.step() in between. Checked before anything is
+        taken or stepped."""
+        cls, name = self.cls, self.opt.names(p)
+        outer = nesting_backward()
+        if outer is not None:
+            stepped = (
+                f"{self.stepped} parameter(s) stepped earlier in this pass, whose gradients came before the nested "
+                "pass, stay stepped: restart from a checkpoint if that matters"
+                if self.stepped
+                else "No parameter was updated"
             )
-        self._take(p)
+            return self._refuse(
+                p,
+                f"{cls}(in_backward=True): the gradient of {name} comes from a backward pass run inside another "
+                f"backward pass (by {outer}'s backward). Reentrant activation checkpointing (torch.utils.checkpoint "
+                "with use_reentrant=True) runs one per checkpointed segment, and each would step its parameters "
+                "before the outer pass ends. Use torch.utils.checkpoint(..., use_reentrant=False), or "
+                f"in_backward=False (step mode). {stepped}",
+            )
+        if self.task is not None:
+            return self._refuse(
+                p,
+                f"{cls}(in_backward=True): a backward pass started after the previous one raised, without "
+                "opt.zero_grad() or opt.step() in between. Call opt.zero_grad() before running backward again (as "
+                "with torch.optim, a retry would otherwise add its gradients to those the failed pass left). Nothing "
+                "was updated by this backward pass",
+                keep_task=True,
+            )
+        if self.step_called and self.passes_since_step:
+            return self._refuse(
+                p,
+                f"{cls}(in_backward=True): a second backward pass started without opt.step() "
+                "in between. Each backward pass updates the parameters, so gradients are not accumulated over "
+                "micro-batches: run all but the last micro-batch's backward inside `with opt.no_step():`. Nothing "
+                "was updated by this backward pass",
+            )
+        return None
+
+    def _refuse(self, p, message, keep_task=False):
+        """Drop the refused pass's gradients (``p``'s, and those waiting for later hooks), so that no later
+        pass or step() applies them, and end the pass; ``keep_task`` keeps the graph task of a pass that
+        raised, so that backward passes are refused until zero_grad() or step() drops it."""
+        p.grad = None
+        for _, q in self.deferred:
+            q.grad = None
+        task = self.task
+        self.reset()
+        if keep_task:
+            self.task = task
+        return message
+
+    def _hooked_after(self, p):
+        """Whether hooks were registered on ``p`` after the optimizer's (torch runs them after it)."""
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+        return bool(hooks) and next(reversed(hooks)) != self.hook_id.get(p)
+
+    def _flush(self, thread=None):
+        """Take the gradients deferred on ``thread`` (on every thread at the end of the pass): their
+        parameters' later hooks have run. One whose hook set ``p.grad = None`` has no gradient in this pass."""
+        keep = []
+        for t, q in self.deferred:
+            if thread is not None and t != thread:
+                keep.append((t, q))
+            elif q.grad is not None:
+                self._take(q)
+        self.deferred = keep
 
     def _take(self, p):
         """Move ``p.grad`` into its bucket (or keep it, for a one-parameter bucket), free it, and step
@@ -296,15 +426,6 @@ class InBackwardEngine(FlatEngine):
         checks, hyper-parameters, and, in a backward pass, the end-of-pass callback."""
         opt = self.opt
         check_single_process(self.cls, opt.options.allow_several_ranks)  # the group may have started since
-        if backward:
-            self.backwards_since_step += 1
-            if self.step_called and self.backwards_since_step > 1:
-                self.backwards_since_step = 1
-                raise RuntimeError(
-                    f"{self.cls}(in_backward=True): a second backward pass started without opt.step() "
-                    "in between. Each backward pass updates the parameters, so gradients are not accumulated over "
-                    "micro-batches: run all but the last micro-batch's backward inside `with opt.no_step():`"
-                )
         self.check_bindings(full=self.dirty or self.backwards % FULL_CHECK_EVERY == 0)
         self.backwards += 1
         self.refresh_hparams()
@@ -332,7 +453,9 @@ class InBackwardEngine(FlatEngine):
         """End of the backward pass (queued on the autograd engine by its first gradient)."""
         with self.lock, torch.no_grad():
             try:
+                self._flush()
                 self._end_pass()
+                self.passes_since_step += 1
             finally:
                 self.reset()
 
@@ -377,6 +500,7 @@ class InBackwardEngine(FlatEngine):
         else:
             launch()
         self.launches += 1
+        self.stepped += len(bucket.params)
         bucket.done = True
         self._release(bucket)
 

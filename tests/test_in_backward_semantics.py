@@ -1,0 +1,359 @@
+"""In-backward mode against torch.optim where the two part ways easily: a backward pass that raised and
+is retried, a refused backward pass, gradients set by hand, gradient hooks registered after the
+optimizer, and backward passes nested in another one (reentrant activation checkpointing). Each
+case either matches torch.optim stepping a copy of the same model, or is refused before anything
+changes: no parameter or state updated, no gradient left in ``.grad``."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import flatopt
+
+TORCH_TOL = dict(atol=2e-6, rtol=2e-5)  # float32: flatopt's kernels against torch.optim's for-loop
+
+PAIRS = {
+    "adamw": (
+        lambda ps, **k: flatopt.AdamW(ps, lr=1e-2, weight_decay=0.1, **k),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    ),
+    "sgd": (
+        lambda ps, **k: flatopt.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True, **k),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True),
+    ),
+}
+# With bucket_size=512 the weights (64 elements or more) are buckets of their own, stepped straight from
+# their gradients, and the biases share one bucket; with the default size everything shares one bucket.
+BUCKETS = [512, None]
+
+
+class Trip(torch.autograd.Function):
+    """Identity whose backward raises ``error`` (when given): a backward pass that fails half way."""
+
+    @staticmethod
+    def forward(ctx, x, error):
+        ctx.error = error
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.error is not None:
+            raise ctx.error
+        return g, None
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.error = None  # raised by the backward pass between b and c when set
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return self.c(Trip.apply(h, self.error))
+
+
+def pair(opt, **kwargs):
+    """A model and a copy: torch.optim steps the first, flatopt in in-backward mode the second."""
+    torch.manual_seed(0)
+    model = MLP()
+    twin = copy.deepcopy(model)
+    make_ours, make_theirs = PAIRS[opt]
+    return model, make_theirs(model.parameters()), twin, make_ours(twin, in_backward=True, **kwargs)
+
+
+def batches(n):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)) for _ in range(n)]
+
+
+def loss_of(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def assert_matches_torch(ours, theirs, opt_ours, opt_theirs, step):
+    """Parameters and every state tensor torch.optim keeps (its step counts included)."""
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, **TORCH_TOL, msg=lambda m: f"step {step}, {name}: {m}")
+        for key, value in opt_theirs.state.get(q, {}).items():
+            mine = opt_ours.state[p][key]
+            torch.testing.assert_close(
+                mine.float(), value.float(), **TORCH_TOL, msg=lambda m: f"step {step}, {name}.{key}: {m}"
+            )
+
+
+def torch_step(model, opt, batch):
+    loss_of(model, batch).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+# ---------------------------------------------------------------------- a backward pass that raised
+
+
+def fail(model, batch, cause):
+    """A backward pass of ``model`` that raises half way (after c's gradients arrived), from ``cause``."""
+    if cause == "user hook":
+
+        def hook(p):
+            raise ValueError("a user hook failed")
+
+        handle = model.c.weight.register_post_accumulate_grad_hook(hook)
+        with pytest.raises(ValueError, match="a user hook failed"):
+            loss_of(model, batch).backward()
+        handle.remove()
+        return
+    model.error = KeyboardInterrupt() if cause == "interrupt" else RuntimeError("out of memory (simulated)")
+    with pytest.raises(type(model.error)):
+        loss_of(model, batch).backward()
+    model.error = None
+
+
+@pytest.mark.parametrize("cause", ["function", "interrupt", "user hook"])
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_zero_grad_after_a_backward_that_raised_lets_the_retry_match_torch(opt, cause):
+    """The documented recovery once the loop has called step(): zero_grad(), then the same backward
+    again. With one bucket the failed pass stepped nothing, so the result equals torch.optim's after
+    the same failure, zero_grad() and retry; the passes after it are not refused as a "second backward"."""
+    model, theirs, twin, ours = pair(opt)
+    data = batches(4)
+    for step, batch in enumerate(data, 1):
+        if step == 2:
+            for m, o in ((model, theirs), (twin, ours)):
+                fail(m, batch, cause)
+                o.zero_grad()
+        torch_step(model, theirs, batch)
+        torch_step(twin, ours, batch)
+        assert_matches_torch(twin, model, ours, theirs, step)
+    assert all(p.grad is None for p in twin.parameters())
+
+
+def test_a_retry_after_buckets_were_stepped_goes_on_training():
+    """With one bucket per weight, the failed pass had stepped c.weight before it raised: that update
+    stays (it cannot be undone), and zero_grad() then the retry work as documented."""
+    model, theirs, twin, ours = pair("adamw", bucket_size=512)
+    data = batches(3)
+    torch_step(twin, ours, data[0])
+    fail(twin, data[1], "function")
+    ours.zero_grad()
+    torch_step(twin, ours, data[1])
+    torch_step(twin, ours, data[2])
+    steps = {name: float(ours.state[p]["step"]) for name, p in twin.named_parameters()}
+    assert steps["c.weight"] == 4.0, "c.weight was stepped by the failed pass and by the three others"
+    assert {s for name, s in steps.items() if name != "c.weight"} == {3.0}
+
+
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_a_retry_without_zero_grad_is_refused_until_zero_grad(opt):
+    """Retrying at once would add the new gradients to what the failed pass left; the retry is refused,
+    changes nothing, and is refused again until zero_grad() (or step()) drops the failed pass."""
+    model, theirs, twin, ours = pair(opt)
+    data = batches(3)
+    torch_step(model, theirs, data[0])
+    torch_step(twin, ours, data[0])
+    fail(model, data[1], "function")
+    theirs.zero_grad()
+    fail(twin, data[1], "function")
+    before = [p.detach().clone() for p in twin.parameters()]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"after the previous one raised.*opt\.zero_grad\(\) before"):
+            loss_of(twin, data[1]).backward()
+        assert all(p.grad is None for p in twin.parameters()), "the refused pass left a gradient"
+        assert all(torch.equal(p.detach(), b) for p, b in zip(twin.parameters(), before))
+    ours.zero_grad()
+    for step, batch in enumerate(data[1:], 2):
+        torch_step(model, theirs, batch)
+        torch_step(twin, ours, batch)
+        assert_matches_torch(twin, model, ours, theirs, step)
+
+
+# ---------------------------------------------------------------------- a refused backward pass
+
+
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_a_refused_second_backward_leaves_nothing_behind(opt, bucket_size):
+    """A second backward pass without step() in between is refused at its first gradient: no
+    gradient stays in .grad for a later pass or step() to apply, and training then matches torch.optim
+    run without the refused pass (the loop calls no zero_grad(), which in-backward mode does not need)."""
+    model, theirs, twin, ours = pair(opt, bucket_size=bucket_size)
+    data = batches(4)
+    for step, batch in enumerate([data[0], data[1], data[3]], 1):
+        torch_step(model, theirs, batch)
+        loss_of(twin, batch).backward()
+        if step == 2:
+            after = [p.detach().clone() for p in twin.parameters()]
+            with pytest.raises(RuntimeError, match=r"second backward pass started without opt\.step\(\)"):
+                loss_of(twin, data[2]).backward()
+            assert [n for n, p in twin.named_parameters() if p.grad is not None] == [], "a gradient was left"
+            assert all(torch.equal(p.detach(), a) for p, a in zip(twin.parameters(), after))
+        ours.step()
+        assert_matches_torch(twin, model, ours, theirs, step)
+
+
+# ---------------------------------------------------------------------- gradients set by hand
+
+
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_gradients_set_by_hand_are_stepped_by_step(opt, bucket_size):
+    """torch.autograd.grad(), then p.grad = g and step(): stepped as torch.optim steps them."""
+    model, theirs, twin, ours = pair(opt, bucket_size=bucket_size)
+    for step, batch in enumerate(batches(3), 1):
+        for m, o in ((model, theirs), (twin, ours)):
+            params = list(m.parameters())
+            for p, g in zip(params, torch.autograd.grad(loss_of(m, batch), params)):
+                p.grad = g
+            o.step()
+            o.zero_grad()
+        assert_matches_torch(twin, model, ours, theirs, step)
+    assert flatopt.inspect(ours).engine.launches > 0
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient before the first step")
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_gradients_set_by_hand_on_some_parameters_step_those_with_skip_unused(opt):
+    """torch.optim steps only the parameters whose .grad is set; so does skip_unused=True."""
+    model, theirs, twin, ours = pair(opt, skip_unused=True, bucket_size=512)
+    for step, batch in enumerate(batches(3), 1):
+        for m, o in ((model, theirs), (twin, ours)):
+            params = [m.a.weight, m.c.bias]
+            for p, g in zip(params, torch.autograd.grad(loss_of(m, batch), params)):
+                p.grad = g
+            o.step()
+            o.zero_grad()
+        assert_matches_torch(twin, model, ours, theirs, step)
+    torch.manual_seed(0)
+    untouched = MLP()
+    assert not torch.equal(twin.a.weight, untouched.a.weight), "a parameter with a gradient was not stepped"
+    assert torch.equal(twin.b.weight, untouched.b.weight), "a parameter without a gradient was stepped"
+
+
+# ---------------------------------------------------------------------- hooks registered after the optimizer
+
+
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_hooks_registered_after_the_optimizer_run_before_the_step(opt, bucket_size):
+    """Per-parameter clipping (in place, and by assigning p.grad) and a logging hook, registered on the
+    model after the optimizer: they see each gradient before it is stepped, as with torch.optim."""
+    model, theirs, twin, ours = pair(opt, bucket_size=bucket_size)
+
+    def clip(p):  # a post-accumulate-grad hook returns None
+        p.grad.clamp_(-0.02, 0.02)
+
+    def halve(p):
+        p.grad = p.grad * 0.5
+
+    logs = {}
+    for key, m in (("theirs", model), ("ours", twin)):
+        log = logs[key] = []
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(clip)
+            p.register_post_accumulate_grad_hook(lambda p, log=log: log.append(p.grad.norm().item()))
+        m.b.weight.register_post_accumulate_grad_hook(halve)
+    for step, batch in enumerate(batches(3), 1):
+        torch_step(model, theirs, batch)
+        loss_of(twin, batch).backward()
+        assert all(p.grad is None for p in twin.parameters()), "in-backward mode keeps no gradient"
+        ours.step()
+        assert_matches_torch(twin, model, ours, theirs, step)
+    assert sorted(logs["ours"]) == pytest.approx(sorted(logs["theirs"]), rel=1e-6, abs=0)
+    assert len(logs["ours"]) == 3 * 6
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient before the first step")
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_a_hook_that_drops_the_gradient_leaves_the_parameter_unstepped_with_skip_unused(opt):
+    """A hook after the optimizer's that sets p.grad = None: torch.optim skips the parameter, and so
+    does skip_unused=True."""
+    model, theirs, twin, ours = pair(opt, skip_unused=True, bucket_size=512)
+
+    def drop(p):
+        p.grad = None
+
+    for m in (model, twin):
+        m.c.bias.register_post_accumulate_grad_hook(drop)
+    for step, batch in enumerate(batches(3), 1):
+        torch_step(model, theirs, batch)
+        torch_step(twin, ours, batch)
+        assert_matches_torch(twin, model, ours, theirs, step)
+    torch.manual_seed(0)
+    assert torch.equal(twin.c.bias, MLP().c.bias), "c.bias had no gradient and was stepped"
+
+
+# ---------------------------------------------------------------------- reentrant activation checkpointing
+
+
+class Checkpointed(nn.Module):
+    """The head is a checkpointed segment: its gradients, the first of the backward pass, come from
+    the nested backward pass reentrant checkpointing runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.head = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.use_reentrant = True
+
+    def forward(self, x):
+        return checkpoint(self.head, torch.tanh(self.inp(x)), use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+def test_reentrant_checkpointing_is_refused_before_any_update(bucket_size):
+    torch.manual_seed(0)
+    model = Checkpointed()
+    twin = copy.deepcopy(model)
+    theirs = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ours = flatopt.AdamW(twin, lr=1e-2, weight_decay=0.1, in_backward=True, bucket_size=bucket_size)
+    data = batches(3)
+    for _ in range(2):  # refused again after a step(), with the same message
+        with pytest.raises(RuntimeError, match=r"use_reentrant=True.*use_reentrant=False.*in_backward=False"):
+            loss_of(twin, data[0]).backward()
+        assert [n for n, p in twin.named_parameters() if p.grad is not None] == [], "a gradient was left"
+        ours.step()
+    for p, q in zip(twin.parameters(), model.parameters()):
+        assert torch.equal(p.detach(), q.detach()), "a parameter was updated"
+    assert {float(ours.state[p]["step"]) for p in twin.parameters()} == {0.0}
+    assert flatopt.inspect(ours).engine.launches == 0
+    # Nothing was left behind: with use_reentrant=False the optimizer trains as torch.optim does.
+    model.use_reentrant = twin.use_reentrant = False
+    for step, batch in enumerate(data, 1):
+        torch_step(model, theirs, batch)
+        torch_step(twin, ours, batch)
+        assert_matches_torch(twin, model, ours, theirs, step)
+
+
+def test_reentrant_checkpointing_after_stepped_buckets_says_so():
+    """When the pass stepped buckets before the first checkpointed segment ran (here the last layer,
+    a bucket of its own), the refusal says that those updates stay."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Checkpointed(), nn.Linear(4, 64, bias=False))
+    opt = flatopt.AdamW(model, lr=1e-2, in_backward=True, bucket_size=512)
+    with pytest.raises(RuntimeError, match=r"use_reentrant=False.*1 parameter\(s\) stepped earlier in this pass"):
+        model(torch.randn(3, 8)).square().mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert flatopt.inspect(opt).engine.task is None and flatopt.inspect(opt).engine.held == 0
+
+
+def test_reentrant_checkpointing_under_no_step_then_step_matches_torch():
+    """Under no_step() nothing is stepped during backward: the gradients accumulate in .grad, nested
+    passes included, and step() steps them."""
+    torch.manual_seed(0)
+    model = Checkpointed()
+    twin = copy.deepcopy(model)
+    theirs = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ours = flatopt.AdamW(twin, lr=1e-2, weight_decay=0.1, in_backward=True, bucket_size=512)
+    data = batches(4)
+    for step in (1, 2):
+        for m, o in ((model, theirs), (twin, ours)):
+            with ours.no_step():
+                for batch in data[2 * step - 2 : 2 * step]:
+                    loss_of(m, batch).backward()
+            o.step()
+            o.zero_grad()
+        assert_matches_torch(twin, model, ours, theirs, step)
