@@ -89,12 +89,13 @@ def test_a_parameter_frozen_later_is_no_longer_stepped(in_backward, layer):
     assert torch.equal(pairs[0][0][layer].weight.detach(), before)
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
 @pytest.mark.parametrize("layer", [0, 2], ids=["first", "middle"])
-def test_a_parameter_unfrozen_later_is_trained_from_the_next_step(layer):
+def test_a_parameter_unfrozen_later_is_trained_from_the_next_step(layer, in_backward):
     """Frozen at construction (left out of the buffers) and unfrozen at step 3, progressive unfreezing: it
     joins the flat buffers and is stepped from the next step on, its state starting at step 0 as in
     torch.optim; the others keep their values and states."""
-    pairs = pair(frozen=[layer])
+    pairs = pair(in_backward, frozen=[layer])
     (model, opt) = pairs[0]
     assert not any(p is q for p in model[layer].parameters() for q in flatopt.inspect(opt).buffers[0].params)
 
@@ -129,7 +130,8 @@ def test_unfreezing_keeps_every_state_and_gradient():
     train_both(pairs, 2, x)
 
 
-def test_a_parameter_appended_to_a_group_is_trained_and_one_removed_is_not():
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
+def test_a_parameter_appended_to_a_group_is_trained_and_one_removed_is_not(in_backward):
     """opt.param_groups[0]["params"] is the truth, as in torch.optim: a parameter appended to it is stepped
     from the next step on, one removed is no longer stepped (and leaves the flat buffers: its data is a
     tensor of its own again, and its state is gone)."""
@@ -137,7 +139,7 @@ def test_a_parameter_appended_to_a_group_is_trained_and_one_removed_is_not():
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
     ref = copy.deepcopy(model)
     first = [model[0].weight, model[0].bias, model[2].weight]
-    opt = flatopt.AdamW(first, lr=1e-2, weight_decay=0.1)
+    opt = flatopt.AdamW(first, lr=1e-2, weight_decay=0.1, in_backward=in_backward)
     ref_of = dict(zip(model.parameters(), ref.parameters()))
     ref_opt = torch.optim.AdamW([ref_of[p] for p in first], lr=1e-2, weight_decay=0.1)
     pairs = [(model, opt), (ref, ref_opt)]
@@ -237,3 +239,32 @@ def test_with_skip_unused_false_freezing_is_refused(in_backward):
         model(x).square().mean().backward()
         opt.step()
     assert torch.equal(model[0].weight.detach(), before)
+
+
+@pytest.mark.parametrize("edit", ["unfreeze", "append", "remove"])
+def test_in_backward_edits_between_zero_grad_and_backward(edit):
+    """In-backward mode lays the parameters out again between passes (at step() or zero_grad()), not during
+    backward: an edit made after zero_grad() takes effect in the very pass that follows all the same, as in
+    torch.optim. A removed parameter is not stepped by the pass; an unfrozen or appended one keeps its
+    gradient in .grad, which step() steps."""
+    pairs = pair(True, frozen=[2] if edit == "unfreeze" else ())
+    (model, opt), (ref, ref_opt) = pairs
+    if edit == "append":  # the last layer starts outside the optimizers' groups
+        for o in (opt, ref_opt):
+            del o.param_groups[0]["params"][-2:]
+        opt.zero_grad()
+        quiet(opt.step)  # laid out again without them
+    x = torch.randn(4, 6)
+    train_both(pairs, 2, x)
+    for m, o in pairs:
+        o.zero_grad()
+        if edit == "unfreeze":
+            m[2].requires_grad_(True)
+        elif edit == "append":
+            o.param_groups[0]["params"] += list(m[4].parameters())
+        else:
+            del o.param_groups[0]["params"][0]  # model[0].weight
+        m(x).square().mean().backward()
+        quiet(o.step)
+    assert_same(pairs, 2)
+    train_both(pairs, 2, x)

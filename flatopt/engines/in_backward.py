@@ -186,6 +186,7 @@ class InBackwardEngine(FlatEngine):
         self.peak_held = 0  # the most staging-gradient elements allocated at once
         self.handles = []
         self.hook_id = {}  # param -> the id of the optimizer's hook in p._post_accumulate_grad_hooks
+        self.outside = set()  # laid-out parameters removed from param_groups since: not stepped until laid out anew
 
     # ------------------------------------------------------------------ layout
     def order(self, params, groups):
@@ -210,6 +211,7 @@ class InBackwardEngine(FlatEngine):
 
         self.handles = [p.register_post_accumulate_grad_hook(hook) for p in self.bucket_of]
         self.hook_id = {p: h.id for p, h in zip(self.bucket_of, self.handles)}
+        self.outside = set()
         self._finalizer = weakref.finalize(self, _remove, self.handles)  # gone with the engine (and optimizer)
 
     def detach(self):
@@ -235,6 +237,7 @@ class InBackwardEngine(FlatEngine):
             )
         loss = None
         self.abandon()
+        self.follow_members()  # parameters unfrozen or added since: laid out, and their .grad stepped below
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -248,6 +251,7 @@ class InBackwardEngine(FlatEngine):
 
     def zero_grad(self, set_to_none):
         self.abandon()
+        self.follow_members()  # torch.optim zeroes what the groups hold now
         self.pending = False  # the accumulated gradients are dropped, as torch.optim does
         torch.optim.Optimizer.zero_grad(self.opt, set_to_none=set_to_none)
 
@@ -319,6 +323,8 @@ class InBackwardEngine(FlatEngine):
             if refusal is not None:
                 return refusal
             self._begin(task)
+        if p in self.outside:
+            return None  # removed from param_groups: its gradient stays in .grad, as torch.optim leaves it
         elif p in self.bucket_of[p][0].arrived or any(q is p for _, q in self.deferred):
             return self._refuse(
                 p,
@@ -427,6 +433,12 @@ class InBackwardEngine(FlatEngine):
         opt = self.opt
         check_single_process(self.cls, opt.options.allow_several_ranks)  # the group may have started since
         self.check_bindings(full=self.dirty or self.backwards % FULL_CHECK_EVERY == 0)
+        # param_groups edited since the layout: the buffers are laid out anew at the next step() or zero_grad()
+        # (not during backward, whose saved tensors hold the parameters); until then, a parameter removed from
+        # the groups is not stepped. One unfrozen or added keeps its gradient in .grad, which step() steps.
+        self.outside = set()
+        if self.members_changed():
+            self.outside = set(self.bucket_of) - {q for g in opt.param_groups for q in g["params"]}
         self.backwards += 1
         self.refresh_hparams()
         if self.dirty:
@@ -466,7 +478,7 @@ class InBackwardEngine(FlatEngine):
         opt = self.opt
         for b in self.buckets:
             if not b.done:
-                for p in [p for p in b.params if p not in b.arrived and p.grad is not None]:
+                for p in [p for p in b.params if p not in b.arrived and p.grad is not None and p not in self.outside]:
                     self._take(p)
         if not self.unused_reported:
             missing = [p for b in self.buckets if not b.done for p in b.params if p not in b.arrived]
