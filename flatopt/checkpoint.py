@@ -28,6 +28,7 @@ class CheckpointMixin:
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        self.engine.sync_state()  # edits of opt.state (a reset): the state exported is the one the next step uses
         index, groups = {}, []
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -64,6 +65,8 @@ class CheckpointMixin:
         allowed = set(rule.state_names) | ({"step"} if rule.exported_step else set())
         if not isinstance(saved, dict):
             raise ValueError(f"loaded state dict has state {type(saved).__name__} for parameter {k}; expected a dict")
+        if not saved:  # torch.optim saves {} for a parameter whose state was emptied: none, as at its first step
+            return 0.0, {}
         extra = sorted(set(saved) - allowed)
         if extra:
             hint = " (amsgrad state: flatopt.AdamW does not implement amsgrad)" if "max_exp_avg_sq" in extra else ""
@@ -140,12 +143,9 @@ class CheckpointMixin:
         for group, saved in zip(groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})  # param_names too, as torch.optim
         self.hparams.invalidate()
-        placed = self.engine.load(parsed)
-        for p in list(self.state):
-            if p not in placed:
-                del self.state[p]
+        placed = self.engine.load(parsed)  # a new opt.state, holding the parameters it placed
         for p, (step, tensors) in parsed.items():
-            if p in placed:
+            if p in placed or not tensors:  # no tensors: no state (saved as {}), as at the first step
                 continue
             own = {n: t.to(p.device, p.dtype).clone(memory_format=torch.preserve_format) for n, t in tensors.items()}
             if self.rule.exported_step:
