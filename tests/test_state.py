@@ -300,3 +300,91 @@ def test_on_the_gpu_a_state_on_another_device_is_refused_and_a_cpu_checkpoint_lo
     pair.opt.load_state_dict(copy.deepcopy(sd))
     pair.ref.load_state_dict(sd)
     pair.run(2, "after loading a CPU checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------- load_state_dict
+
+
+def snapshot(params, opt):
+    """Parameters, the state_dict's tensors and step counts, and the param groups, as values."""
+    sd = opt.state_dict()
+    state = {
+        k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in entry.items()}
+        for k, entry in sd["state"].items()
+        if isinstance(entry, dict)
+    }
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return [p.detach().clone() for p in params], state, copy.deepcopy(groups)
+
+
+def assert_unchanged(before, after):
+    (params0, state0, groups0), (params1, state1, groups1) = before, after
+    for i, (a, b) in enumerate(zip(params0, params1, strict=True)):
+        torch.testing.assert_close(b, a, atol=0, rtol=0, msg=lambda m: f"params[{i}] changed: {m}")
+    assert state0.keys() == state1.keys()
+    for k in state0:
+        assert state0[k].keys() == state1[k].keys(), f"state {k}"
+        for n in state0[k]:
+            torch.testing.assert_close(state1[k][n], state0[k][n], atol=0, rtol=0, msg=lambda m: f"{k}.{n}: {m}")
+    assert groups1 == groups0
+
+
+def bad_tensor(kind, shape):
+    return {
+        "sparse": lambda: torch.zeros(shape).to_sparse(),
+        "meta": lambda: torch.zeros(shape, device="meta"),
+        "complex": lambda: torch.zeros(shape, dtype=torch.complex64),
+    }[kind]()
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("kind", ["sparse", "meta", "complex"])
+def test_load_of_a_tensor_that_cannot_be_copied_changes_nothing(kind, engine):
+    """The bad tensor is the last parameter's, and the state dict also changes lr: all is checked first."""
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    sd = copy.deepcopy(pair.ref.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5
+    for entry in sd["state"].values():
+        entry["exp_avg"] = entry["exp_avg"] + 1.0
+    sd["state"][3]["exp_avg_sq"] = bad_tensor(kind, SHAPES[3])
+    before = snapshot(pair.ours, pair.opt)
+    with pytest.raises(ValueError, match=r"'exp_avg_sq' for parameter 3 \(params\[3\] of param group 0"):
+        pair.opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot(pair.ours, pair.opt))
+    pair.run(2, "after the failed load")
+
+
+STEP_CASES = {
+    "two_elements": (torch.tensor([1.0, 2.0]), r"as a torch\.float32 tensor of shape \(2,\) on cpu"),
+    "meta": (torch.tensor(1.0, device="meta"), r"as a torch\.float32 tensor of shape \(\) on meta"),
+    "string": ("3", r"as a str"),
+}
+
+
+@pytest.mark.parametrize("engine", ["step", "per_param"])
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_load_of_a_bad_step_names_the_parameter(case, engine):
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    sd = copy.deepcopy(pair.ref.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5
+    value, pattern = STEP_CASES[case]
+    sd["state"][2]["step"] = value
+    before = snapshot(pair.ours, pair.opt)
+    name = re.escape("'step' for parameter 2 (params[2] of param group 0 (shape (2, 3, 4))) ")
+    with pytest.raises(ValueError, match=name + pattern + "; a step count is a number"):
+        pair.opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot(pair.ours, pair.opt))
+
+
+@pytest.mark.parametrize("lr", ["meta", "two_elements"])
+def test_load_of_a_bad_tensor_lr_changes_nothing(lr):
+    pair = Pair("adamw")
+    pair.run(2, "before")
+    sd = copy.deepcopy(pair.ref.state_dict())
+    sd["param_groups"][0]["lr"] = torch.tensor(0.1, device="meta") if lr == "meta" else torch.tensor([0.1, 0.2])
+    before = snapshot(pair.ours, pair.opt)
+    with pytest.raises(ValueError, match=r"param group 0 'lr' holding a .*; a hyper-parameter is a number"):
+        pair.opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot(pair.ours, pair.opt))
