@@ -50,6 +50,9 @@ class CheckpointMixin:
                     entry = {"step": torch.tensor(steps[p], dtype=torch.float32), **entry}
                 if entry:
                     state[index[p]] = entry
+        for k, v in self.state.items():  # keys that are no parameter (a hook's opt.state["test"]), as torch.optim
+            if not isinstance(k, torch.Tensor):
+                state[k] = v
         state_dict = {"state": state, "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             hook_result = post_hook(self, state_dict)
@@ -194,9 +197,12 @@ class CheckpointMixin:
         for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
             self._check_group_tensors(gi, saved)
             self.rule.check({**group, **{k: v for k, v in saved.items() if k != "params"}})
-        parsed = {}
+        parsed, others = {}, {}
         for k, saved in state_dict["state"].items():
             if k not in id_map:
+                if not isinstance(k, int):  # no parameter's (a hook's state["test"]): kept as is, as torch.optim
+                    others[k] = saved
+                    continue
                 raise ValueError(
                     f"loaded state dict has state for parameter {k}, but the optimizer has {len(id_map)} parameters"
                 )
@@ -214,3 +220,5 @@ class CheckpointMixin:
             if self.rule.exported_step:
                 own["step"] = torch.tensor(step, dtype=torch.float32)
             self.state[p] = own
+        for k, v in others.items():
+            self.state[k] = v

@@ -388,3 +388,42 @@ def test_load_of_a_bad_tensor_lr_changes_nothing(lr):
     with pytest.raises(ValueError, match=r"param group 0 'lr' holding a .*; a hyper-parameter is a number"):
         pair.opt.load_state_dict(sd)
     assert_unchanged(before, snapshot(pair.ours, pair.opt))
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+def put_test_key(opt):
+    opt.state["test"] = 1
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_state_dict_pre_hook_key_is_kept_as_torch(engine):
+    """torch's test_state_dict_pre_hook: a pre-hook's ``optimizer.state["test"] = 1`` is in the state dict."""
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    for opt in (pair.opt, pair.ref):
+        opt.register_state_dict_pre_hook(put_test_key)
+    ours, theirs = pair.opt.state_dict(), pair.ref.state_dict()
+    assert ours["state"]["test"] == theirs["state"]["test"] == 1
+    assert set(ours["state"]) == set(theirs["state"])
+    pair.run(2, "with the key in opt.state")
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_load_of_a_state_dict_with_a_key_that_is_no_parameter(engine):
+    """torch.optim keeps such a key in opt.state as it is, and loads the parameters' states."""
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    pair.ref.register_state_dict_pre_hook(put_test_key)
+    sd = pair.ref.state_dict()
+
+    def post_hook(opt):
+        opt.state["ran_load_state_dict_post_hook"] = True
+
+    for opt in (pair.opt, pair.ref):
+        opt.register_load_state_dict_post_hook(post_hook)
+        opt.load_state_dict(copy.deepcopy(sd))
+        assert opt.state["test"] == 1 and opt.state["ran_load_state_dict_post_hook"] is True
+    pair.run(2, "after the load")
+    assert pair.opt.state_dict()["state"]["test"] == 1
