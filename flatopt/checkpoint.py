@@ -28,6 +28,7 @@ class CheckpointMixin:
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        self.engine.sync_state()  # edits of opt.state (a reset): the state exported is the one the next step uses
         index, groups = {}, []
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -49,6 +50,9 @@ class CheckpointMixin:
                     entry = {"step": torch.tensor(steps[p], dtype=torch.float32), **entry}
                 if entry:
                     state[index[p]] = entry
+        for k, v in self.state.items():  # keys that are no parameter (a hook's opt.state["test"]), as torch.optim
+            if not isinstance(k, torch.Tensor):
+                state[k] = v
         state_dict = {"state": state, "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             hook_result = post_hook(self, state_dict)
@@ -64,6 +68,8 @@ class CheckpointMixin:
         allowed = set(rule.state_names) | ({"step"} if rule.exported_step else set())
         if not isinstance(saved, dict):
             raise ValueError(f"loaded state dict has state {type(saved).__name__} for parameter {k}; expected a dict")
+        if not saved:  # torch.optim saves {} for a parameter whose state was emptied: none, as at its first step
+            return 0.0, {}
         extra = sorted(set(saved) - allowed)
         if extra:
             hint = " (amsgrad state: flatopt.AdamW does not implement amsgrad)" if "max_exp_avg_sq" in extra else ""
@@ -83,16 +89,78 @@ class CheckpointMixin:
                     f"loaded state dict has '{name}' of shape {shape} for parameter {k} ({self.names(p)}), "
                     f"whose shape is {tuple(p.shape)}; the state dict belongs to another model"
                 )
+            self._check_copyable(f"'{name}' for parameter {k} ({self.names(p)})", t, p)
             tensors[name] = t
         if rule.exported_step:
             if "step" not in saved:
                 raise ValueError(f"loaded state dict has no 'step' for parameter {k} ({self.names(p)})")
-            step = float(saved["step"])
+            step = saved["step"]
+            if not self._is_step_count(step):
+                if isinstance(step, torch.Tensor):
+                    layout = "" if step.layout == torch.strided else f"{step.layout} "
+                    what = f"a {layout}{step.dtype} tensor of shape {tuple(step.shape)} on {step.device}"
+                else:
+                    what = f"a {type(step).__name__}"
+                raise ValueError(
+                    f"loaded state dict has 'step' for parameter {k} ({self.names(p)}) as {what}; a step count is a "
+                    "number or a one-element real tensor with a value, as torch.optim saves it (torch.tensor(10.0))"
+                )
+            step = float(step)
             if not step >= 0:
                 raise ValueError(f"loaded state dict has step {step} for parameter {k}; it must be >= 0")
         else:
             step = 1.0 if tensors else 0.0
         return step, tensors
+
+    @staticmethod
+    def _is_step_count(step):
+        """Whether ``float(step)`` is a step count: a number, or a one-element real tensor with a value."""
+        if isinstance(step, torch.Tensor):
+            return step.numel() == 1 and step.layout == torch.strided and not step.is_meta and not step.is_complex()
+        return isinstance(step, (int, float)) and not isinstance(step, bool)
+
+    @staticmethod
+    def _check_copyable(what, t, p):
+        """Raise ValueError unless the loaded state tensor ``t`` (``what`` names it) can be copied into a state
+        of parameter ``p``: dense, with values, real, and copyable to ``p``'s device and dtype (tried on one
+        element, so that a failure cannot come halfway through the load)."""
+        if t.layout != torch.strided or t.is_meta or t.is_complex() or t.is_quantized:
+            if t.is_meta:
+                kind = "on the meta device (no values: saved from a model that was not materialised)"
+            elif t.layout != torch.strided:
+                kind = f"as a {t.layout} tensor"
+            else:
+                kind = f"of dtype {t.dtype}"
+            raise ValueError(
+                f"loaded state dict has {what} {kind}; a state is a dense real tensor with values, like the "
+                f"parameter ({p.dtype}), as torch.optim saves it"
+            )
+        if t.numel():
+            try:
+                with torch.no_grad():
+                    torch.empty((), dtype=p.dtype, device=p.device).copy_(t[(0,) * t.dim()])
+            except Exception as e:  # whatever the tensor is, the load must not stop halfway through
+                raise ValueError(
+                    f"loaded state dict has {what} on {t.device} of dtype {t.dtype}, which cannot be copied into a "
+                    f"{p.dtype} state on {p.device}: {e}"
+                ) from e
+
+    @staticmethod
+    def _check_group_tensors(gi, saved):
+        """Raise ValueError for a tensor in a loaded param group (a tensor lr, betas) that cannot be a
+        hyper-parameter: one element, real, dense, with a value."""
+        for key, value in saved.items():
+            if key in ("params", "param_names"):
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and (
+                    t.numel() != 1 or t.layout != torch.strided or t.is_meta or t.is_complex()
+                ):
+                    raise ValueError(
+                        f"loaded state dict has param group {gi} '{key}' holding a {t.layout} {t.dtype} tensor of "
+                        f"shape {tuple(t.shape)} on {t.device}; a hyper-parameter is a number or a one-element real "
+                        "tensor with a value"
+                    )
 
     def load_state_dict(self, state_dict):
         """Loads a state dict saved by this optimizer or by the matching torch.optim optimizer.
@@ -126,11 +194,15 @@ class CheckpointMixin:
             for k, p in zip(saved["params"], group["params"]):
                 id_map[k] = p
                 group_of[k] = (group, saved)
-        for group, saved in zip(groups, saved_groups):
+        for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
+            self._check_group_tensors(gi, saved)
             self.rule.check({**group, **{k: v for k, v in saved.items() if k != "params"}})
-        parsed = {}
+        parsed, others = {}, {}
         for k, saved in state_dict["state"].items():
             if k not in id_map:
+                if not isinstance(k, int):  # no parameter's (a hook's state["test"]): kept as is, as torch.optim
+                    others[k] = saved
+                    continue
                 raise ValueError(
                     f"loaded state dict has state for parameter {k}, but the optimizer has {len(id_map)} parameters"
                 )
@@ -140,14 +212,13 @@ class CheckpointMixin:
         for group, saved in zip(groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})  # param_names too, as torch.optim
         self.hparams.invalidate()
-        placed = self.engine.load(parsed)
-        for p in list(self.state):
-            if p not in placed:
-                del self.state[p]
+        placed = self.engine.load(parsed)  # a new opt.state, holding the parameters it placed
         for p, (step, tensors) in parsed.items():
-            if p in placed:
+            if p in placed or not tensors:  # no tensors: no state (saved as {}), as at the first step
                 continue
             own = {n: t.to(p.device, p.dtype).clone(memory_format=torch.preserve_format) for n, t in tensors.items()}
             if self.rule.exported_step:
                 own["step"] = torch.tensor(step, dtype=torch.float32)
             self.state[p] = own
+        for k, v in others.items():
+            self.state[k] = v

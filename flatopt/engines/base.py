@@ -11,12 +11,14 @@ reads the optimizer's public attributes (``param_groups``, ``state``, ``rule``, 
 import operator
 import warnings
 import weakref
+from collections.abc import Mapping
 
 import torch
 
 from flatopt.bindings import FULL_CHECK_EVERY, check_data_bindings, ends_bound
 from flatopt.distributed import world_size
 from flatopt.layout import FlatBuffer
+from flatopt.state import OptimizerState, ParamState, check_state_mapping, check_state_tensor, step_value
 from flatopt.step_graph import StepGraph
 from flatopt.torch_compat import outside_stacklevel
 
@@ -57,8 +59,14 @@ class Engine:
         return {}
 
     def load(self, parsed):
-        """Put the checked states of a state dict in place: ``parsed`` is {parameter: (step, {name: tensor})}."""
+        """Put the checked states of a state dict in place (``parsed`` is {parameter: (step, {name: tensor})}), in a
+        new ``opt.state`` that holds the parameters placed; returns them."""
         raise NotImplementedError
+
+    def sync_state(self):
+        """Bring the engine in line with ``opt.state`` after the caller edited it (reset a parameter's state,
+        assigned a tensor): called where a step begins and by ``state_dict()``; raises, changing nothing,
+        for an edit it cannot honour."""
 
     def refresh_hparams(self):
         """Bring the device tables of hyper-parameters up to date with ``param_groups``."""
@@ -86,6 +94,20 @@ class Engine:
         return nullcontext()
 
 
+SET = "set"  # Reconciled.step: at least 1 (a rule without exported step counts whether its states are set)
+
+
+class Reconciled:
+    """What :meth:`FlatEngine.sync_state` does to one parameter: ``reset`` its states (zeros), ``copies``
+    [(view, tensor)] into them, give it ``step`` (a count, SET, or None: unchanged), keep ``extra`` keys."""
+
+    __slots__ = ("p", "buf", "i", "extra", "reset", "copies", "step")
+
+    def __init__(self, p, buf, i, extra, reset=False, copies=(), step=None):
+        self.p, self.buf, self.i, self.extra = p, buf, i, extra
+        self.reset, self.copies, self.step = reset, copies, step
+
+
 def trainable(param_groups):
     for group in param_groups:
         for p in group["params"]:
@@ -111,6 +133,9 @@ class FlatEngine(Engine):
         self.checked_steps = 0  # steps whose binding check passed (a full one every FULL_CHECK_EVERY)
         self.unused_reported = False
         self.step_graph = StepGraph()
+        self.installed = None  # the OptimizerState put in opt.state (see flatopt.state)
+        self.views = {}  # parameter -> {key: tensor}: what put_state placed in its opt.state entry
+        self.slots = None  # parameter -> (FlatBuffer, index), for self.slots_of
 
     # ------------------------------------------------------------------ layout
     def order(self, params, groups):
@@ -238,16 +263,140 @@ class FlatEngine(Engine):
             state = {"step": buf.meta.steps[i], **state}
         return state
 
-    def put_state(self, p, buf, i):
-        """``opt.state[p]`` as views into the buffers; no entry where there is no state (SGD without
-        momentum), as torch.optim keeps none."""
-        state = self.state_of(buf, i)
-        if state:
-            self.opt.state[p] = state
+    def put_state(self, p, buf, i, extra=None):
+        """``opt.state[p]`` as views into the buffers (and ``extra``: the caller's keys that are no state of
+        the rule); no entry where there is none (SGD without momentum), as torch.optim keeps none."""
+        state = self.own_state()
+        views = self.state_of(buf, i)
+        self.views[p] = views
+        if views or extra:
+            state.put(p, ParamState({**views, **(extra or {})}, state.changes, p))
         else:
-            self.opt.state.pop(p, None)
+            state.drop(p)
+
+    def own_state(self):
+        """``opt.state`` as the OptimizerState this engine keeps track of. At the first call it takes over
+        torch.optim's ``defaultdict``; if the caller has put another object there since, it takes that one
+        over too, with every parameter's entry to be reconciled at the next :meth:`sync_state`."""
+        opt = self.opt
+        state = opt.state
+        if state is not self.installed:
+            check_state_mapping(self.cls, state)
+            replaced = self.installed is not None
+            state = OptimizerState(state)
+            state.changes.everything = replaced
+            opt.state = self.installed = state
+        return state
+
+    def slots_of(self):
+        """{parameter: (FlatBuffer, its index there)} of the current layout."""
+        if self.slots is None or self.slots[0] is not self.buffers:
+            self.slots = (self.buffers, {p: (buf, i) for buf in self.buffers for i, p in enumerate(buf.params)})
+        return self.slots[1]
+
+    def sync_state(self):
+        """Reconcile the buffers with the edits made to ``opt.state`` since the last call, as torch.optim,
+        which reads ``opt.state`` at every step, would see them:
+
+        * a parameter whose entry was deleted or emptied (``opt.state.clear()``, ``opt.state[p] = {}``, ``del
+          opt.state[p]``, ``opt.state = defaultdict(dict)``) starts again as at its first step: step count 0,
+          zero moments;
+        * a tensor assigned to a state (``opt.state[p]["exp_avg"] = t``) is copied into the buffer, and a
+          ``step`` assigned becomes the step count; the entry then holds the buffer's views again.
+
+        Everything is checked before anything changes: an entry that lacks some of the states (torch.optim
+        fails on it with a KeyError), or a tensor of another shape, dtype or device, raises ValueError naming
+        the parameter and the key. O(1) when nothing was edited: an identity check of ``opt.state`` and a flag.
+        """
+        state = self.opt.state
+        if state is self.installed and not state.changes:
+            return
+        self.reconcile(state)
+
+    def reconcile(self, state):
+        """:meth:`sync_state`'s work, once ``opt.state`` was edited or replaced."""
+        opt, cls = self.opt, self.cls
+        check_state_mapping(cls, state)
+        slots = self.slots_of()
+        everything = state is not self.installed or state.changes.everything
+        todo = list(slots) if everything else [p for p in state.changes.params if p in slots]
+        plan = [self.plan_entry(state, p, *slots[p]) for p in todo]  # checked; nothing changed yet
+
+        # Now change things. A tensor read from a state buffer is copied first (states swapped between parameters).
+        storages = {t.untyped_storage().data_ptr() for buf in self.buffers for t in buf.states.values()}
+        steps = {}  # FlatBuffer -> {index: new step count, or SET}
+        with torch.no_grad():
+            copies = [
+                (view, v.clone() if v.untyped_storage().data_ptr() in storages else v)
+                for entry in plan
+                for view, v in entry.copies
+            ]
+            for view, v in copies:
+                view.copy_(v)
+            for e in plan:
+                if e.reset:
+                    for views in e.buf.state_views.values():
+                        views[e.i].zero_()
+                if e.step is not None:
+                    steps.setdefault(e.buf, {})[e.i] = e.step
+            for buf, new in steps.items():
+                if SET in new.values():  # keep a step count that is above 0 already
+                    host = buf.meta.steps.tolist()
+                    new = {i: max(host[i], 1.0) if s is SET else s for i, s in new.items()}
+                index = torch.tensor(list(new), dtype=torch.long, device=buf.device)
+                buf.meta.steps[index] = torch.tensor(list(new.values()), dtype=torch.float32).to(buf.device)
+                self.refresh_uniform(buf)
+        if state is not self.installed:  # keep what is no laid-out parameter's state (a hook's opt.state["test"])
+            kept = OptimizerState()
+            for k, v in state.items():
+                if k not in slots:
+                    kept.put(k, v)
+            opt.state = self.installed = kept
+        for e in plan:
+            self.put_state(e.p, e.buf, e.i, e.extra)
+        self.installed.changes.reset()
+
+    def plan_entry(self, state, p, buf, i):
+        """What reconciling ``p`` (parameter ``i`` of ``buf``) with its ``opt.state`` entry does, checked."""
+        opt, cls = self.opt, self.cls
+        entry = state.get(p)
+        if entry is None:
+            entry = {}
+        if not isinstance(entry, Mapping):
+            raise ValueError(
+                f"{cls}: opt.state[{opt.names(p)}] is a {type(entry).__name__}; a parameter's state is a dict, as "
+                "in torch.optim (opt.state[p] = {} or del opt.state[p] restarts it)"
+            )
+        managed = list(buf.state_views) + (["step"] if opt.rule.exported_step else [])
+        present = [k for k in managed if entry.get(k) is not None]
+        extra = {k: v for k, v in entry.items() if k not in managed}
+        if not present:  # torch.optim's lazy initialisation: as at the first step
+            return Reconciled(p, buf, i, extra, reset=True, step=0.0)
+        missing = [k for k in managed if k not in present]
+        if missing:
+            raise ValueError(
+                f"{cls}: opt.state[{opt.names(p)}] has {present} but not {missing} (torch.optim would fail on it "
+                "with a KeyError); a parameter's state is complete or empty: opt.state[p] = {} or del opt.state[p] "
+                "restarts it as at its first step"
+            )
+        views = self.views.get(p, {})
+        copies, step = [], None
+        for k in present:
+            v = entry[k]
+            if v is views.get(k):
+                continue
+            if k == "step":
+                step = step_value(cls, opt.names(p), v)
+            else:
+                check_state_tensor(cls, opt.names(p), k, v, p)
+                copies.append((buf.state_views[k][i], v))
+        if copies and not opt.rule.exported_step:
+            step = SET  # a state given is set (SGD's momentum buffer: not taken from the next gradient)
+        return Reconciled(p, buf, i, extra, copies=copies, step=step)
 
     def steps_by_param(self):
+        """Each laid-out parameter's step count, after the edits made to ``opt.state`` (see :meth:`sync_state`)."""
+        self.sync_state()
         return {p: buf.meta.steps[i] for buf in self.buffers for i, p in enumerate(buf.params)}
 
     def host_steps(self):
@@ -298,8 +447,8 @@ class FlatEngine(Engine):
                 self.refresh_uniform(buf)
 
     def load(self, parsed):
-        """Put the checked states of a state dict into the buffers (zeroes for a parameter without state);
-        returns the parameters it placed."""
+        """Put the checked states of a state dict into the buffers (zeroes for a parameter without state), in a
+        new ``opt.state`` of views, as torch.optim puts a new dict there; returns the parameters it placed."""
         placed = set()
         with torch.no_grad():
             self.ensure_states()
@@ -316,6 +465,10 @@ class FlatEngine(Engine):
                     steps.append(step)
                 buf.meta.steps.copy_(torch.tensor(steps, dtype=torch.float32))
                 self.refresh_uniform(buf)
+        self.opt.state = self.installed = OptimizerState()
+        for buf in self.buffers:
+            for i, p in enumerate(buf.params):
+                self.put_state(p, buf, i)
         return placed
 
     # ------------------------------------------------------------------ checks

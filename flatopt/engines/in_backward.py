@@ -431,6 +431,7 @@ class InBackwardEngine(FlatEngine):
         """First gradient of a backward pass (or ``opt.step()`` applying accumulated gradients):
         checks, hyper-parameters, and, in a backward pass, the end-of-pass callback."""
         opt = self.opt
+        self.sync_state()  # the caller's edits of opt.state (a reset, an assigned tensor), as torch.optim reads them
         check_single_process(self.cls, opt.options.allow_several_ranks)  # the group may have started since
         self.check_bindings(full=self.dirty or self.backwards % FULL_CHECK_EVERY == 0)
         # param_groups edited since the layout: the buffers are laid out anew at the next step() or zero_grad()

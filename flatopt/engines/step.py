@@ -138,6 +138,7 @@ class FlatStepEngine(FlatEngine):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.sync_state()  # the caller's edits of opt.state (a reset, an assigned tensor), as torch.optim reads them
         plan = self._check_bindings_at_step()
         if not self.recording:  # a captured step refreshes hyper-parameters before each replay
             self.refresh_hparams()

@@ -1,0 +1,429 @@
+"""``opt.state`` behaves as torch.optim's: edits that reset or replace a state are honoured at the next step
+(or refused, before anything changes, with an error naming the parameter and the key), state_dict()
+exports what the next step uses, load_state_dict() checks every tensor before it changes anything, and
+keys that are no parameter's (a state-dict hook's ``opt.state["test"]``) are kept, as torch.optim keeps
+them. Compared with torch.optim.AdamW and SGD over several steps."""
+
+import copy
+import re
+from collections import defaultdict
+
+import pytest
+import torch
+from conftest import assert_same, device_for
+from torch import nn
+
+import flatopt
+
+SHAPES = [(5, 3), (7,), (2, 3, 4), (5, 3)]  # two of one shape, for states swapped between parameters
+
+ENGINES = {
+    "step": dict(),
+    "in_backward": dict(in_backward=True),
+    "per_param": dict(flat=False),
+}
+
+OPTIMIZERS = {
+    "adamw": (
+        lambda ps, **k: flatopt.AdamW(ps, lr=0.05, weight_decay=0.1, **k),
+        lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
+    ),
+    "sgd": (
+        lambda ps, **k: flatopt.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1, **k),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1),
+    ),
+}
+
+
+class Pair:
+    """One set of parameters stepped by flatopt and a copy stepped by torch.optim, from the same gradients."""
+
+    def __init__(self, opt_name="adamw", engine="step", backend="torch", device=None):
+        torch.manual_seed(0)
+        self.device = device or device_for(backend)
+        self.ours = [nn.Parameter(torch.randn(s).to(self.device)) for s in SHAPES]
+        self.theirs = [nn.Parameter(p.detach().clone()) for p in self.ours]
+        make_ours, make_theirs = OPTIMIZERS[opt_name]
+        self.opt = make_ours(self.ours, backend=backend, **ENGINES[engine])
+        self.ref = make_theirs(self.theirs)
+        self.steps = 0
+
+    @staticmethod
+    def backward(params, step):
+        gen = torch.Generator().manual_seed(100 + step)
+        loss = sum(((p * torch.randn(p.shape, generator=gen).to(p.device)).sum() + (p * p).sum()) for p in params)
+        loss.backward()
+
+    def step(self, ours=True, theirs=True):
+        """One training step (a backward pass steps in-backward mode's parameters, then ``opt.step()``)."""
+        self.steps += 1
+        for params, opt, do in ((self.ours, self.opt, ours), (self.theirs, self.ref, theirs)):
+            if do:
+                self.backward(params, self.steps)
+                opt.step()
+                opt.zero_grad()
+
+    def compare(self, what):
+        for i, (p, q) in enumerate(zip(self.ours, self.theirs, strict=True)):
+            assert_same(p.detach(), q.detach(), self.steps, f"{what}: params[{i}]")
+            for key, value in self.ref.state.get(q, {}).items():
+                mine = self.opt.state[p][key]
+                if key == "step":
+                    assert float(mine) == float(value), f"step {self.steps}, {what}: params[{i}] step {float(mine)}"
+                else:
+                    assert_same(mine, value, self.steps, f"{what}: params[{i}].{key}")
+
+    def run(self, n, what):
+        for _ in range(n):
+            self.step()
+            self.compare(what)
+
+    def both(self, edit):
+        """Apply ``edit(opt, params)`` to flatopt and to torch.optim."""
+        edit(self.opt, self.ours)
+        edit(self.ref, self.theirs)
+
+
+def set_state(opt, new):
+    opt.state = new
+
+
+RESETS = {
+    "clear": lambda opt, ps: opt.state.clear(),
+    "assign_empty": lambda opt, ps: opt.state.__setitem__(ps[1], {}),
+    "del": lambda opt, ps: opt.state.__delitem__(ps[2]),
+    "pop": lambda opt, ps: opt.state.pop(ps[0]),
+    "param_dict_clear": lambda opt, ps: opt.state[ps[3]].clear(),
+    "replace": lambda opt, ps: set_state(opt, defaultdict(dict)),
+    "replace_keeping_one": lambda opt, ps: set_state(opt, defaultdict(dict, {ps[1]: opt.state[ps[1]]})),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("reset", list(RESETS))
+def test_reset_state_restarts_as_torch(reset, engine, opt_name):
+    """A state emptied starts again as at its first step (step 0, zero moments; SGD takes its momentum buffer
+    from the next gradient), in every engine, as torch.optim's lazy initialisation does."""
+    pair = Pair(opt_name, engine)
+    pair.run(3, "before the reset")
+    pair.both(RESETS[reset])
+    pair.run(3, f"after {reset}")
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_reset_with_the_triton_kernels(engine, backend):
+    """The kernels read the step counts of a buffer whose parameters now differ in steps."""
+    pair = Pair("adamw", engine, backend)
+    pair.run(2, "before the reset")
+    pair.both(RESETS["assign_empty"])
+    pair.run(2, "after resetting one parameter")
+    pair.both(RESETS["clear"])
+    pair.run(2, "after clear()")
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_assigned_tensors_and_step_are_used(engine):
+    """A tensor assigned to a state, and a step count assigned, are what the next step uses (copied into the
+    flat buffer; the entry holds the buffer's view again after the step)."""
+    pair = Pair("adamw", engine)
+    pair.run(3, "before")
+    gen = torch.Generator().manual_seed(7)
+    m = torch.randn(SHAPES[0], generator=gen)
+    v = torch.rand(SHAPES[2], generator=gen)
+
+    def edit(opt, ps):
+        opt.state[ps[0]]["exp_avg"] = m.clone()
+        opt.state[ps[2]]["exp_avg_sq"] = v.clone()
+        opt.state[ps[1]]["step"] = torch.tensor(1.0)
+
+    pair.both(edit)
+    given = pair.opt.state[pair.ours[0]]["exp_avg"]
+    pair.run(3, "after assigning")
+    if engine != "per_param":  # the flat engines copied it into their buffer
+        assert pair.opt.state[pair.ours[0]]["exp_avg"] is not given
+        torch.testing.assert_close(given, m, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_sgd_momentum_buffer_assigned(engine):
+    """SGD uses a momentum buffer assigned, also one given before the first step (torch.optim keeps no state
+    then), instead of taking it from the gradient."""
+    pair = Pair("sgd", engine)
+    gen = torch.Generator().manual_seed(3)
+    buf = torch.randn(SHAPES[1], generator=gen)
+    pair.both(lambda opt, ps: opt.state[ps[1]].__setitem__("momentum_buffer", buf.clone()))
+    pair.run(2, "momentum buffer given before the first step")
+    buf2 = torch.randn(SHAPES[0], generator=gen)
+    pair.both(lambda opt, ps: opt.state[ps[0]].__setitem__("momentum_buffer", buf2.clone()))
+    pair.run(2, "momentum buffer given later")
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_states_swapped_between_parameters(engine):
+    """Two parameters of one shape swap their states: both read before either is written."""
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+
+    def swap(opt, ps):
+        a, b = opt.state[ps[0]], opt.state[ps[3]]
+        a["exp_avg"], b["exp_avg"] = b["exp_avg"], a["exp_avg"]
+
+    pair.both(swap)
+    pair.run(2, "after swapping exp_avg")
+
+
+def test_non_parameter_keys_and_reads_change_nothing():
+    """Reading ``opt.state``, writing a state in place, and keys that are no parameter's leave the steps as
+    torch.optim's."""
+    pair = Pair("adamw")
+    pair.run(2, "before")
+
+    def edit(opt, ps):
+        opt.state["note"] = 1
+        opt.state[ps[0]]["exp_avg"].mul_(0.5)
+        opt.state[ps[1]]["step"] += 0  # in place on the step tensor, then set again (the same tensor)
+        _ = [opt.state[p] for p in ps]
+
+    pair.both(edit)
+    pair.run(2, "after the edits")
+    assert pair.opt.state["note"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+BAD_EDITS = {  # key, the tensor assigned, what the message says of it
+    "wrong_shape": ("exp_avg", lambda: torch.zeros(4, 3), r"is a tensor of shape \(4, 3\)"),
+    "wrong_dtype": (
+        "exp_avg",
+        lambda: torch.zeros(5, 3, dtype=torch.float64),
+        r"is a tensor of shape \(5, 3\) and dtype torch\.float64",
+    ),
+    "meta": ("exp_avg_sq", lambda: torch.zeros(5, 3, device="meta"), r"is a tensor on the meta device"),
+    "sparse": ("exp_avg", lambda: torch.zeros(5, 3).to_sparse(), r"is a torch\.sparse_coo tensor"),
+    "not_a_tensor": ("exp_avg", lambda: [0.0] * 15, r"is a list; it must be a tensor"),
+    "step_of_two": ("step", lambda: torch.zeros(2), r"is a tensor of shape \(2,\); it must be"),
+    "negative_step": ("step", lambda: torch.tensor(-1.0), r"is -1\.0; a step count must be finite and >= 0"),
+}
+
+
+NAME3 = re.escape("params[3] of param group 0 (shape (5, 3))")  # how messages name ours[3]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("case", list(BAD_EDITS))
+def test_edit_that_cannot_be_honoured_is_refused_before_anything_changes(case, engine):
+    key, make, pattern = BAD_EDITS[case]
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    p = pair.ours[3]
+    pair.opt.state[pair.ours[0]] = {}  # a valid edit too: it waits with the bad one
+    pair.opt.state[p][key] = make()
+    params = [q.detach().clone() for q in pair.ours]
+    bufs = [(b.data.clone(), {n: t.clone() for n, t in b.states.items()}, b.meta.steps.clone())
+            for b in flatopt.inspect(pair.opt).buffers]  # fmt: skip
+    where = rf"opt\.state\[{NAME3}\]\['{key}'\]"
+    with pytest.raises(ValueError, match=f"{where} {pattern}"):
+        pair.step(theirs=False)
+    for i, (q, old) in enumerate(zip(pair.ours, params, strict=True)):
+        torch.testing.assert_close(q.detach(), old, atol=0, rtol=0, msg=lambda m: f"params[{i}] changed: {m}")
+    for b, (data, states, steps) in zip(flatopt.inspect(pair.opt).buffers, bufs, strict=True):
+        torch.testing.assert_close(b.data, data, atol=0, rtol=0)
+        torch.testing.assert_close(b.meta.steps, steps, atol=0, rtol=0)
+        for n, t in states.items():
+            torch.testing.assert_close(b.states[n], t, atol=0, rtol=0)
+    if engine != "per_param":  # flat=False exports opt.state's own tensors, as torch.optim does
+        with pytest.raises(ValueError, match=pattern):
+            pair.opt.state_dict()  # not an export of a state that the buffers do not hold
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_incomplete_state_is_refused_naming_what_is_missing(engine):
+    """torch.optim fails with a KeyError on a state that lacks one of its keys; flatopt says which."""
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    del pair.opt.state[pair.ours[3]]["exp_avg"]
+    params = [q.detach().clone() for q in pair.ours]
+    msg = rf"opt\.state\[{NAME3}\] has \['exp_avg_sq', 'step'\] but not \['exp_avg'\]"
+    with pytest.raises(ValueError, match=msg):
+        pair.step(theirs=False)
+    for q, old in zip(pair.ours, params, strict=True):
+        torch.testing.assert_close(q.detach(), old, atol=0, rtol=0)
+    pair.opt.state[pair.ours[3]].clear()  # restarting it is accepted
+    pair.step(theirs=False)
+
+
+def test_opt_state_that_is_not_a_dict_is_refused():
+    pair = Pair("adamw")
+    pair.run(1, "before")
+    pair.opt.state = [1, 2]
+    with pytest.raises(TypeError, match=r"opt\.state is a list; it must be a dict of per-parameter dicts"):
+        pair.step(theirs=False)
+
+
+# ---------------------------------------------------------------------------------------------- state_dict
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("reset", ["clear", "assign_empty", "replace"])
+def test_state_dict_after_a_reset_is_what_the_next_step_uses(reset, engine):
+    """Exported before the next step: no entry with a step count but no moments; it loads into torch.optim
+    and into flatopt, and training goes on as torch.optim's."""
+    pair = Pair("adamw", engine)
+    pair.run(3, "before")
+    pair.both(RESETS[reset])
+    ours, theirs = pair.opt.state_dict(), pair.ref.state_dict()
+    for k, entry in ours["state"].items():
+        assert set(entry) == {"step", "exp_avg", "exp_avg_sq"}, f"state {k}: {sorted(entry)}"
+    assert {k for k, e in theirs["state"].items() if e} == set(ours["state"])
+    pair.opt.load_state_dict(copy.deepcopy(theirs))  # torch's own export (with its empty entries) loads too
+    pair.ref.load_state_dict(copy.deepcopy(ours))
+    pair.run(3, "after a state_dict round trip")
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("engine", ["step", "in_backward"])
+def test_on_the_gpu_a_state_on_another_device_is_refused_and_a_cpu_checkpoint_loads(engine):
+    pair = Pair("adamw", engine, backend=None, device="cuda")  # the Triton kernels, compiled
+    pair.run(2, "before")
+    pair.opt.state[pair.ours[3]]["exp_avg"] = torch.zeros(SHAPES[3])  # on the CPU
+    with pytest.raises(ValueError, match=rf"opt\.state\[{NAME3}\]\['exp_avg'\] is on cpu, the parameter on cuda"):
+        pair.step(theirs=False)
+    pair.opt.zero_grad()  # the refused step's gradients
+    pair.opt.state[pair.ours[3]]["exp_avg"] = torch.zeros(SHAPES[3], device="cuda")
+    pair.ref.state[pair.theirs[3]]["exp_avg"] = torch.zeros(SHAPES[3], device="cuda")
+    pair.steps -= 1  # the refused step used this step's gradients for ours only
+    pair.run(2, "after the fix")
+    sd = {"state": {k: {n: t.cpu() for n, t in e.items()} for k, e in pair.ref.state_dict()["state"].items()}}
+    sd["param_groups"] = copy.deepcopy(pair.ref.state_dict()["param_groups"])
+    pair.opt.load_state_dict(copy.deepcopy(sd))
+    pair.ref.load_state_dict(sd)
+    pair.run(2, "after loading a CPU checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------- load_state_dict
+
+
+def snapshot(params, opt):
+    """Parameters, the state_dict's tensors and step counts, and the param groups, as values."""
+    sd = opt.state_dict()
+    state = {
+        k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in entry.items()}
+        for k, entry in sd["state"].items()
+        if isinstance(entry, dict)
+    }
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return [p.detach().clone() for p in params], state, copy.deepcopy(groups)
+
+
+def assert_unchanged(before, after):
+    (params0, state0, groups0), (params1, state1, groups1) = before, after
+    for i, (a, b) in enumerate(zip(params0, params1, strict=True)):
+        torch.testing.assert_close(b, a, atol=0, rtol=0, msg=lambda m: f"params[{i}] changed: {m}")
+    assert state0.keys() == state1.keys()
+    for k in state0:
+        assert state0[k].keys() == state1[k].keys(), f"state {k}"
+        for n in state0[k]:
+            torch.testing.assert_close(state1[k][n], state0[k][n], atol=0, rtol=0, msg=lambda m: f"{k}.{n}: {m}")
+    assert groups1 == groups0
+
+
+def bad_tensor(kind, shape):
+    return {
+        "sparse": lambda: torch.zeros(shape).to_sparse(),
+        "meta": lambda: torch.zeros(shape, device="meta"),
+        "complex": lambda: torch.zeros(shape, dtype=torch.complex64),
+    }[kind]()
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("kind", ["sparse", "meta", "complex"])
+def test_load_of_a_tensor_that_cannot_be_copied_changes_nothing(kind, engine):
+    """The bad tensor is the last parameter's, and the state dict also changes lr: all is checked first."""
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    sd = copy.deepcopy(pair.ref.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5
+    for entry in sd["state"].values():
+        entry["exp_avg"] = entry["exp_avg"] + 1.0
+    sd["state"][3]["exp_avg_sq"] = bad_tensor(kind, SHAPES[3])
+    before = snapshot(pair.ours, pair.opt)
+    with pytest.raises(ValueError, match=r"'exp_avg_sq' for parameter 3 \(params\[3\] of param group 0"):
+        pair.opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot(pair.ours, pair.opt))
+    pair.run(2, "after the failed load")
+
+
+STEP_CASES = {
+    "two_elements": (torch.tensor([1.0, 2.0]), r"as a torch\.float32 tensor of shape \(2,\) on cpu"),
+    "meta": (torch.tensor(1.0, device="meta"), r"as a torch\.float32 tensor of shape \(\) on meta"),
+    "string": ("3", r"as a str"),
+}
+
+
+@pytest.mark.parametrize("engine", ["step", "per_param"])
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_load_of_a_bad_step_names_the_parameter(case, engine):
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    sd = copy.deepcopy(pair.ref.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5
+    value, pattern = STEP_CASES[case]
+    sd["state"][2]["step"] = value
+    before = snapshot(pair.ours, pair.opt)
+    name = re.escape("'step' for parameter 2 (params[2] of param group 0 (shape (2, 3, 4))) ")
+    with pytest.raises(ValueError, match=name + pattern + "; a step count is a number"):
+        pair.opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot(pair.ours, pair.opt))
+
+
+@pytest.mark.parametrize("lr", ["meta", "two_elements"])
+def test_load_of_a_bad_tensor_lr_changes_nothing(lr):
+    pair = Pair("adamw")
+    pair.run(2, "before")
+    sd = copy.deepcopy(pair.ref.state_dict())
+    sd["param_groups"][0]["lr"] = torch.tensor(0.1, device="meta") if lr == "meta" else torch.tensor([0.1, 0.2])
+    before = snapshot(pair.ours, pair.opt)
+    with pytest.raises(ValueError, match=r"param group 0 'lr' holding a .*; a hyper-parameter is a number"):
+        pair.opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot(pair.ours, pair.opt))
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+
+def put_test_key(opt):
+    opt.state["test"] = 1
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_state_dict_pre_hook_key_is_kept_as_torch(engine):
+    """torch's test_state_dict_pre_hook: a pre-hook's ``optimizer.state["test"] = 1`` is in the state dict."""
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    for opt in (pair.opt, pair.ref):
+        opt.register_state_dict_pre_hook(put_test_key)
+    ours, theirs = pair.opt.state_dict(), pair.ref.state_dict()
+    assert ours["state"]["test"] == theirs["state"]["test"] == 1
+    assert set(ours["state"]) == set(theirs["state"])
+    pair.run(2, "with the key in opt.state")
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_load_of_a_state_dict_with_a_key_that_is_no_parameter(engine):
+    """torch.optim keeps such a key in opt.state as it is, and loads the parameters' states."""
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    pair.ref.register_state_dict_pre_hook(put_test_key)
+    sd = pair.ref.state_dict()
+
+    def post_hook(opt):
+        opt.state["ran_load_state_dict_post_hook"] = True
+
+    for opt in (pair.opt, pair.ref):
+        opt.register_load_state_dict_post_hook(post_hook)
+        opt.load_state_dict(copy.deepcopy(sd))
+        assert opt.state["test"] == 1 and opt.state["ran_load_state_dict_post_hook"] is True
+    pair.run(2, "after the load")
+    assert pair.opt.state_dict()["state"]["test"] == 1
