@@ -220,6 +220,13 @@ class CapturedStep:
             )
         if not engine.ends_bound():  # as step() checks; the graph lands the gradients itself
             engine.check_data_bindings(full=False)
+        if engine.members_changed():  # identity tests per parameter, as step() makes
+            raise RuntimeError(
+                f"param_groups' params or a frozen parameter's requires_grad changed since capture, which the "
+                f"recorded step of {type(opt).__name__} cannot follow (it steps the parameters laid out when it was "
+                "recorded); step eagerly once (opt.step() or opt.zero_grad() lays them out again), then capture again"
+            )
+        engine.sync_state()  # opt.state edited (a reset, an assigned tensor): into the buffers the graph reads
         engine.landing.restore_if_released()  # so .grad shows them after the replay, also after zero_grad()
         engine.refresh_hparams()
         if any(opt.hparams.tables.get(d) is not t for d, t in self.tables.items()):

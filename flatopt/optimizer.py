@@ -116,6 +116,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                     if isinstance(p, torch.Tensor):
                         self.check_param(p)
             self.rule.check({**self.defaults, **param_group})
+        if self.engine is not None:
+            self.engine.sync_state()  # a pending edit of opt.state that cannot be honoured raises before the group
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if len(group["params"]) != len(set(group["params"])):  # tied parameters appear once

@@ -195,7 +195,8 @@ class FlatEngine(Engine):
                 p.data = p.data.clone()
                 if p.grad is not None:
                     p.grad = p.grad.clone()
-                opt.state.pop(p, None)  # as it is no longer the optimizer's (torch.optim's state_dict() fails on it)
+                self.own_state().drop(p)  # no longer the optimizer's (torch.optim's state_dict() fails on it)
+                self.views.pop(p, None)
         for buf in buffers:
             for i, p in enumerate(buf.params):
                 self.put_state(p, buf, i)
