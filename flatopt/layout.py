@@ -27,7 +27,7 @@ import torch
 
 ALIGN = 64  # elements; also the kernels' GRANULE (flatopt.kernels.common imports it from here)
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def compute_dtype(dtype):
