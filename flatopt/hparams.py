@@ -1,14 +1,15 @@
 """The hyper-parameter table: one row per param group, on every device the optimizer steps.
 
 Each optimizer's rule names the columns and builds a row from a param group (see
-:mod:`flatopt.rules`); the kernels and the reference read the row on the device. A table is float32,
-the dtype of the math for float32, bfloat16 and float16 parameters, or float64 on a device that holds
-float64 parameters: their math is float64 and reads the values unrounded, as torch.optim's Python floats
-(float32 buffers on such a device step with the table rounded to float32, the same values as a float32
-table: see :func:`flatopt.functional.table_for`). An LR scheduler
+:mod:`flatopt.rules`); the kernels and the reference read the row on the device. An LR scheduler
 changes ``lr`` before every step, so the table is rebuilt on the host at each step and copied to
 the device only when a row changed (asynchronously, through :class:`flatopt.staging.PinnedStaging`).
 A tensor ``lr`` is a placeholder in its row and is copied on the device at every refresh.
+
+A table is float32, the dtype of the math for float32, bfloat16 and float16 parameters, or float64 on a
+device that holds float64 parameters: their math is float64 and reads the values unrounded, as torch.optim
+reads its Python floats. The float32, bfloat16 and float16 buffers of such a device step with the table
+rounded to float32, the values a float32 table holds (:func:`flatopt.functional.table_for`).
 """
 
 import operator

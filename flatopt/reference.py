@@ -4,8 +4,8 @@ Each update's math lives once, in its rule (``flatopt.rules``; re-exported here 
 ``sgd_math``, ``lion_math``): hyper-parameters by column name, floats or tensors of the table's dtype that
 broadcast against the data (one value per element when a buffer holds several groups), math in float32 for
 float32, bfloat16 and float16 buffers and in float64 for float64 ones (:func:`flatopt.layout.compute_dtype`),
-new values returned without writing anything. The ``*_step`` functions apply a rule
-to a flat buffer with the same arguments as the Triton launchers in ``flatopt.kernels``.
+new values returned without writing anything. The ``*_step`` functions apply a rule to a flat buffer with the
+same arguments as the Triton launchers in ``flatopt.kernels``.
 """
 
 import torch
