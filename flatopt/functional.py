@@ -1,7 +1,15 @@
 """Functional entry points: one keyword-only signature per optimizer, dispatching to the Triton
-kernels (``backend="triton"``) or the pure-torch reference (``backend="torch"``)."""
+kernels (``backend="triton"``) or the pure-torch reference (``backend="torch"``).
+
+``hparams`` is the ``[groups, num_hparams]`` table of the rule's rows: float32 for float32, bfloat16 and
+float16 buffers, float64 for float64 ones (the dtype their math runs in). A float64 table also steps a
+float32, bfloat16 or float16 buffer: see :func:`table_for`.
+"""
+
+import torch
 
 from flatopt import reference
+from flatopt.layout import compute_dtype
 
 BACKENDS = ("triton", "torch")
 
@@ -16,6 +24,16 @@ def _impl(name, backend):
     raise ValueError(f"Invalid backend: {backend!r}; expected one of {BACKENDS}")
 
 
+def table_for(param, hparams):
+    """The table a launch over ``param`` reads: ``hparams`` itself, or, for a float64 table (an optimizer's on a
+    device that also holds float64 parameters) and a buffer whose math is float32, its float32 rounding: the
+    values of a float32 table of the same rows, so such a buffer steps exactly as it would with one. A small
+    conversion per launch, made only on devices holding parameters of both kinds."""
+    if hparams.dtype == torch.float64 and compute_dtype(param.dtype) == torch.float32:
+        return hparams.float()
+    return hparams
+
+
 def adamw(
     param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, backend="triton", sources=None
 ):
@@ -23,8 +41,8 @@ def adamw(
     :class:`flatopt.layout.GradSources`, to read the gradients from where they lie and store them
     into ``grad`` while stepping."""
     _impl("adamw_step", backend)(
-        param, grad, exp_avg, exp_avg_sq, hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf,
-        sources=sources,
+        param, grad, exp_avg, exp_avg_sq, hparams=table_for(param, hparams), meta=meta,
+        grad_scale=grad_scale, found_inf=found_inf, sources=sources,
     )  # fmt: skip
 
 
@@ -33,14 +51,14 @@ def sgd(
 ):
     """One SGD step over flat buffers; see :mod:`flatopt.kernels.sgd` (``sources``: as for adamw)."""
     _impl("sgd_step", backend)(
-        param, grad, momentum_buffer, hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf,
-        sources=sources,
+        param, grad, momentum_buffer, hparams=table_for(param, hparams), meta=meta,
+        grad_scale=grad_scale, found_inf=found_inf, sources=sources,
     )  # fmt: skip
 
 
 def lion(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, backend="triton", sources=None):
     """One Lion step over flat buffers; see :mod:`flatopt.kernels.lion` (``sources``: as for adamw)."""
     _impl("lion_step", backend)(
-        param, grad, exp_avg, hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf,
-        sources=sources,
+        param, grad, exp_avg, hparams=table_for(param, hparams), meta=meta,
+        grad_scale=grad_scale, found_inf=found_inf, sources=sources,
     )  # fmt: skip

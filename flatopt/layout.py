@@ -12,8 +12,8 @@
     └──────────────────────────────┴───┴────────────────────┴───┴────────┴───┘
     s_i = align_up(s_{i-1} + n_{i-1}, ALIGN); the length is align_up(end, ALIGN)
 
-Every parameter starts on a multiple of ``ALIGN`` elements (64: 256 bytes for float32, 128 for
-bfloat16 and float16), so each aligned granule of 64 elements belongs to exactly one parameter
+Every parameter starts on a multiple of ``ALIGN`` elements (64: 512 bytes for float64, 256 for float32,
+128 for bfloat16 and float16), so each aligned granule of 64 elements belongs to exactly one parameter
 and the kernels find a parameter's group and step count with one table lookup. Padding elements
 are zero in every buffer; the optimizers map zeros to zeros, so stepping them changes nothing.
 
@@ -27,7 +27,13 @@ import torch
 
 ALIGN = 64  # elements; also the kernels' GRANULE (flatopt.kernels.common imports it from here)
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def compute_dtype(dtype):
+    """The dtype the update math runs in for buffers of ``dtype``: float64 for float64, float32 for the others
+    (bfloat16 and float16 are upcast). The hyper-parameter table a launch reads has this dtype too."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def align_up(n, align=ALIGN):

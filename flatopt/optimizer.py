@@ -142,8 +142,10 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if p.layout != torch.strided:
             raise ValueError(f"{cls} does not support {p.layout} parameters; use dense parameters")
         if p.requires_grad and p.dtype not in SUPPORTED_DTYPES:
+            *most, last = (str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+            supported = f"{', '.join(most)} and {last}"
             raise ValueError(
-                f"{cls} supports float32, bfloat16 and float16 parameters, got {p.dtype}; "
+                f"{cls} supports {supported} parameters, got {p.dtype}; "
                 "convert the model with model.to(torch.float32) before creating the optimizer"
             )
         if p.requires_grad and own_dispatch(p) and (flat or is_dtensor(p)):

@@ -1,15 +1,16 @@
 """Pure-torch reference of every kernel: the ground truth of the tests and the ``"torch"`` backend.
 
 Each update's math lives once, in its rule (``flatopt.rules``; re-exported here as ``adamw_math``,
-``sgd_math``, ``lion_math``): hyper-parameters by column name, floats or float32 tensors that broadcast
-against the data (one value per element when a buffer holds several groups), math in float32 whatever
-the storage dtype, new values returned without writing anything. The ``*_step`` functions apply a rule
-to a flat buffer with the same arguments as the Triton launchers in ``flatopt.kernels``.
+``sgd_math``, ``lion_math``): hyper-parameters by column name, floats or tensors of the table's dtype that
+broadcast against the data (one value per element when a buffer holds several groups), math in float32 for
+float32, bfloat16 and float16 buffers and in float64 for float64 ones (:func:`flatopt.layout.compute_dtype`),
+new values returned without writing anything. The ``*_step`` functions apply a rule to a flat buffer with the
+same arguments as the Triton launchers in ``flatopt.kernels``.
 """
 
 import torch
 
-from flatopt.layout import ALIGN
+from flatopt.layout import ALIGN, compute_dtype
 from flatopt.rules import ADAMW, LION, SGD
 
 adamw_math, sgd_math, lion_math = ADAMW.math, SGD.math, LION.math
@@ -24,7 +25,7 @@ def _pieces(meta, hparams, numel):
     sharing param group, step count and active flag, with scalars (inactive runs are left out); the
     host reads the small tables, which costs nothing there. On other devices: one piece whose
     hyper-parameters, steps and mask are given per element, with no host synchronisation. Either way
-    every element sees the same float32 values, so the results are identical.
+    every element sees the same values of the table, so the results are identical.
     """
     if meta.uniform:
         return [(0, numel, hparams[meta.param_group[meta.first].long()], meta.steps[meta.first], None)]
@@ -45,15 +46,15 @@ def _pieces(meta, hparams, numel):
     ]
 
 
-def _run(meta, hparams, numel, found_inf, update):
+def _run(meta, hparams, numel, found_inf, update, dtype):
     """Apply ``update(start, end, h, steps)`` (a list of (buffer slice, new value)) to each piece where the
     step applies (not where the piece's mask is off, nor anywhere when ``found_inf``), then advance the
-    step counters of the launch's active parameters."""
+    step counters of the launch's active parameters. ``dtype``: the dtype of the new values."""
     ok = None if found_inf is None else found_inf.reshape(()) == 0
     for start, end, h, steps, active in _pieces(meta, hparams, numel):
         keep = active if ok is None else (ok if active is None else active & ok)
         for dst, new in update(start, end, h, steps):
-            dst.copy_(new if keep is None else torch.where(keep, new, dst.float()))
+            dst.copy_(new if keep is None else torch.where(keep, new, dst.to(dtype)))
     steps = meta.steps[meta.first : meta.stop]
     inc = torch.ones_like(steps)
     if meta.active is not None:
@@ -74,30 +75,32 @@ def gather(grad, sources, meta):
             grad[start : start + n].copy_(g.as_strided((n,), (1,)))  # memory order, as the kernel reads it
 
 
-def _unscale(grad, grad_scale):
-    """The float32 gradient divided by ``grad_scale``, and the (buffer, value) pair to store back:
-    torch's fused kernels leave the unscaled gradient in ``.grad`` when they step."""
-    g = grad.float()
+def _unscale(grad, grad_scale, dtype):
+    """The gradient in ``dtype`` (the math's) divided by ``grad_scale``, and the (buffer, value) pair to store
+    back: torch's fused kernels leave the unscaled gradient in ``.grad`` when they step."""
+    g = grad.to(dtype)
     if grad_scale is None:
         return g, []
-    g = g / grad_scale.reshape(()).float()
+    g = g / grad_scale.reshape(()).to(dtype)
     return g, [(grad, g)]
 
 
 def step(rule, param, grad, states, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None):
     """One step of ``rule`` (a :class:`flatopt.rules.Rule`) over the flat ``param``, ``grad`` and ``states`` (in
     ``rule.state_names`` order; None for a state no group uses), with flatopt.kernels.common.launch's
-    arguments (``block_size`` is the kernels' and changes nothing here)."""
-    rule.check_table(hparams)
+    arguments (``block_size`` is the kernels' and changes nothing here). The math runs in
+    ``compute_dtype(param.dtype)``, the dtype of ``hparams``."""
+    rule.check_table(hparams, param.dtype)
     gather(grad, sources, meta)
+    dtype = compute_dtype(param.dtype)
 
     def update(s, e, h, steps):
-        g, store_grad = _unscale(grad[s:e], grad_scale)
-        old = [None if x is None else x[s:e].float() for x in states]
-        p, *new = rule.math(param[s:e].float(), g, *old, steps=steps, **rule.named(h))
+        g, store_grad = _unscale(grad[s:e], grad_scale, dtype)
+        old = [None if x is None else x[s:e].to(dtype) for x in states]
+        p, *new = rule.math(param[s:e].to(dtype), g, *old, steps=steps, **rule.named(h))
         return [(param[s:e], p), *((x[s:e], v) for x, v in zip(states, new) if x is not None), *store_grad]
 
-    _run(meta, hparams, param.numel(), found_inf, update)
+    _run(meta, hparams, param.numel(), found_inf, update, dtype)
 
 
 def adamw_step(param, grad, exp_avg, exp_avg_sq, **launch_args):

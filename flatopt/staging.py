@@ -17,18 +17,18 @@ MAX_SLOTS = 64  # tables of a few hundred bytes: the host may run this many chan
 
 def _fresh_copy(table, rows):
     """The copy without the ring: a new pinned tensor, which PyTorch keeps until the copy has run."""
-    table.copy_(torch.tensor(rows, dtype=torch.float32).pin_memory(), non_blocking=True)
+    table.copy_(torch.tensor(rows, dtype=table.dtype).pin_memory(), non_blocking=True)
 
 
 class _Slot:
-    def __init__(self, shape):
-        self.tensor = torch.empty(shape, dtype=torch.float32, pin_memory=True)
+    def __init__(self, shape, dtype):
+        self.tensor = torch.empty(shape, dtype=dtype, pin_memory=True)
         self.array = self.tensor.numpy()
         self.event = torch.cuda.Event()
 
 
 class PinnedStaging:
-    """Copies float rows into a float32 CUDA table on the current stream, asynchronously."""
+    """Copies float rows into a CUDA table (float32 or float64) on the current stream, asynchronously."""
 
     def __init__(self):
         self.slots = []
@@ -39,14 +39,15 @@ class PinnedStaging:
         if torch.cuda.is_current_stream_capturing():  # the caller's capture: leave the ring out of its graph
             _fresh_copy(table, rows)
             return
-        if self.slots and self.slots[0].tensor.shape != table.shape:  # groups were added: a new ring
+        first = self.slots[0].tensor if self.slots else None
+        if first is not None and (first.shape != table.shape or first.dtype != table.dtype):  # a new table: a new ring
             self.slots, self.next = [], 0
         slot = self.slots[self.next] if self.slots else None
         if slot is None or not slot.event.query():
             if len(self.slots) >= MAX_SLOTS:
                 _fresh_copy(table, rows)
                 return
-            slot = _Slot(table.shape)  # grows the ring at the slot in turn: the busy one goes round again
+            slot = _Slot(table.shape, table.dtype)  # grows the ring at the slot in turn: the busy one goes round again
             self.slots.insert(self.next, slot)
         slot.array[...] = rows
         table.copy_(slot.tensor, non_blocking=True)

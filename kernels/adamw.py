@@ -1,7 +1,8 @@
 """AdamW over one flat buffer in one launch (Loshchilov & Hutter, decoupled weight decay).
 
-Same math and order of operations as ``torch.optim.AdamW`` (non-amsgrad), in float32 whatever
-the storage dtype; the states have the parameter's dtype.
+Same math and order of operations as ``torch.optim.AdamW`` (non-amsgrad), in float32 for float32,
+bfloat16 and float16 buffers and in float64 for float64 ones (``COMPUTE``); the states have the
+parameter's dtype.
 """
 
 import triton
@@ -37,10 +38,11 @@ def adamw_kernel(
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP_BLOCK: tl.constexpr,
     GATHER: tl.constexpr,
 ):  # fmt: skip
+    COMPUTE = hp_ptr.dtype.element_ty  # the math's dtype, the table's: see common.py
     offsets, row, steps, active, inv_scale, skipped = begin_step(
         n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
         found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
-        GATHER,
+        GATHER, COMPUTE,
     )  # fmt: skip
     lr = tl.load(row + LR)
     omb1 = tl.load(row + ONE_MINUS_BETA1)
@@ -52,13 +54,13 @@ def adamw_kernel(
     weight_decay = tl.load(row + WEIGHT_DECAY)
     grad_sign = tl.load(row + GRAD_SIGN)
 
-    p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
+    p = tl.load(p_ptr + offsets, mask=active).to(COMPUTE)
     g = load_grad(
         g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr,
-        n_elements, GRANULE, BLOCK_SIZE,
+        n_elements, GRANULE, BLOCK_SIZE, COMPUTE,
     )  # fmt: skip
-    m = tl.load(m_ptr + offsets, mask=active).to(tl.float32)
-    v = tl.load(v_ptr + offsets, mask=active).to(tl.float32)
+    m = tl.load(m_ptr + offsets, mask=active).to(COMPUTE)
+    v = tl.load(v_ptr + offsets, mask=active).to(COMPUTE)
     g = g * grad_sign
 
     t = steps + 1.0

@@ -4,8 +4,8 @@ counter update, and the launch parameters.
 Every kernel steps one flat buffer in one launch. After its buffers (``p_ptr``, ``g_ptr``, then its
 states) every kernel takes the same arguments, which :func:`launch` passes, in this order:
 
-* ``hp_ptr``: float32 ``[groups, NUM_HP]``, one row of hyper-parameters per param group, its columns
-  where the kernel's rule (``flatopt.rules``) puts them; each kernel reads them by name (:func:`column`).
+* ``hp_ptr``: ``[groups, NUM_HP]`` of the ``COMPUTE`` dtype, one row of hyper-parameters per param group, its
+  columns where the kernel's rule (``flatopt.rules``) puts them; each kernel reads them by name (:func:`column`).
 * ``param_of_granule_ptr``: int32, the index of the parameter that owns each ``GRANULE``-element
   granule of the buffer (parameter starts are ``GRANULE``-aligned, so a granule never spans two).
 * ``param_group_ptr``: int32 ``[params]``, the param group (row of ``hparams``) of each parameter.
@@ -27,6 +27,11 @@ states) every kernel takes the same arguments, which :func:`launch` passes, in t
 * the compile-time ``NUM_HP``, ``GRANULE``, ``UNIFORM``, ``HAS_ACTIVE``, ``HAS_GRAD_SCALE``,
   ``HAS_FOUND_INF``, ``BLOCK_SIZE``, ``STEP_BLOCK`` and ``GATHER``, passed by name.
 
+The update math runs in the dtype of the hyper-parameter table, ``COMPUTE = hp_ptr.dtype.element_ty`` in
+each kernel: :func:`launch` checks that it is float64 for float64 buffers and float32 for float32, bfloat16
+and float16 ones (:func:`flatopt.layout.compute_dtype`), which are upcast after loading and rounded back
+to their dtype when stored. So the rows need no conversion, and each buffer dtype compiles its own kernel.
+
 ``UNIFORM`` buffers (one param group, equal steps, no ``active`` mask) read those scalars once
 per program instead of per element.
 """
@@ -36,7 +41,8 @@ import triton.language as tl
 
 from flatopt.layout import ALIGN as GRANULE  # elements per param_of_granule entry: parameter starts align to it
 
-# Elements of each buffer per program, whatever the dtype: 16 KiB of float32, 8 KiB of bfloat16/float16.
+# Elements of each buffer per program, whatever the dtype: 16 KiB of float32, 8 KiB of bfloat16/float16
+# (32 KiB of float64).
 # On an H100 (benchmarks/profile_step.py), 8192 bf16 elements per program (16 KiB, as float32 has) ran
 # AdamW at 93.5-95.5 % of the floor where 4096 ran at 97.7-99.3 %; bf16 SGD was within 0.5 % either way.
 BLOCK_SIZE = 4096
@@ -84,11 +90,12 @@ def load_scale_and_skip(
     found_inf_ptr,  # float32 [1] or None: when non-zero the whole step is skipped
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
+    COMPUTE: tl.constexpr,  # the math's dtype
 ):
-    """Returns (inverse grad scale, skipped as 0.0/1.0)."""
+    """Returns (inverse grad scale in COMPUTE, skipped as 0.0/1.0)."""
     inv_scale = 1.0
     if HAS_GRAD_SCALE:
-        inv_scale = 1.0 / tl.load(grad_scale_ptr).to(tl.float32)
+        inv_scale = 1.0 / tl.load(grad_scale_ptr).to(COMPUTE)
     skipped = 0.0
     if HAS_FOUND_INF:
         skipped = (tl.load(found_inf_ptr).to(tl.float32) != 0.0).to(tl.float32)
@@ -112,7 +119,7 @@ def drop_if_skipped(active, offsets, skipped):
 @triton.jit
 def begin_step(
     n_elements,  # length of the flat buffers
-    hp_ptr,  # float32 [groups, NUM_HP]
+    hp_ptr,  # [groups, NUM_HP], of the COMPUTE dtype
     param_of_granule_ptr,
     param_group_ptr,
     step_ptr,
@@ -128,6 +135,7 @@ def begin_step(
     HAS_FOUND_INF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     GATHER: tl.constexpr,
+    COMPUTE: tl.constexpr,
 ):
     """What every kernel starts with. Returns this program's element offsets, the pointer to each
     element's row of the hyper-parameter table, its completed steps, where the step applies
@@ -146,7 +154,7 @@ def begin_step(
         offsets, mask, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, param_lo, GRANULE, UNIFORM,
         HAS_ACTIVE,
     )  # fmt: skip
-    inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF)
+    inv_scale, skipped = load_scale_and_skip(grad_scale_ptr, found_inf_ptr, HAS_GRAD_SCALE, HAS_FOUND_INF, COMPUTE)
     if HAS_FOUND_INF:
         active = drop_if_skipped(active, offsets, skipped)
     row = hp_ptr + group * NUM_HP  # always in bounds: masked lanes read group 0
@@ -157,8 +165,9 @@ def begin_step(
 def load_grad(
     g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE: tl.constexpr, GATHER: tl.constexpr, src_ptr, start_ptr,
     numel_ptr, param_of_granule_ptr, n_elements, GRANULE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    COMPUTE: tl.constexpr,
 ):  # fmt: skip
-    """The gradient in float32, divided by the grad scale and stored back unscaled (as torch's fused
+    """The gradient in the COMPUTE dtype, divided by the grad scale and stored back unscaled (as torch's fused
     kernels leave it) when HAS_GRAD_SCALE. With GATHER it is read from each parameter's own
     gradient tensor (gather_grad) and stored into the flat gradient buffer: every element, also
     where the step does not apply (an inactive parameter, a step skipped by found_inf), which gets
@@ -167,7 +176,7 @@ def load_grad(
         in_bounds = offsets < n_elements
         g = gather_grad(
             offsets, in_bounds, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr, n_elements, GRANULE, BLOCK_SIZE,
-            g_ptr.dtype.element_ty, GATHER,
+            g_ptr.dtype.element_ty, GATHER, COMPUTE,
         )  # fmt: skip
         stored = g
         if HAS_GRAD_SCALE:
@@ -175,7 +184,7 @@ def load_grad(
             stored = tl.where(active, g, stored)
         tl.store(g_ptr + offsets, stored.to(g_ptr.dtype.element_ty), mask=in_bounds)
     else:
-        g = tl.load(g_ptr + offsets, mask=active).to(tl.float32)
+        g = tl.load(g_ptr + offsets, mask=active).to(COMPUTE)
         if HAS_GRAD_SCALE:
             g = g * inv_scale
             tl.store(g_ptr + offsets, g.to(g_ptr.dtype.element_ty), mask=active)
@@ -185,10 +194,10 @@ def load_grad(
 @triton.jit
 def gather_grad(
     offsets, in_bounds, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr, n_elements, GRANULE: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr, VEC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr, VEC: tl.constexpr, COMPUTE: tl.constexpr,
 ):  # fmt: skip
     """The gradient of each element of a GATHER block ([BLOCK_SIZE // GRANULE, GRANULE], one granule
-    per row; a granule belongs to one parameter) in float32, read from where the parameter's
+    per row; a granule belongs to one parameter) in the COMPUTE dtype, read from where the parameter's
     gradient lies instead of from the flat buffer: ``src[i]``, the address of parameter i's
     gradient (contiguous, of the buffer's dtype, 16-byte aligned), whose element k is the buffer's
     element ``start[i] + k`` for k < ``numel[i]``. Lanes past the parameter's end (the alignment
@@ -208,12 +217,13 @@ def gather_grad(
     if VEC > 1:  # every numel is a multiple of VEC, so the mask is constant over VEC lanes: vector loads
         limit = tl.multiple_of(limit, VEC)
     inside = in_bounds & (lane < limit[:, None])
-    return tl.load(tl.multiple_of(src + into, 16)[:, None] + lane, mask=inside, other=0.0).to(tl.float32)
+    return tl.load(tl.multiple_of(src + into, 16)[:, None] + lane, mask=inside, other=0.0).to(COMPUTE)
 
 
 @triton.jit
 def one_minus_pow(log_beta, steps):
-    """1 - beta**steps from log(beta) (computed in float64 on the host), accurate for beta near 1.
+    """1 - beta**steps from log(beta) (computed in float64 on the host), accurate for beta near 1; in the
+    dtype of ``log_beta`` (the table's: float64 for float64 buffers), as ``steps`` (float32) is promoted to it.
 
     Uses Kahan's expm1(x) = (u - 1) * x / log(u) with u = exp(x), which cancels the rounding of exp.
     """
@@ -314,15 +324,16 @@ def launch(
     ``buffers``: parameter, gradient, then the rule's states (None for a state no param group uses).
     ``constexprs``: the kernel's own compile-time arguments. The keyword arguments are every launcher's:
 
-    * ``hparams``: the float32 ``[groups, rule.num_hparams]`` table, a ``rule.row(group)`` per param group.
+    * ``hparams``: the ``[groups, rule.num_hparams]`` table, a ``rule.row(group)`` per param group: float32, or
+      float64 for float64 buffers (see :meth:`flatopt.rules.Rule.check_table`).
     * ``meta``: the buffer's :class:`flatopt.layout.StepMeta`.
     * ``grad_scale``, ``found_inf``: GradScaler's float32 ``[1]`` tensors, or None.
     * ``block_size``: elements per program (None: BLOCK_SIZE).
     * ``sources``: a :class:`flatopt.layout.GradSources`, to read each parameter's gradient from where it
       lies instead (GATHER; see gather_grad), storing it into the flat gradient buffer.
     """
-    rule.check_table(hparams)
     param = buffers[0]
+    rule.check_table(hparams, param.dtype)
     check_flat(meta, *(b for b in buffers if b is not None))
     if sources is not None:
         sources.check(meta, buffers[1])

@@ -1,6 +1,6 @@
 """Lion over one flat buffer in one launch: the update of ``flatopt.rules.lion`` (Chen et al. 2023, decoupled
-weight decay as lion-pytorch applies it), in float32 whatever the storage dtype; the state has the
-parameter's dtype.
+weight decay as lion-pytorch applies it), in float32 for float32, bfloat16 and float16 buffers and in float64
+for float64 ones (``COMPUTE``); the state has the parameter's dtype.
 """
 
 import triton
@@ -32,10 +32,11 @@ def lion_kernel(
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP_BLOCK: tl.constexpr,
     GATHER: tl.constexpr,
 ):  # fmt: skip
+    COMPUTE = hp_ptr.dtype.element_ty  # the math's dtype, the table's: see common.py
     offsets, row, steps, active, inv_scale, skipped = begin_step(
         n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
         found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
-        GATHER,
+        GATHER, COMPUTE,
     )  # fmt: skip
     lr = tl.load(row + LR)
     beta1 = tl.load(row + BETA1)
@@ -44,12 +45,12 @@ def lion_kernel(
     omb2 = tl.load(row + ONE_MINUS_BETA2)
     weight_decay = tl.load(row + WEIGHT_DECAY)
 
-    p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
+    p = tl.load(p_ptr + offsets, mask=active).to(COMPUTE)
     g = load_grad(
         g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr,
-        n_elements, GRANULE, BLOCK_SIZE,
+        n_elements, GRANULE, BLOCK_SIZE, COMPUTE,
     )  # fmt: skip
-    m = tl.load(m_ptr + offsets, mask=active).to(tl.float32)
+    m = tl.load(m_ptr + offsets, mask=active).to(COMPUTE)
 
     p = p * (1.0 - lr * weight_decay)
     c = m * beta1 + omb1 * g

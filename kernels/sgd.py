@@ -1,7 +1,8 @@
 """SGD with momentum, dampening, Nesterov and weight decay over one flat buffer in one launch.
 
-Same math as ``torch.optim.SGD``, in float32 whatever the storage dtype. A parameter whose step
-count is 0 initialises its momentum buffer with the update itself, as torch does.
+Same math as ``torch.optim.SGD``, in float32 for float32, bfloat16 and float16 buffers and in float64
+for float64 ones (``COMPUTE``). A parameter whose step count is 0 initialises its momentum buffer with
+the update itself, as torch does.
 """
 
 import triton
@@ -34,19 +35,20 @@ def sgd_kernel(
     GATHER: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr,  # buf_ptr is a buffer (not None)
 ):  # fmt: skip
+    COMPUTE = hp_ptr.dtype.element_ty  # the math's dtype, the table's: see common.py
     offsets, row, steps, active, inv_scale, skipped = begin_step(
         n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
         found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
-        GATHER,
+        GATHER, COMPUTE,
     )  # fmt: skip
     lr = tl.load(row + LR)
     weight_decay = tl.load(row + WEIGHT_DECAY)
     grad_sign = tl.load(row + GRAD_SIGN)
 
-    p = tl.load(p_ptr + offsets, mask=active).to(tl.float32)
+    p = tl.load(p_ptr + offsets, mask=active).to(COMPUTE)
     g = load_grad(
         g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr,
-        n_elements, GRANULE, BLOCK_SIZE,
+        n_elements, GRANULE, BLOCK_SIZE, COMPUTE,
     )  # fmt: skip
     d = g * grad_sign + weight_decay * p
     if HAS_MOMENTUM:
@@ -54,7 +56,7 @@ def sgd_kernel(
         one_minus_dampening = tl.load(row + ONE_MINUS_DAMPENING)
         nesterov = tl.load(row + NESTEROV)
         uses_buf = active & (as_block(momentum, offsets) != 0.0)
-        buf = tl.load(buf_ptr + offsets, mask=uses_buf).to(tl.float32)
+        buf = tl.load(buf_ptr + offsets, mask=uses_buf).to(COMPUTE)
         buf = tl.where(steps == 0.0, d, buf * momentum + one_minus_dampening * d)
         tl.store(buf_ptr + offsets, buf.to(buf_ptr.dtype.element_ty), mask=uses_buf)
         d_momentum = tl.where(nesterov != 0.0, d + momentum * buf, buf)

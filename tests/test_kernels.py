@@ -9,6 +9,11 @@ block size of 128 makes several programs run (the last one partial), None is the
 Each launch starts both sides from the same buffers (the kernel's output of the previous launch),
 so the comparison is one rounding per launch: under the interpreter a bfloat16 store truncates
 where torch rounds to nearest, one bf16 ulp, which TOL[bfloat16] (two ulps) allows.
+
+float64 buffers step with a float64 table and float64 math. Kernel and reference differ by a rounding at
+most (measured: 6e-17 absolute, the kernel's bias corrections using Kahan's expm1 where the reference uses
+torch.expm1); TOLS[float64] allows 1e-13 relative and 1e-15 absolute, five orders of magnitude below what
+float32 math or a float32 hyper-parameter would change (a relative 6e-8 or more).
 """
 
 import math
@@ -17,8 +22,8 @@ import pytest
 import torch
 from conftest import TOL, TRITON_SKIP, device_for, variant_tol
 
-from flatopt import kernels, reference
-from flatopt.layout import FlatBuffer, GradSources, StepMeta
+from flatopt import functional, kernels, reference
+from flatopt.layout import FlatBuffer, GradSources, StepMeta, compute_dtype
 from flatopt.rules import ADAMW, LION, SGD
 
 pytestmark = [
@@ -30,6 +35,7 @@ pytestmark = [
 ]
 
 DEVICE = device_for("triton")
+TOLS = {**TOL, torch.float64: dict(atol=1e-15, rtol=1e-13)}  # see the module docstring
 STEP_BLOCK = kernels.common.STEP_BLOCK  # parameters per chunk when the last program advances the steps
 SHAPES = [(37,), (5, 13), (64,), (1,), (129,), (3, 3, 3), (70,)]  # 704 elements laid out: 5.5 blocks of 128
 GROUP_OF = [0, 1, 2, 0, 1, 2, 1]
@@ -94,7 +100,7 @@ class Case:
         rows = spec["groups"]
         if variant == "no-momentum":
             rows = [{**g, "momentum": 0.0, "nesterov": False} for g in rows]
-        self.hparams = torch.tensor([spec["rule"].row(g) for g in rows], dtype=torch.float32, device=DEVICE)
+        self.hparams = torch.tensor([spec["rule"].row(g) for g in rows], dtype=compute_dtype(dtype), device=DEVICE)
         self.meta = b.meta
         self.meta.steps.copy_(torch.tensor([5.0] * len(SHAPES) if uniform else STEPS))
         self.meta.uniform = uniform
@@ -164,7 +170,7 @@ def compare(kernel, ref, launch, dtype):
     for name, t in kernel.tensors().items():
         if t is None:
             continue
-        close(t, ref.tensors()[name], f"launch {launch}, {name}", **TOL[dtype])
+        close(t, ref.tensors()[name], f"launch {launch}, {name}", **TOLS[dtype])
     close(kernel.meta.steps, ref.meta.steps, f"launch {launch}, steps", atol=0, rtol=0)
     assert kernel.meta.counter.tolist() == [0], f"launch {launch}: counter left at {kernel.meta.counter.tolist()}"
 
@@ -173,7 +179,7 @@ VARIANTS = ["uniform", "groups-and-steps", "active", "grad_scale"]
 
 
 @pytest.mark.parametrize("block_size", [128, None], ids=["block128", "default-block"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize(
     "opt, variant",
     [(opt, variant) for opt in OPTS for variant in VARIANTS] + [("sgd", "no-momentum")],  # SGD's optional buffer
@@ -360,7 +366,7 @@ def gradient_sources(case, dtype, seed=1):
 
 
 @pytest.mark.parametrize("block_size", [128, None], ids=["block128", "default-block"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("variant", VARIANTS + ["found_inf"])
 @pytest.mark.parametrize("opt", list(OPTS))
 def test_gathered_gradients_step_as_a_copy_into_the_buffer_then_a_step(opt, variant, dtype, block_size):
@@ -458,7 +464,7 @@ def test_grad_sources_refuse_a_gradient_the_kernel_cannot_read():
                            sources=sources)  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype, vec", [(torch.float32, 4), (torch.bfloat16, 8)], ids=str)
+@pytest.mark.parametrize("dtype, vec", [(torch.float32, 4), (torch.bfloat16, 8), (torch.float64, 2)], ids=str)
 def test_gathered_loads_are_16_bytes_wide_when_every_size_allows(dtype, vec):
     """GradSources.vec: 16 bytes of elements when every parameter's size is a multiple of it (the kernel then
     loads that many at a time), else 1; and such a buffer steps as a copy and a step does."""
@@ -473,7 +479,7 @@ def test_gathered_loads_are_16_bytes_wide_when_every_size_allows(dtype, vec):
     for (s, e), g in zip(other.index.values(), grads):
         other.grad[s:e].copy_(g.reshape(-1))
     group = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, maximize=False)
-    hp = torch.tensor([ADAMW.row(group)], device=DEVICE)
+    hp = torch.tensor([ADAMW.row(group)], dtype=compute_dtype(dtype), device=DEVICE)
     for b, src in ((buf, sources), (other, None)):
         b.meta.uniform = True
         kernels.adamw_step(b.data, b.grad, b.states["exp_avg"], b.states["exp_avg_sq"], hparams=hp, meta=b.meta,
@@ -482,3 +488,123 @@ def test_gathered_loads_are_16_bytes_wide_when_every_size_allows(dtype, vec):
         close(getattr(buf, name), getattr(other, name), name, atol=0, rtol=0)
     for name in ("exp_avg", "exp_avg_sq"):
         close(buf.states[name], other.states[name], name, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- the table's dtype
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_a_buffer_refuses_a_table_of_another_dtype_before_anything_changes(opt):
+    """float64 buffers step with a float64 table (a float32 one would round lr, betas and eps), float32 ones
+    with a float32 table: each launcher says which it needs, and changes nothing."""
+    kernel_fn, ref_fn = launchers(opt)
+    name = OPTS[opt]["rule"].name
+    for dtype, wrong, want in ((torch.float64, torch.float32, "float64"), (torch.float32, torch.float64, "float32")):
+        case = Case(opt, dtype, "groups-and-steps")
+        case.hparams = case.hparams.to(wrong)
+        before = {n: t.clone() for n, t in case.tensors().items() if t is not None}
+        steps = case.meta.steps.clone()
+        for fn in (kernel_fn, ref_fn):
+            with pytest.raises(ValueError, match=rf"{name}'s hyper-parameter table is {want} \[groups, .*got {wrong}"):
+                case.launch(fn, 128)
+        for n, t in case.tensors().items():
+            if t is not None:
+                assert torch.equal(t, before[n]), f"{dtype}: {n} changed"
+        assert torch.equal(case.meta.steps, steps)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_a_float64_table_steps_a_float32_buffer_as_its_float32_table_does(opt, dtype, backend):
+    """flatopt.functional takes a float64 table (an optimizer's, on a device that also holds float64 parameters)
+    for buffers whose math is float32: rounded to float32, it holds the values of the float32 table of the same
+    rows, so the results are the same bit for bit."""
+    fn = getattr(functional, opt)
+    wide = Case(opt, dtype, "groups-and-steps")
+    narrow = wide.clone()
+    wide.hparams = torch.tensor([OPTS[opt]["rule"].row(g) for g in OPTS[opt]["groups"]], dtype=torch.float64)
+    wide.hparams = wide.hparams.to(DEVICE)
+    assert narrow.hparams.dtype == torch.float32 and not torch.equal(wide.hparams, narrow.hparams.double())
+    for launch in (1, 2):
+        for case in (wide, narrow):
+            fn(*case.tensors().values(), hparams=case.hparams, meta=case.meta, backend=backend)
+        for name, t in wide.tensors().items():
+            close(t, narrow.tensors()[name], f"launch {launch}, {name}", atol=0, rtol=0)
+        close(wide.meta.steps, narrow.meta.steps, f"launch {launch}, steps", atol=0, rtol=0)
+
+
+def sm90_float_ops(kernel, num_hp, dtype, uniform):
+    """The floating-point instructions (``fma.rn.f64``, ``cvt.rn.f32.f64``, ...) of ``kernel`` compiled ahead of
+    time for an H100 (sm_90) over ``dtype`` buffers ("fp32" or "fp64") with a table of that dtype, GradScaler's
+    unscaling and an active mask; a set of strings."""
+    import inspect
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(kernel, "fn", kernel)
+    names = list(inspect.signature(fn).parameters)
+    constexprs = dict(
+        NUM_HP=num_hp, GRANULE=64, UNIFORM=uniform, BLOCK_SIZE=kernels.common.BLOCK_SIZE, STEP_BLOCK=STEP_BLOCK,
+        HAS_ACTIVE=not uniform, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, HAS_MOMENTUM=True, GATHER=0,
+    )  # fmt: skip
+    ints = {"param_of_granule_ptr": "*i32", "param_group_ptr": "*i32", "counter_ptr": "*i32", "active_ptr": "*u8",
+            "src_ptr": "*i64", "start_ptr": "*i64", "numel_ptr": "*i64"}  # fmt: skip
+    f32 = {"step_ptr", "grad_scale_ptr", "found_inf_ptr"}  # float32 whatever the buffers' dtype
+    signature = {}
+    for n in names:
+        if n in constexprs:
+            signature[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            signature[n] = ints.get(n) or ("*fp32" if n in f32 else f"*{dtype}")  # the table has the buffers' dtype
+        else:
+            signature[n] = "i64"
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items() if k in names})  # fmt: skip
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8)).asm["ptx"]
+    return set(re.findall(r"\b(?:add|sub|mul|fma|div|sqrt|cvt|setp|neg|abs|rcp|max|min)(?:\.\w+)*\.f(?:32|64)\b", ptx))
+
+
+def print_sm90_float_ops():
+    """Run in a process without the interpreter: one JSON line per kernel, dtype and variant."""
+    import json
+
+    for name in OPTS:
+        kernel = getattr(getattr(kernels, name), f"{name}_kernel")
+        num_hp = OPTS[name]["rule"].num_hparams
+        for dtype in ("fp32", "fp64"):
+            for uniform in (True, False):
+                ops = sorted(sm90_float_ops(kernel, num_hp, dtype, uniform))
+                print(json.dumps(dict(name=name, dtype=dtype, uniform=uniform, ops=ops)))
+
+
+def test_float64_kernels_compile_for_sm90_with_float64_math():
+    """Compiled for an H100 on a machine without one: over float64 buffers the update math is float64 (float64
+    arithmetic, nothing converted down to float32: only the float32 step counts and grad scale are converted up),
+    and over float32 buffers it has no float64 instruction at all, as before float64 was supported."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.compiler", reason="this triton has no ahead-of-time compile API")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_kernels; test_kernels.print_sm90_float_ops()"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(OPTS) * 4, run.stdout + run.stderr[-4000:]
+    for r in results:
+        ops, what = set(r["ops"]), f"{r['name']} {r['dtype']} uniform={r['uniform']}: {r['ops']}"
+        f64 = {op for op in ops if op.endswith(".f64")}
+        if r["dtype"] == "fp32":
+            assert not f64, what
+            continue
+        assert {"fma.rn.f64", "mul.f64"} <= ops, what
+        assert not {op for op in ops if op.startswith("cvt") and ".f32.f64" in op}, what  # nothing narrowed
+        if r["name"] == "adamw":
+            assert {"sqrt.rn.f64", "div.rn.f64"} <= ops, what

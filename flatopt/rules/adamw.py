@@ -57,8 +57,8 @@ def adamw_math(
     p = p * (1.0 - lr * weight_decay)
     m = m + one_minus_beta1 * (g - m)  # torch's lerp(grad, 1 - beta1) for a weight below 0.5
     v = v * beta2 + one_minus_beta2 * g * g
-    step_size = (lr / one_minus_pow(log_beta1, t)).float()
-    bias_correction2_sqrt = one_minus_pow(log_beta2, t).sqrt().float()
+    step_size = (lr / one_minus_pow(log_beta1, t)).to(p.dtype)  # p: the math's dtype (float32 or float64)
+    bias_correction2_sqrt = one_minus_pow(log_beta2, t).sqrt().to(p.dtype)
     denom = v.sqrt() / bias_correction2_sqrt + eps
     return p + (-step_size) * (m / denom), m, v
 

@@ -6,14 +6,17 @@ from typing import Callable
 
 import torch
 
+from flatopt.layout import compute_dtype
+
 
 @dataclass(frozen=True, eq=False)
 class Rule:
     """One optimizer's update rule, apart from any kernel; ``flatopt.rules.adamw`` and its siblings hold one.
 
-    Each param group becomes one row of a float32 hyper-parameter table, ``[groups, num_hparams]``. The
-    Triton kernel (``flatopt.kernels``), the pure-torch reference (``flatopt.reference``) and the optimizer
-    class all find a value in that row by its column name, at the position ``columns`` gives it.
+    Each param group becomes one row of a hyper-parameter table, ``[groups, num_hparams]``, float32 (float64
+    for float64 buffers: see :meth:`check_table`). The Triton kernel (``flatopt.kernels``), the pure-torch
+    reference (``flatopt.reference``) and the optimizer class all find a value in that row by its column
+    name, at the position ``columns`` gives it.
 
     Args:
         name (str): the optimizer's class name, as messages say it (``"AdamW"``).
@@ -23,10 +26,10 @@ class Rule:
         values (Callable[[dict], dict]): a complete param group -> ``{column: value}``.
         check (Callable[[dict], None]): raises ValueError, in torch's words, for a param group the rule
             cannot step.
-        math (Callable): the update in torch, on float32 tensors: ``math(p, g, *states, steps=..., **row)``
-            with ``steps`` the completed steps and ``row`` every column by name (floats or tensors that
-            broadcast against the data); returns the new ``(p, *states)`` and writes nothing. A state
-            passed as None is returned as None.
+        math (Callable): the update in torch, on float32 tensors (float64 for float64 buffers):
+            ``math(p, g, *states, steps=..., **row)`` with ``steps`` the completed steps and ``row`` every
+            column by name (floats or tensors that broadcast against the data); returns the new
+            ``(p, *states)`` and writes nothing. A state passed as None is returned as None.
         state_names (tuple[str, ...]): the state buffers, in the kernel's argument order.
         exported_step (bool): whether torch's state for this optimizer holds a ``step``.
         state_used (Callable[[str, dict], bool] or None): whether a param group uses a state (None: every
@@ -89,13 +92,18 @@ class Rule:
         """``{column: table[i]}``: the columns of a row (or of a ``[num_hparams, ...]`` tensor) by name."""
         return {c: table[i] for i, c in enumerate(self.columns)}
 
-    def check_table(self, hparams):
-        """Raise ValueError unless ``hparams`` is a float32 ``[groups, num_hparams]`` table of this rule."""
-        if hparams.dim() != 2 or hparams.shape[1] != self.num_hparams or hparams.dtype != torch.float32:
+    def check_table(self, hparams, dtype=torch.float32):
+        """Raise ValueError unless ``hparams`` is a ``[groups, num_hparams]`` table of this rule for buffers of
+        ``dtype``: float64 for float64 buffers, float32 for float32, bfloat16 and float16 ones (the dtype the
+        update math runs in: a float64 step reads its hyper-parameters unrounded, as torch.optim's Python
+        floats are)."""
+        want = compute_dtype(dtype)
+        if hparams.dim() != 2 or hparams.shape[1] != self.num_hparams or hparams.dtype != want:
             raise ValueError(
-                f"{self.name}'s hyper-parameter table is float32 [groups, {self.num_hparams}] (columns "
-                f"{', '.join(self.columns)}), got {hparams.dtype} of shape {tuple(hparams.shape)}; build its rows "
-                f"with flatopt.{self.name}.rule.row(group)"
+                f"{self.name}'s hyper-parameter table is {str(want).removeprefix('torch.')} "
+                f"[groups, {self.num_hparams}] (columns {', '.join(self.columns)}), got {hparams.dtype} of shape "
+                f"{tuple(hparams.shape)}; for {dtype} buffers build it as torch.tensor(rows, dtype={want}) with "
+                f"the rows of flatopt.{self.name}.rule.row(group)"
             )
 
 
