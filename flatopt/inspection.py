@@ -17,7 +17,8 @@ class Inspection:
             mode ``zero_grad()`` releases the storage of each gradient buffer (``buf.grad``) until the next
             gradient arrives: reading it then crashes the process; ``landing.slots.acquire()`` brings it
             back (its values undefined until the next backward or step).
-        tables (dict): device -> the float32 hyper-parameter table (one row per param group).
+        tables (dict): device -> the hyper-parameter table, one row per param group (float64 on a device
+            with float64 parameters, float32 otherwise).
         landing: the :class:`flatopt.grads.GradLanding` of the flat step engine, else None.
         step_graph: the :class:`flatopt.step_graph.StepGraph` of ``step()``'s launches, or None.
     """

@@ -228,7 +228,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         gradient buffer and no host synchronisation (unless ``error_if_nonfinite``).
 
         Returns:
-            Tensor: the total norm of the gradients before clipping (float32).
+            Tensor: the total norm of the gradients before clipping (float32; float64 when a gradient is).
         """
         return self.engine.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite)
 

@@ -89,6 +89,7 @@ TOL = {
     torch.float32: dict(atol=2e-6, rtol=2e-5),
     torch.bfloat16: dict(atol=1e-5, rtol=1.6e-2),
     torch.float16: dict(atol=1e-5, rtol=2e-3),
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
 }
 
 

@@ -535,3 +535,24 @@ def test_unsupported_dtypes_are_refused_naming_the_supported_ones():
         expected = "complex parameters" if dtype.is_complex else "supports float32, bfloat16, float16 and float64 param"
         with pytest.raises(ValueError, match=expected):
             flatopt.AdamW([bad])
+
+
+def test_clip_grad_norm_of_float64_and_mixed_gradients_matches_torch():
+    """opt.clip_grad_norm_() over a float32 and a float64 buffer: the float64 gradients' norm in float64, the
+    total as torch.nn.utils.clip_grad_norm_ computes it, and the same clipped gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3).double())
+    ref = copy.deepcopy(model)
+    opt = flatopt.SGD(model, lr=0.1)
+    x = torch.randn(6, 5)
+    for m in (model, ref):
+        m[1](m[0](x).double()).square().sum().backward()
+    total = opt.clip_grad_norm_(0.5)
+    expected = nn.utils.clip_grad_norm_(list(ref.parameters()), 0.5)
+    assert total.dtype == torch.float64
+    torch.testing.assert_close(total, expected.double(), atol=1e-6, rtol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        # the float32 buffer's norm is one float32 norm here and a float32 norm per tensor in torch: the total, and
+        # so the float64 gradients' coefficient, agree to float32 rounding of that part (about 1e-8 relative)
+        tol = dict(atol=1e-12, rtol=1e-7) if p.dtype == torch.float64 else dict(atol=1e-7, rtol=1e-5)
+        torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m, n=name: f"{n}.grad: {m}")

@@ -180,7 +180,7 @@ def test_sparse_gradient_at_step_is_refused_unflat():
 
 BAD_PARAMS = {
     "complex": (lambda: torch.randn(3, 2, dtype=torch.complex64), r"does not support complex parameters.*view_as_real"),
-    "float64": (lambda: torch.randn(5, dtype=torch.float64), r"supports float32, bfloat16 and float16.*model\.to\("),
+    "float8": (lambda: torch.randn(5).to(torch.float8_e5m2), r"float16 and float64 parameters, got.*model\.to\("),
     "non-dense": (lambda: torch.randn(4, 6)[:, ::2], r"needs dense parameters.*strides \(6, 2\).*contiguous"),
     "meta": (lambda: torch.empty(3, 4, device="meta"), r"meta device has no data.*to_empty\(device=\.\.\.\)"),
 }

@@ -5,6 +5,7 @@ step are replayed from a CUDA graph once recorded (:mod:`flatopt.step_graph`); t
 names the parameters that received no gradient.
 """
 
+import functools
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -248,8 +249,12 @@ class FlatStepEngine(FlatEngine):
         if not self.buffers:
             return torch.tensor(0.0)
         first = self.buffers[0].device
-        norms = [torch.linalg.vector_norm(b.grad, norm_type, dtype=torch.float32).to(first) for b in self.buffers]
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        norms = [  # float32 accumulation, float64 for float64 gradients
+            torch.linalg.vector_norm(b.grad, norm_type, dtype=torch.promote_types(b.grad.dtype, torch.float32))
+            for b in self.buffers
+        ]
+        wide = functools.reduce(torch.promote_types, [n.dtype for n in norms])
+        total = torch.linalg.vector_norm(torch.stack([n.to(first, wide) for n in norms]), norm_type)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
