@@ -24,6 +24,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def json_lines_without_interpreter(module, function):
+    """Run ``module.function()`` (a test module's) in a fresh Python without the Triton interpreter (the
+    compiler cannot see through its wrappers) and return the JSON objects it printed, one per line.
+    Fails with the child's stderr when it exits with an error."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import {module}; {module}.{function}()"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")], run
+
+
 def triton_available():
     return HAS_CUDA or INTERPRET
 

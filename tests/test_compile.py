@@ -6,12 +6,10 @@ each kernel, in its main variants, for an H100 target."""
 
 import inspect
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import triton
+from conftest import json_lines_without_interpreter
 from flatopt.kernels.adamw import NUM_HPARAMS as ADAMW_HP
 from flatopt.kernels.adamw import adamw_kernel
 from flatopt.kernels.common import BLOCK_SIZE, GRANULE, NUM_WARPS, STEP_BLOCK
@@ -89,13 +87,7 @@ def main():
 
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
 def test_every_kernel_compiles_for_sm90():
-    # The compiler cannot see through the interpreter's wrappers: compile in a process without it.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_compile; test_compile.main()"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    results, run = json_lines_without_interpreter("test_compile", "main")
     assert len(results) == len(KERNELS) * len(VARIANTS), run.stdout + run.stderr[-4000:]
     failed = [r for r in results if not r["ok"]]
     assert not failed, "\n".join(f"{r['name']} {r['variant']}: {r['detail']}" for r in failed)

@@ -585,18 +585,10 @@ def test_float64_kernels_compile_for_sm90_with_float64_math():
     """Compiled for an H100 on a machine without one: over float64 buffers the update math is float64 (float64
     arithmetic, nothing converted down to float32: only the float32 step counts and grad scale are converted up),
     and over float32 buffers it has no float64 instruction at all, as before float64 was supported."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from conftest import json_lines_without_interpreter
 
     pytest.importorskip("triton.compiler", reason="this triton has no ahead-of-time compile API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_kernels; test_kernels.print_sm90_float_ops()"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    results, run = json_lines_without_interpreter("test_kernels", "print_sm90_float_ops")
     assert len(results) == len(OPTS) * 4, run.stdout + run.stderr[-4000:]
     for r in results:
         ops, what = set(r["ops"]), f"{r['name']} {r['dtype']} uniform={r['uniform']}: {r['ops']}"
