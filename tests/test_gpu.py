@@ -78,7 +78,7 @@ def hparam_table(name, group_kwargs):
 def filled_buffer(name, shapes, dtype, group_ids, seed=0):
     """A FlatBuffer over new CUDA parameters, with random values, gradients and states (padding stays zero)."""
     params = [torch.empty(s, device="cuda", dtype=dtype) for s in shapes]
-    buf = FlatBuffer(params, group_ids, OPTIMIZERS[name]._state_names)
+    buf = FlatBuffer(params, group_ids, OPTIMIZERS[name].rule.state_names)
     buf.adopt()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     for i in range(len(params)):
@@ -101,7 +101,7 @@ def clone_meta(meta):
 
 
 def call(fn, name, t, hp, meta, grad_scale=None, found_inf=None):
-    states = [t.get(n) for n in OPTIMIZERS[name]._state_names]
+    states = [t.get(n) for n in OPTIMIZERS[name].rule.state_names]
     fn(t["param"], t["grad"], *states, hparams=hp, meta=meta, grad_scale=grad_scale, found_inf=found_inf)
 
 
@@ -217,7 +217,7 @@ def test_buffer_past_2_31_elements(name):
     groups = [GROUPS[name][0], {**GROUPS[name][1], "momentum": 0.0} if name == "sgd" else GROUPS[name][1]]
     if name == "sgd":
         groups[0] = {**groups[0], "momentum": 0.0, "nesterov": False}  # p and g only: 2 buffers
-    state_names = () if name == "sgd" else OPTIMIZERS[name]._state_names
+    state_names = () if name == "sgd" else OPTIMIZERS[name].rule.state_names
     n_buffers = 2 + len(state_names)
     need = (n_buffers + 1) * (n_a + n_b) * 2 + 2 * 2**30
     free, _ = torch.cuda.mem_get_info()
