@@ -184,7 +184,7 @@ def reference_kwargs(kwargs, device):
 
 def scheduler_step(scheduler, loss):
     if isinstance(scheduler, ReduceLROnPlateau):
-        scheduler.step(float(loss))
+        scheduler.step(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
     else:
         scheduler.step()
 
