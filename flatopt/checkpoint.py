@@ -77,7 +77,8 @@ class CheckpointMixin:
                 f"loaded state dict has unexpected state {extra} for parameter {k}{hint}; {cls} keeps {sorted(allowed)}"
             )
         tensors = {}
-        for name in names:
+        # the states the group uses, and any other it carries (checked all the same: torch.optim would keep it)
+        for name in names + [n for n in rule.state_names if n not in names and saved.get(n) is not None]:
             t = saved.get(name)
             if t is None:
                 if name == "momentum_buffer":
@@ -90,7 +91,8 @@ class CheckpointMixin:
                     f"whose shape is {tuple(p.shape)}; the state dict belongs to another model"
                 )
             self._check_copyable(f"'{name}' for parameter {k} ({self.names(p)})", t, p)
-            tensors[name] = t
+            if name in names:
+                tensors[name] = t
         if rule.exported_step:
             if "step" not in saved:
                 raise ValueError(f"loaded state dict has no 'step' for parameter {k} ({self.names(p)})")

@@ -129,7 +129,8 @@ class GradLanding:
         # covered layers write into the slots themselves: no hook (no Python per parameter per backward), until a
         # gradient of theirs goes torch's way (a tensor hook, create_graph, torch.compile): then it gets one
         self._land = land
-        self.hooked = {p for p in self.views if p not in self.slots.covered}
+        # a parameter frozen at the layout has none (autograd refuses one); it is laid out again when unfrozen
+        self.hooked = {p for p in self.views if p not in self.slots.covered and p.requires_grad}
         self.handles = [p.register_post_accumulate_grad_hook(land) for p in self.hooked]
         # once the landing is gone, its hooks go too: they hold the views, and so the gradient buffer
         self._finalizer = weakref.finalize(self, _remove, self.handles)
@@ -146,7 +147,7 @@ class GradLanding:
 
     def hook(self, p):
         """Give covered parameter ``p`` the copying hook (once): its gradients arrive as tensors of their own."""
-        if p not in self.hooked and self._finalizer is not None:
+        if p not in self.hooked and self._finalizer is not None and p.requires_grad:
             self.hooked.add(p)
             handle = p.register_post_accumulate_grad_hook(self._land)
             self.handles.append(handle)  # the finalizer's list: removed with the others

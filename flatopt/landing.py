@@ -133,9 +133,7 @@ class LandingSlots:
     """
 
     def __init__(self, buffers, *, fuse_accumulation=False, on_fallback=None):
-        buffers = list(buffers)
-        if not buffers:
-            raise ValueError("LandingSlots needs at least one FlatBuffer")
+        buffers = list(buffers)  # none when no parameter is trainable yet: the slots come with the next layout
         self.buffers = buffers
         self.fuse = bool(fuse_accumulation)
         self.epoch = 0

@@ -127,6 +127,7 @@ class FlatEngine(Engine):
         self.buffers = []
         self.devices = []
         self.frozen = []  # parameters with requires_grad=False at the last layout
+        self.left_out = []  # those of them not laid out (no .grad then)
         self.members = []  # per param group at the last layout: (its params list, a copy of it)
         self.removed = weakref.WeakSet()  # parameters removed from param_groups (not replaced in the module)
         self.group_states = []  # per param group: the state names it has used so far
@@ -158,7 +159,8 @@ class FlatEngine(Engine):
         placed = {p for buf in self.buffers for p in buf.params}  # laid out before: they keep their place
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
-                if p.requires_grad or p in placed:
+                # trainable, given a gradient by hand (torch.optim steps any .grad), or laid out before
+                if p.requires_grad or p.grad is not None or p in placed:
                     key = (p.device, p.dtype)
                     if key not in members:
                         keys.append(key)
@@ -187,7 +189,9 @@ class FlatEngine(Engine):
         self.devices = list(dict.fromkeys(b.device for b in buffers))
         self.data_padding = [pad for buf in buffers for pad in buf.padding(buf.data)]
         held = {p for buf in buffers for p in buf.params}
-        self.frozen = [p for group in opt.param_groups for p in group["params"] if p not in held]
+        # frozen at this layout (laid out or not): one that requires grad again is laid out anew, with its hooks
+        self.frozen = [p for group in opt.param_groups for p in group["params"] if not p.requires_grad]
+        self.left_out = [p for p in self.frozen if p not in held]  # laid out once a .grad is put on them
         self.members = [(group["params"], list(group["params"])) for group in opt.param_groups]
         with torch.no_grad():
             for p in placed - held:  # removed from the groups: off the old buffers, which would stay alive for it
@@ -216,7 +220,7 @@ class FlatEngine(Engine):
             now = group["params"]
             if now is not params or len(now) != len(copy) or not all(map(operator.is_, now, copy)):
                 return True
-        return any(p.requires_grad for p in self.frozen)
+        return any(p.requires_grad for p in self.frozen) or any(p.grad is not None for p in self.left_out)
 
     def follow_members(self):
         """Lay the parameters out again when ``param_groups`` or ``requires_grad`` say so (see members_changed),

@@ -209,8 +209,9 @@ class InBackwardEngine(FlatEngine):
             if engine_hook is not None:
                 engine_hook(p)
 
-        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in self.bucket_of]
-        self.hook_id = {p: h.id for p, h in zip(self.bucket_of, self.handles)}
+        hooked = [p for p in self.bucket_of if p.requires_grad]  # frozen: laid out again when unfrozen
+        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in hooked]
+        self.hook_id = {p: h.id for p, h in zip(hooked, self.handles)}
         self.outside = set()
         self._finalizer = weakref.finalize(self, _remove, self.handles)  # gone with the engine (and optimizer)
 

@@ -50,7 +50,7 @@ class FlatStepEngine(FlatEngine):
         self.landing.attach()  # for good: also after model.zero_grad() or zero_grad(set_to_none=False)
         if self.holds > 0:  # laid out anew under a captured step: the new storage is held too
             self.landing.slots.hold(True)
-        params = [p for b in self.buffers for p in b.params]
+        params = [p for b in self.buffers for p in b.params if p.requires_grad]  # autograd hooks need it
         self.where = {p: (b, i) for b, buf in enumerate(self.buffers) for i, p in enumerate(buf.params)}
         self.masks = [OrderedDict() for _ in self.buffers]
         if not self.unused_reported:
@@ -108,7 +108,7 @@ class FlatStepEngine(FlatEngine):
         no backward pass wrote into (zero_grad(set_to_none=False), or no zero_grad() yet)."""
         without = {p for p, _ in plan[0]}
         given = {p for p, _, g in plan[1] if g is not None}  # a tensor of its own: set by hand, or by DDP
-        params = [p for b in self.buffers for p in b.params]
+        params = [p for b in self.buffers for p in b.params if p.requires_grad]
         unused = [p for p in params if p in without or (p not in self.seen and p not in given)]
         self.unused_reported = True
         for h in self.hooks:
