@@ -575,7 +575,7 @@ def test_float64_parameters(optim, backend):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="mismatch with torch.optim (reported, not among the pending changes): AdamW's step counter is float32 "
+    reason="known difference from torch.optim: AdamW's step counter is float32 "
     "whatever the default dtype; torch.optim makes it float64 under torch.set_default_dtype(torch.float64)",
 )
 def test_step_dtype_follows_default_dtype():
@@ -791,7 +791,7 @@ def test_repr_is_torchs(optim, case, request):
 
 
 TENSOR_BETAS = (
-    "mismatch with torch.optim (reported, not among the pending changes): torch.optim.AdamW keeps one-element "
+    "known difference from torch.optim: torch.optim.AdamW keeps one-element "
     "tensor betas as 0-dim tensors in its param groups (torch 2.13); flatopt keeps the caller's tensors as given "
     "(repr and state_dict()['param_groups'] differ, the steps do not)"
 )
@@ -873,7 +873,7 @@ def conv_bn_step(opt, model, x):
 
 
 OLDER_STATE_DICT = (
-    "mismatch with torch.optim (reported, not among the pending changes): load_state_dict() of a state dict whose "
+    "known difference from torch.optim: load_state_dict() of a state dict whose "
     "groups lack a key (here maximize, from before torch had it) keeps the optimizer's current value; torch.optim "
     "takes the saved groups and fills the missing keys with the defaults (maximize=False)"
 )
@@ -1246,7 +1246,7 @@ def test_non_empty_state(optim, case, backend):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="mismatch with torch.optim (reported; may go with the pending opt.state.clear() support): flatopt's "
+    reason="known difference from torch.optim: flatopt's "
     "opt.state holds an entry (zeros, step 0) for every parameter from construction on; torch.optim's only "
     "for parameters it has stepped",
 )
@@ -1284,7 +1284,7 @@ def test_frozen_parameter_with_a_grad_is_stepped(optim, backend):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="mismatch with torch.optim (reported, not among the pending changes): SGD's state_dict() leaves out "
+    reason="known difference from torch.optim: SGD's state_dict() leaves out "
     "the momentum buffers of a group whose momentum was set to 0 after momentum steps; torch.optim keeps them, and "
     "a run resumed from flatopt's checkpoint starts the buffers afresh when momentum comes back",
 )
@@ -1303,7 +1303,7 @@ def test_sgd_state_dict_keeps_momentum_buffers_while_momentum_is_off(backend):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="mismatch with torch.optim (reported, not among the pending changes): SGD's state_dict() taken after "
+    reason="known difference from torch.optim: SGD's state_dict() taken after "
     "a group's momentum is turned on and before its next step holds zero momentum buffers for that group's "
     "parameters when another group already has momentum; torch.optim has none, and with dampening a run resumed "
     "from flatopt's checkpoint steps differently",

@@ -22,7 +22,7 @@ backend's smaller: fewer, smaller parameters and fewer steps under the interpret
 
 ``KINDS`` switches the scenario kinds. A kind whose entry names what flatopt lacks (a change in progress, or a
 mismatch with torch.optim these tests found) is left out of the random examples, which the generator keeps clear
-of it, and runs in ``test_pending_kind``: three examples that each hold it, a strict expected failure. Set the
+of it, and runs in ``test_pending_kind``: up to twelve examples that hold it, a strict expected failure. Set the
 entry to None once flatopt does it: the kind then joins the random examples and its pending test goes away.
 
 Replay: a failure prints its example and the test to run again, e.g.
@@ -67,17 +67,17 @@ KINDS = {
     "float64": None,
     "nontensor_state_key": None,  # a state_dict pre-hook puts a non-tensor key into opt.state
     "partial_load": None,  # a state dict whose state tensor cannot be copied (on the meta device): refused whole
-    # mismatches with torch.optim outside the pending changes (reported; minimal cases in test_optim_db.py)
-    "frozen_with_grad": "mismatch (open): a parameter frozen with a zero .grad kept (zero_grad(set_to_none=False)), "
-    "laid out by a new optimizer loaded from torch.optim's state dict, then unfrozen (and other kinds around it) "
-    "steps differently from torch.optim in some examples; the plain case (a frozen parameter with a .grad is "
-    "stepped) matches, tests/test_optim_db.py::test_frozen_parameter_with_a_grad_is_stepped",
-    "momentum_off": "mismatch (reported): SGD's state_dict() leaves out the momentum buffers of a group whose "
-    "momentum was set to 0 after momentum steps; torch.optim keeps them (and uses them when momentum comes back)",
-    "momentum_on_checkpoint": "mismatch (reported): SGD's state_dict() taken after a group's momentum is turned on "
-    "and before its next step holds zero momentum buffers for that group's parameters (when another group already "
-    "has momentum); torch.optim has none, and with dampening a run resumed from it steps differently",
-    "nothing_trainable": None,  # no parameter requires grad at construction
+    # known differences from torch.optim (minimal cases in test_optim_db.py)
+    "frozen_with_grad": "known difference from torch.optim: a parameter frozen with a zero .grad kept "
+    "(zero_grad(set_to_none=False)), laid out by a new optimizer loaded from torch.optim's state dict, then "
+    "unfrozen (and other kinds around it) steps differently from torch.optim in some examples; the plain case (a "
+    "frozen parameter with a .grad is stepped) matches: test_optim_db.py::test_frozen_parameter_with_a_grad_is_stepped",
+    "momentum_off": "known difference from torch.optim: SGD's state_dict() leaves out the momentum buffers of a "
+    "group whose momentum was set to 0 after momentum steps; torch.optim keeps them (and uses them when momentum "
+    "comes back)",
+    "momentum_on_checkpoint": "known difference from torch.optim: SGD's state_dict() taken after a group's momentum "
+    "is turned on and before its next step holds zero momentum buffers for that group's parameters (when another "
+    "group already has momentum); torch.optim has none, and with dampening a run resumed from it steps differently",
 }
 BASIC = ("missing_grads",)  # in every example
 
