@@ -16,7 +16,13 @@ class CheckpointMixin:
     """state_dict() and load_state_dict() of :class:`flatopt.optimizer.FlatOptimizer`: torch.optim's format,
     through the optimizer's ``rule`` (which states it keeps) and ``engine`` (where they live)."""
 
-    def _exported_names(self, group):
+    def _exported_names(self, gi, group):
+        """The states of group ``gi`` a state dict carries: those it has used at a step so far (SGD's momentum
+        buffer stays through a stretch of momentum=0, and appears at the first step with momentum), as
+        torch.optim keeps them; for an engine that does not track them, those it uses now."""
+        used = getattr(self.engine, "group_states", None)
+        if used is not None and gi < len(used):
+            return [n for n in self.rule.state_names if n in used[gi]]
         return [n for n in self.rule.state_names if self.rule.uses_state(n, group)]
 
     def state_dict(self):
@@ -36,7 +42,7 @@ class CheckpointMixin:
             groups.append(packed)
         steps = self.engine.host_steps()
         state = {}
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 own = self.state.get(p, {})
                 if p not in steps:  # never stepped by this optimizer: keep whatever was loaded
@@ -45,7 +51,7 @@ class CheckpointMixin:
                     continue
                 if steps[p] == 0:
                     continue
-                entry = {n: own[n] for n in self._exported_names(group) if own.get(n) is not None}
+                entry = {n: own[n] for n in self._exported_names(gi, group) if own.get(n) is not None}
                 if self.rule.exported_step:
                     entry = {"step": torch.tensor(steps[p], dtype=torch.float32), **entry}
                 if entry:

@@ -1282,12 +1282,6 @@ def test_frozen_parameter_with_a_grad_is_stepped(optim, backend):
     assert_matches(ours, theirs, [("frozen", p, q), ("trained", p2, q2)], "after one step")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known difference from torch.optim: SGD's state_dict() leaves out "
-    "the momentum buffers of a group whose momentum was set to 0 after momentum steps; torch.optim keeps them, and "
-    "a run resumed from flatopt's checkpoint starts the buffers afresh when momentum comes back",
-)
 def test_sgd_state_dict_keeps_momentum_buffers_while_momentum_is_off(backend):
     """Found by tests/test_property.py (kind "momentum_off")."""
     p, q = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
@@ -1301,13 +1295,6 @@ def test_sgd_state_dict_keeps_momentum_buffers_while_momentum_is_off(backend):
     assert state_keys(ours) == state_keys(theirs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known difference from torch.optim: SGD's state_dict() taken after "
-    "a group's momentum is turned on and before its next step holds zero momentum buffers for that group's "
-    "parameters when another group already has momentum; torch.optim has none, and with dampening a run resumed "
-    "from flatopt's checkpoint steps differently",
-)
 def test_sgd_state_dict_right_after_momentum_is_turned_on(backend):
     """Found by tests/test_property.py (kind "momentum_on_checkpoint")."""
 

@@ -72,14 +72,12 @@ KINDS = {
     "(zero_grad(set_to_none=False)), laid out by a new optimizer loaded from torch.optim's state dict, then "
     "unfrozen (and other kinds around it) steps differently from torch.optim in some examples; the plain case (a "
     "frozen parameter with a .grad is stepped) matches: test_optim_db.py::test_frozen_parameter_with_a_grad_is_stepped",
-    "momentum_off": "known difference from torch.optim: SGD's state_dict() leaves out the momentum buffers of a "
-    "group whose momentum was set to 0 after momentum steps; torch.optim keeps them (and uses them when momentum "
-    "comes back)",
-    "momentum_on_checkpoint": "known difference from torch.optim: SGD's state_dict() taken after a group's momentum "
-    "is turned on and before its next step holds zero momentum buffers for that group's parameters (when another "
-    "group already has momentum); torch.optim has none, and with dampening a run resumed from it steps differently",
+    "momentum_off": None,  # SGD: momentum set to 0 after momentum steps (its buffers stay in the state dict)
+    "momentum_on_checkpoint": None,  # SGD: a state dict taken after momentum is turned on, before the next step
 }
 BASIC = ("missing_grads",)  # in every example
+# kinds whose scripted steps do not mix with the others': run alone, in examples that force them (test_forced_kind)
+FORCED_ONLY = ("momentum_off", "momentum_on_checkpoint")
 
 SHAPES = [(), (0,), (1,), (3,), (5,), (2, 3), (3, 0), (4, 5), (7,), (2, 3, 4), (16,), (33,), (65,)]
 SCHEDULERS = (
@@ -161,8 +159,14 @@ def draw(seed, backend, force=None):
     optim = rng.choice(("AdamW", "SGD"))
     if force is not None and not applies(force, optim, backend):
         optim = "SGD" if optim == "AdamW" else "AdamW"
-    kinds = {k for k, lacks in KINDS.items() if lacks is None and applies(k, optim, backend) and rng.random() < 0.4}
+    kinds = {
+        k
+        for k, lacks in KINDS.items()
+        if lacks is None and k not in FORCED_ONLY and applies(k, optim, backend) and rng.random() < 0.4
+    }
     kinds |= set(BASIC)
+    if force in FORCED_ONLY:
+        kinds = set(BASIC)
     if force is not None:
         kinds.add(force)
     if "nothing_trainable" in kinds:
@@ -683,6 +687,14 @@ def pending():
     return out
 
 
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=[TRITON_SKIP] if b == "triton" else []) for b in N_EXAMPLES])
+@pytest.mark.parametrize("kind", FORCED_ONLY)
+def test_forced_kind(kind, backend):
+    """Twelve examples that hold ``kind`` (with the basic kinds only) match torch.optim."""
+    for seed in range(12):
+        run_example(draw(seed, backend, force=kind))
+
+
 @pytest.mark.parametrize("kind, backend", pending())
 def test_pending_kind(kind, backend):
     """Up to twelve examples that hold ``kind``, until one fails: the test passes only if all of them pass (a
@@ -692,15 +704,15 @@ def test_pending_kind(kind, backend):
 
 
 def test_every_kind_is_drawn():
-    """The generator reaches every kind KINDS switches on, each in at least 10 % of the examples it applies to,
-    and the shapes with 0 elements and 0 dimensions."""
+    """The generator reaches every kind KINDS switches on (but those run alone, FORCED_ONLY), each in at least
+    10 % of the examples it applies to, and the shapes with 0 elements and 0 dimensions."""
     counts, totals, shapes = {}, {}, set()
     for backend, n in N_EXAMPLES.items():
         for seed in range(n):
             plan = draw(seed, backend)
             shapes |= {shape for shape, _ in plan.free}
             for kind, lacks in KINDS.items():
-                if lacks is None and applies(kind, plan.optim, backend):
+                if lacks is None and kind not in FORCED_ONLY and applies(kind, plan.optim, backend):
                     totals[kind] = totals.get(kind, 0) + 1
                     counts[kind] = counts.get(kind, 0) + (kind in plan.kinds)
     rare = {k: f"{counts[k]}/{totals[k]}" for k in totals if counts[k] < 0.1 * totals[k]}
