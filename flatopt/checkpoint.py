@@ -217,7 +217,13 @@ class CheckpointMixin:
             parsed[id_map[k]] = self._parse_state(k, id_map[k], saved, *group_of[k])
 
         # Checked: now change things.
+        # flags torch.optim added after an optimizer's first release, missing from an older state dict: torch.optim
+        # takes the saved group and its __setstate__ fills them with their defaults, so the loaded group has them
+        later = {"maximize": False, "nesterov": False, **dict(self.rule.torch_keys)}
         for group, saved in zip(groups, saved_groups):
+            for key, default in later.items():
+                if key in group and key not in saved:
+                    saved[key] = default
             group.update({k: v for k, v in saved.items() if k != "params"})  # param_names too, as torch.optim
         self.hparams.invalidate()
         placed = self.engine.load(parsed)  # a new opt.state, holding the parameters it placed

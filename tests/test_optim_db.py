@@ -872,19 +872,10 @@ def conv_bn_step(opt, model, x):
     opt.step()
 
 
-OLDER_STATE_DICT = (
-    "known difference from torch.optim: load_state_dict() of a state dict whose "
-    "groups lack a key (here maximize, from before torch had it) keeps the optimizer's current value; torch.optim "
-    "takes the saved groups and fills the missing keys with the defaults (maximize=False)"
-)
-
-
 @pytest.mark.parametrize("optim, case, backend", case_grid())
-def test_can_load_older_state_dict(optim, case, backend, request):
+def test_can_load_older_state_dict(optim, case, backend):
     """A state dict without the flags torch added after the optimizer's first release (foreach, differentiable,
     fused, maximize, capturable) loads and steps, as in torch.optim."""
-    if case.kwargs.get("maximize"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=OLDER_STATE_DICT))
     device = device_for(backend)
     (model, x), (ref, _) = conv_bn(device), conv_bn(device)
     ours = make_ours(optim, list(model.parameters()), backend, **case.make())
