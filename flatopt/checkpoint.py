@@ -41,6 +41,8 @@ class CheckpointMixin:
             packed["params"] = [index.setdefault(p, len(index)) for p in group["params"]]
             groups.append(packed)
         steps = self.engine.host_steps()
+        # torch.optim's step tensors: float64 under torch.set_default_dtype(torch.float64), float32 otherwise
+        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         state = {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -53,7 +55,7 @@ class CheckpointMixin:
                     continue
                 entry = {n: own[n] for n in self._exported_names(gi, group) if own.get(n) is not None}
                 if self.rule.exported_step:
-                    entry = {"step": torch.tensor(steps[p], dtype=torch.float32), **entry}
+                    entry = {"step": torch.tensor(steps[p], dtype=step_dtype), **entry}
                 if entry:
                     state[index[p]] = entry
         for k, v in self.state.items():  # keys that are no parameter (a hook's opt.state["test"]), as torch.optim

@@ -573,11 +573,6 @@ def test_float64_parameters(optim, backend):
         compare_between(optim, kwargs, wide(case.make()), backend, dtype=torch.float64, tol=tol)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known difference from torch.optim: AdamW's step counter is float32 "
-    "whatever the default dtype; torch.optim makes it float64 under torch.set_default_dtype(torch.float64)",
-)
 def test_step_dtype_follows_default_dtype():
     """torch's test_set_default_dtype_works_with_foreach asserts the step's dtype: float64 when the default dtype
     is float64, float32 otherwise."""
