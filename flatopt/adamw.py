@@ -3,6 +3,7 @@
 from flatopt import _docs, rules
 from flatopt.optimizer import FlatOptimizer
 from flatopt.options import check_torch_options
+from flatopt.torch_compat import scalar_betas
 
 
 class AdamW(FlatOptimizer):
@@ -32,7 +33,7 @@ class AdamW(FlatOptimizer):
             differentiable=differentiable,
             fused=fused,
         )
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        defaults = dict(lr=lr, betas=scalar_betas(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, **options)
 
 

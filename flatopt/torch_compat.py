@@ -98,3 +98,12 @@ def hooked_step(step):
 def has_step_pre_hooks(opt):
     """Whether ``opt.step()`` runs a pre-hook (global or the optimizer's) before it launches anything."""
     return bool(opt._optimizer_step_pre_hooks) or bool(TORCH_OPTIM._global_optimizer_pre_hooks)
+
+
+def scalar_betas(betas):
+    """AdamW's ``betas`` as the installed torch.optim keeps them in its param groups: torch 2.13 turns one-element
+    tensors into 0-dim ones (``torch.optim.optimizer._to_scalar``); earlier versions keep them as given."""
+    to_scalar = getattr(importlib.import_module("torch.optim.optimizer"), "_to_scalar", None)
+    if to_scalar is None or not isinstance(betas, (tuple, list)):
+        return betas
+    return tuple(to_scalar(b) if isinstance(b, torch.Tensor) and b.numel() == 1 else b for b in betas)

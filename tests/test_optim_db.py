@@ -774,27 +774,13 @@ def test_step_is_noop_for_zero_grads(optim, case, backend):
 
 
 @pytest.mark.parametrize("optim, case", supported_cases())
-def test_repr_is_torchs(optim, case, request):
-    """torch's test_optimizer_can_be_printed; flatopt prints as torch.optim does."""
+def test_repr_is_torchs(optim, case):
+    """torch's test_optimizer_can_be_printed; flatopt prints as torch.optim does (one-element tensor betas as the
+    installed torch keeps them: 0-dim from torch 2.13 on)."""
     params = [nn.Parameter(torch.randn(2, 3)) for _ in range(2)]
-    betas = case.kwargs.get("betas", (0.9,))
-    if isinstance(betas[0], torch.Tensor) and betas[0].dim() > 0 and torch_flattens_tensor_betas():
-        request.applymarker(pytest.mark.xfail(strict=True, reason=TENSOR_BETAS))
     ours = optim.ours(params, skip_unused=True, **case.make())
     theirs = optim.theirs(params, **reference_kwargs(case.make(), "cpu"))
     assert repr(ours) == repr(theirs)
-
-
-TENSOR_BETAS = (
-    "known difference from torch.optim: torch.optim.AdamW keeps one-element "
-    "tensor betas as 0-dim tensors in its param groups (torch 2.13); flatopt keeps the caller's tensors as given "
-    "(repr and state_dict()['param_groups'] differ, the steps do not)"
-)
-
-
-def torch_flattens_tensor_betas():
-    betas = torch.optim.AdamW([torch.zeros(1)], betas=(torch.tensor([[0.9]]), torch.tensor([[0.99]])))
-    return betas.param_groups[0]["betas"][0].dim() == 0
 
 
 # ---------------------------------------------------------------------------------------------- state dicts
