@@ -68,12 +68,8 @@ class GradLanding:
         # optimizer (or a re-layout) has moved into buffers of its own since
         self.homes = {p: buf.expected[i][0] for buf in buffers for i, p in enumerate(buf.params)}
         self.firsts = [(buf.params[0], buf.grad_views[0]) for buf in buffers]
-        self.ends = self.firsts + [(buf.params[-1], buf.grad_views[-1]) for buf in buffers]
         self.names = names if names is not None else (lambda p: f"a parameter of shape {tuple(p.shape)}")
         self.cls = cls
-        # a .grad may be None or a tensor of its own: set by zero_grad() (either kind) and by the hooks' copies,
-        # cleared by step() (apply). While it is False, only the ends of each buffer are looked at (needs_settling)
-        self.dirty = True
         # skip_unused: a .grad that is None stays None (its view is zeroed all the same), as torch leaves it
         self.keep_none = keep_none
         # inside capture(): the hooks leave each new gradient where autograd put it (the graph's pool), and
@@ -108,7 +104,6 @@ class GradLanding:
             self_ = ref()
             if self_ is None or p.data_ptr() != homes[p] or self_.slots.owns_grad(p):
                 return  # the optimizer is gone, p was laid out elsewhere, or its gradient is in its slot already
-            self_.dirty = True  # after model.zero_grad(): others may still be None
             if (
                 self_.deferred
                 and g.layout is strided
@@ -170,7 +165,6 @@ class GradLanding:
         gradients into their slots, the hooks copy the others in."""
         self.slots.zero_grad(set_to_none=True)  # every .grad to None; the storage released unless held
         self.pooled.clear()
-        self.dirty = True
 
     def restore(self):
         """Every view back in ``.grad`` (a None ``.grad`` stays None with ``skip_unused=True``),
@@ -184,20 +178,6 @@ class GradLanding:
                 # a view of the slot, as a tensor object of its own: one the caller keeps then holds the storage
                 # (the buffer's own view objects are never handed out, so a kept one cannot be missed)
                 self.slots.put(p)
-        self.dirty = True  # zero_grad(set_to_none=False): a .grad replaced after the next backward is still seen
-
-    def needs_settling(self, full=False):
-        """Whether settle() has anything to look at: after a zero_grad() of either kind or a hook's copy since
-        the last step, at a full check, under skip_unused (a None .grad stays None), or when the first or
-        last parameter of a buffer has lost its view (model.zero_grad() with no backward since). Otherwise
-        nothing has touched the .grads since they were settled but the caller itself: O(1) host work."""
-        return (
-            full
-            or self.dirty
-            or self.keep_none
-            or self.slots.reset_seen  # a landed .grad set to None behind zero_grad() (model.zero_grad())
-            or not all(map(self._in_slot, self.ends))
-        )
 
     def _in_slot(self, pair):
         """Whether ``p.grad`` is its view, or the slot's tensor a covered layer put there."""
@@ -210,16 +190,12 @@ class GradLanding:
         if not all(map(self._in_slot, self.firsts)):
             self.restore()
 
-    def settle(self, keep_dirty=False):
+    def settle(self):
         """Zero the views of parameters whose ``.grad`` is None, copy in every ``.grad`` that is a
         tensor of its own, and put the views back in ``.grad`` (a None ``.grad`` stays None with
         ``skip_unused=True``). Raises, changing nothing, for a gradient the buffer cannot hold
-        (sparse, or with autograd history). ``keep_dirty``: for clip_grad_norm_() and
-        check_bindings() between zero_grad() and step(), so that step() still looks at every
-        ``.grad`` (one replaced after the clip, say)."""
-        dirty = self.dirty
+        (sparse, or with autograd history)."""
         self.apply(self.plan())
-        self.dirty = dirty and keep_dirty
 
     def settle_gathering(self, fits):
         """settle() inside capture(), except for the gradients left in the graph's pool that ``fits(view,
@@ -240,8 +216,8 @@ class GradLanding:
 
     def plan(self):
         """What settle() does, checked but not done: ((param, view) to zero, (param, view, tensor or None)
-        to copy). Two or three identity tests per parameter when every ``.grad`` is in its slot (step()
-        runs it when needs_settling() says so)."""
+        to copy). Two or three identity tests per parameter when every ``.grad`` is in its slot (step() runs
+        it at every step, as torch.optim's step looks at every ``.grad``)."""
         zero, copy = [], []
         for p, view, slot in self.entries:
             g = p.grad
@@ -261,7 +237,6 @@ class GradLanding:
 
     def apply(self, plan):
         zero, copy = plan
-        self.dirty = False
         self.slots.settled()
         self.pooled.clear()
         if not zero and not copy:

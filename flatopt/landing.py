@@ -128,7 +128,7 @@ class LandingSlots:
     its slot; :attr:`reset_seen` (a landed ``.grad`` set to None behind ``zero_grad()``: look at every
     ``.grad``, then :meth:`settled`); :meth:`hold` around CUDA graphs; ``on_fallback`` (an argument),
     called with a covered parameter whose gradient goes torch's way. The optimizer settles by one
-    scan of every ``.grad`` after a ``zero_grad()``; the O(1) counters (:meth:`all_landed`,
+    scan of every ``.grad`` at every step; ``reset_seen``, the O(1) counters (:meth:`all_landed`,
     :meth:`unlanded`, :meth:`stale`) and ``fuse_accumulation`` are not used by it today.
     """
 

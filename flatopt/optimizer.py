@@ -246,9 +246,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         Settling, with ``flat=True`` in step mode (see :mod:`flatopt.grads`): a ``.grad`` that is
         None gets its view zeroed (and stays None; with ``skip_unused=False`` the view is put back),
         one that is a tensor of its own is copied into its view, which is put back; a sparse ``.grad``
-        or one with autograd history raises. Every ``.grad`` is looked at, but with
-        ``skip_unused=False`` only after a ``zero_grad()`` of either kind or a hook's copy since the
-        last step and at a full check (otherwise the first and last of each buffer).
+        or one with autograd history raises. Every ``.grad`` is looked at (at every ``step()`` too, as
+        torch.optim's step looks at every ``.grad``).
         """
         self.engine.check_bindings(full)
 

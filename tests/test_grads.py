@@ -491,36 +491,6 @@ def test_captured_step_shows_its_gradients_after_zero_grad_between_replays():
     step.release()
 
 
-def test_step_looks_at_every_grad_only_after_something_may_have_changed_them(monkeypatch):
-    """With skip_unused=False, step() compares every .grad with its view after a zero_grad() of either kind
-    or a hook's copy, and at full checks; a step with the .grads untouched since the last one looks only at
-    the ends of each buffer (O(1) host work). By default (torch.optim's rule) it looks at every .grad at
-    every step, as torch.optim does, since any of them may have been set to None."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])
-    opt = flatopt.AdamW(
-        model, lr=1e-3, direct_grads=False, skip_unused=False
-    )  # the hooks' copies (covered layers: test_landing.py)
-    plans = []
-    plan = flatopt.inspect(opt).landing.plan
-    monkeypatch.setattr(flatopt.inspect(opt).landing, "plan", lambda: plans.append(1) or plan())
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()  # the first step: a full check
-    assert len(plans) == 1
-    for _ in range(3):
-        opt.step()  # nothing touched the .grads
-    assert len(plans) == 1
-    for zero in (lambda: opt.zero_grad(), lambda: opt.zero_grad(set_to_none=False), lambda: model.zero_grad()):
-        zero()
-        model(torch.randn(2, 4)).sum().backward()
-        opt.step()
-    assert len(plans) == 4
-    model[2].weight.grad = None  # behind the optimizer's back, in the middle of the buffer
-    opt.check_bindings()  # a full check looks at every .grad, and settles this one
-    assert len(plans) == 5
-    assert_view(model[2].weight, opt, "after check_bindings()")
-
-
 def test_the_hooks_stay_out_of_saved_and_copied_models():
     """torch.save(model) and copy.deepcopy(model) work while the optimizer's hooks are on the parameters,
     and neither the loaded model nor the copy carries them (a copy trains on its own)."""
@@ -652,12 +622,13 @@ def test_a_grad_replaced_after_clipping_is_seen_by_step():
     steps_like_torch_sgd(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)), edit)
 
 
-def test_a_sparse_grad_set_in_the_middle_of_a_buffer_is_refused_at_the_next_step():
-    """By default every step looks at every .grad (as torch.optim's does): a sparse .grad put on a parameter in
-    the middle of a buffer, with no zero_grad() since the last step, is refused by name, changing nothing."""
+@pytest.mark.parametrize("skip_unused", [True, False], ids=["default", "skip_unused=False"])
+def test_a_sparse_grad_set_in_the_middle_of_a_buffer_is_refused_at_the_next_step(skip_unused):
+    """Every step looks at every .grad (as torch.optim's does): a sparse .grad put on a parameter in the middle
+    of a buffer, with no zero_grad() since the last step, is refused by name, changing nothing."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
-    opt = flatopt.SGD(model, lr=0.1)
+    opt = flatopt.SGD(model, lr=0.1, skip_unused=skip_unused)
     x = torch.randn(3, 4)
     model(x).sum().backward()
     opt.step()

@@ -90,8 +90,8 @@ class FlatStepEngine(FlatEngine):
             full = True
         if full or not self.ends_bound():
             self.check_data_bindings(full)
-        if settle and self.landing is not None and self.landing.needs_settling(full):
-            self.landing.settle(keep_dirty=True)  # step() clears it, after its own look
+        if settle and self.landing is not None:
+            self.landing.settle()
 
     def _check_bindings_at_step(self):
         """step()'s binding check, amortised: full at the first step and at every FULL_CHECK_EVERY-th step
@@ -101,7 +101,7 @@ class FlatStepEngine(FlatEngine):
         hyper-parameters are validated too)."""
         full = self.full_check_due()
         self._check_bindings(full, settle=False)
-        return self.landing.plan() if self.landing.needs_settling(full) else ([], [])
+        return self.landing.plan()
 
     def _report_unused(self, plan):
         """The first step's warning: parameters whose .grad was None at the step, and those whose view
