@@ -10,6 +10,7 @@ import json
 import pytest
 import triton
 from conftest import json_lines_without_interpreter
+
 from flatopt.kernels.adamw import NUM_HPARAMS as ADAMW_HP
 from flatopt.kernels.adamw import adamw_kernel
 from flatopt.kernels.common import BLOCK_SIZE, GRANULE, NUM_WARPS, STEP_BLOCK
