@@ -71,6 +71,13 @@ def add_demo_arguments(parser):
         help="megabytes of standard-library source to read (default: %(default)s)",
     )
     add(
+        "--eval-every",
+        type=_positive_int,
+        default=None,
+        help="steps between two measurements of the validation loss, also measured after the last step "
+        "(default: a tenth of --steps)",
+    )
+    add(
         "--device",
         type=_device,
         default=None,

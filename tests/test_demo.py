@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
+import flatopt
 from flatopt import cli, demo
+from flatopt.demo.report import ema, figure, smoothing_window
 
 TINY = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--dim", "32", "--layers", "1", "--heads", "2"]
 TINY += ["--lr", "1e-2", "--data-mb", "0.2", "--device", "cpu", "--threads", "1", "--seed", "3", "--quiet"]
@@ -37,7 +39,8 @@ def test_demo_writes_a_png_and_results(demo_run):
     assert results["plot"] == "loss_curves.png"
     assert results["device"] == "cpu"
     assert results["versions"]["torch"] and results["versions"]["flatopt"]
-    assert results["runs"]["flatopt.AdamW"]["backend"] == "torch"
+    # the backend the optimizer object chose on this device, whatever its name
+    assert results["runs"]["flatopt.AdamW"]["backend"] == flatopt.AdamW(torch.nn.Linear(2, 2)).backend
     assert results["config"]["steps"] == 6
 
 
@@ -69,6 +72,94 @@ def test_demo_flatopt_matches_torch_optim(demo_run):
     assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-4)
     diff = max(abs(a - b) for a, b in zip(ours["train_losses"], theirs["train_losses"], strict=True))
     assert results["max_abs_loss_difference"] == pytest.approx(diff)
+
+
+def test_demo_validation_curve(demo_run):
+    _, _, _, results, _ = demo_run
+    assert results["val_steps"] == [1, 2, 3, 4, 5, 6]  # a tenth of 6 steps, rounded down to at least 1
+    for run in results["runs"].values():
+        assert len(run["val_losses"]) == 6 and run["val_loss"] == run["val_losses"][-1]
+        assert run["val_losses"][-1] < run["val_losses"][0] - 0.3, run["val_losses"]
+
+
+def test_demo_reports_the_step_time_ratio_flatopt_over_torch(demo_run):
+    _, stdout, _, results, _ = demo_run
+    ours, theirs = results["runs"]["flatopt.AdamW"], results["runs"]["torch.optim.AdamW"]
+    ratio = results["step_time_ratio"]
+    for kind in ("optimizer_step", "train_step"):
+        for stat in ("median", "mean"):
+            assert ratio[f"{kind}_{stat}"] == ours[f"{stat}_{kind}_ms"] / theirs[f"{stat}_{kind}_ms"]
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("step time,"))
+    assert line.startswith(
+        f"step time, flatopt.AdamW ({ours['backend']} backend) / torch.optim.AdamW, below 1 when flatopt is faster: "
+        f"optimizer step {ratio['optimizer_step_median']:.2f} median, {ratio['optimizer_step_mean']:.2f} mean; "
+        f"train step {ratio['train_step_median']:.2f} median"
+    ), line
+    row = next(ln for ln in stdout.splitlines() if ln.startswith("flatopt.AdamW "))
+    assert row.endswith(f"   {ours['backend']}"), row
+
+
+def test_demo_progress_line_names_each_loss(tmp_path, capsys):
+    args = [a for a in TINY if a != "--quiet"] + ["--steps", "4", "--eval-every", "3", "--out", str(tmp_path)]
+    assert cli.main(["demo", *args]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["val_steps"] == [3, 4]
+    ours, theirs = results["runs"]["flatopt.AdamW"], results["runs"]["torch.optim.AdamW"]
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 4, lines  # not a terminal: one line per tenth of the work, here every step
+    for step, line in enumerate(lines, 1):
+        train = (
+            f"train loss (flatopt) {ours['train_losses'][step - 1]:.3f}  (torch) {theirs['train_losses'][step - 1]:.3f}"
+        )
+        if step < 3:
+            val = "val loss (flatopt) -  (torch) -"
+        else:
+            i = results["val_steps"].index(step)
+            val = f"val loss (flatopt) {ours['val_losses'][i]:.3f}  (torch) {theirs['val_losses'][i]:.3f}"
+        assert line.startswith(f"step {step}/4 [") and f"] {train} | {val} | 1 threads |" in line, line
+
+
+def _results_for_plot(train_a, train_b, val_a, val_b, val_steps):
+    runs = {}
+    for name, train, val in (("flatopt.AdamW", train_a, val_a), ("torch.optim.AdamW", train_b, val_b)):
+        runs[name] = {
+            "backend": "a-backend", "train_losses": train, "val_losses": val, "val_loss": val[-1],
+            "median_optimizer_step_ms": 1.0,
+        }  # fmt: skip
+    diff = max(abs(a - b) for a, b in zip(train_a, train_b))
+    return {
+        "runs": runs, "val_steps": val_steps, "max_abs_loss_difference": diff,
+        "val_loss_difference": abs(val_a[-1] - val_b[-1]), "step_time_ratio": {"optimizer_step_median": 0.5},
+    }  # fmt: skip
+
+
+def test_plot_draws_validation_smoothed_training_and_no_placeholder_points():
+    pytest.importorskip("matplotlib")
+    n = 200
+    train_a = [3.0 + math.sin(i) for i in range(n)]  # noisy: the smoothed curve must differ from it
+    train_b = [v + (1e-4 * (1 + i % 3) if i % 2 else 0.0) for i, v in enumerate(train_a)]  # equal at every even step
+    val_steps = [50, 100, 150, 200]
+    val_a, val_b = [3.5, 3.0, 2.8, 2.7], [3.5, 3.0001, 2.8, 2.7002]
+    fig = figure(_results_for_plot(train_a, train_b, val_a, val_b, val_steps), "title")
+    ax_loss, ax_diff = fig.axes
+    lines = {line.get_label(): line for line in ax_loss.get_lines()}
+    val_line = lines["flatopt.AdamW validation: 2.700"]
+    assert list(val_line.get_xdata()) == val_steps and list(val_line.get_ydata()) == val_a
+    smooth = next(line for label, line in lines.items() if label.startswith("flatopt.AdamW train (EMA"))
+    assert list(smooth.get_ydata()) == ema(train_a, smoothing_window(n)) != train_a
+    raw = [line for line in ax_loss.get_lines() if list(line.get_ydata()) == train_a]
+    assert raw and raw[0].get_alpha() < 0.5, "the raw training curve is drawn faint behind the smoothed one"
+    # the difference panel: a point for each step whose losses differ, at that difference, and nothing else
+    expected = {(i + 1, abs(a - b)) for i, (a, b) in enumerate(zip(train_a, train_b)) if a != b}
+    expected |= {(s, abs(a - b)) for s, a, b in zip(val_steps, val_a, val_b) if a != b}
+    drawn = {tuple(map(float, xy)) for c in ax_diff.collections for xy in c.get_offsets()}
+    assert drawn == {(float(x), float(y)) for x, y in expected}
+    assert ax_diff.get_yscale() == "log"
+    labels = [t.get_text() for t in ax_diff.get_legend().get_texts()]
+    assert labels == [
+        "train |difference| (100 of 200 equal, not drawn)",
+        "validation |difference| (2 of 4 equal, not drawn)",
+    ]
 
 
 def test_demo_without_matplotlib(tmp_path, monkeypatch, capsys):

@@ -5,12 +5,18 @@ standard library (found with ``sysconfig``, read in sorted order, so the data is
 and needs no download). Two copies of one initialisation train on the same batches, one with
 ``flatopt.AdamW`` and one with ``torch.optim.AdamW``, both under the same warm-up + cosine
 ``LambdaLR`` schedule; the two runs are interleaved step by step so that both see the same machine
-conditions. The demo prints the final train and validation losses, the mean time of the optimizer
-step alone and of the whole training step, and how far apart the two loss curves are, then writes
-a plot of the curves (matplotlib, the ``demo`` extra) and a results JSON into the output folder.
+conditions. Both models are evaluated on the same held-out batches every tenth of the run
+(``--eval-every``) and after the last step.
 
-On a CUDA device flatopt steps with its Triton kernels and the clock is read after a
-synchronisation; on the CPU it uses its pure-torch backend.
+The demo prints a progress line naming each run's latest training and validation loss, then the
+final losses, the mean and median time of the optimizer step alone and of the whole training step,
+their ratio flatopt / torch.optim (below 1 when flatopt is faster), the backend flatopt stepped with
+(as its optimizer object reports it), and how far apart the loss curves are. It writes a plot
+(matplotlib, the ``demo`` extra: training loss raw and smoothed, validation loss, and the runs'
+differences) and a results JSON into the output folder.
+
+flatopt steps with the backend it chooses for the device (its Triton kernels on CUDA); on CUDA the
+clock is read after a synchronisation.
 """
 
 import json
@@ -75,10 +81,10 @@ def run(config, stdout=None, stderr=None):
         how = "as set" if config.threads else "as many as other work leaves idle, measured every 2 s"
         setup = f"torch {torch.__version__}, {threads.threads} CPU threads ({how})"
         log(f"device: {device} ({device_name(device)}), {setup}")
-        runs, n_params, warmup = train(config, data, device, threads, log)
+        runs, n_params, warmup, eval_steps = train(config, data, device, threads, log)
     finally:
         threads.close()
-    results = summarize(config, device, threads, source, data, runs, n_params, warmup)
+    results = summarize(config, device, threads, source, data, runs, n_params, warmup, eval_steps)
     report(results, log)
 
     out = Path(config.out)

@@ -24,7 +24,9 @@ class DemoConfig:
         weight_decay (float): decoupled weight decay (default: 0.1)
         data_mb (float): megabytes of standard-library source to read (default: 3.0)
         val_fraction (float): the tail of the text held out for validation (default: 0.1)
-        eval_batches (int): batches of held-out text for the final validation loss (default: 8)
+        eval_batches (int): batches of held-out text, the same at every evaluation (default: 8)
+        eval_every (int, optional): steps between two evaluations of the validation loss, which is also
+            measured after the last step (default: a tenth of ``steps``)
         device (str or torch.device, optional): default ``"cuda"`` when available, else ``"cpu"``
         threads (int, optional): torch's CPU threads while the demo runs; restored afterwards
             (default: as many as other work leaves idle, measured again as training goes: :class:`CpuThreads`)
@@ -47,6 +49,7 @@ class DemoConfig:
     data_mb: float = 3.0
     val_fraction: float = 0.1
     eval_batches: int = 8
+    eval_every: int | None = None
     device: str | torch.device | None = None
     threads: int | None = None
     torch_impl: str = "default"

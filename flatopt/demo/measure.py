@@ -1,5 +1,6 @@
 """How the demo measures: clocks, the steps it counts, CPU threads, a progress bar, the machine."""
 
+import importlib.metadata
 import math
 import os
 import platform
@@ -35,7 +36,8 @@ class Progress:
         bar = "#" * filled + "." * (self.width - filled)
         elapsed = now - self.start
         eta = elapsed / done * (self.total - done) if done else 0.0
-        line = f"training [{bar}] {done}/{self.total} {text} {elapsed:5.1f}s elapsed, {eta:5.1f}s left "
+        width = len(str(self.total))
+        line = f"step {done:{width}}/{self.total} [{bar}] {text} | {elapsed:.0f}s elapsed, {eta:.0f}s left "
         self.stream.write(f"\r{line}" if self.tty else f"{line}\n")
         self.stream.flush()
 
@@ -132,11 +134,13 @@ def resolve_device(device):
 
 
 def versions():
+    """The versions of Python and of the packages the demo runs with (read from the installed
+    distributions: importing triton only to name its version would cost seconds on the CPU)."""
     found = {"python": platform.python_version(), "torch": torch.__version__, "flatopt": flatopt.__version__}
     for name in ("triton", "numpy", "matplotlib"):
         try:
-            found[name] = __import__(name).__version__
-        except ImportError:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             found[name] = None
     return found
 

@@ -22,7 +22,17 @@ class Run:
     def __init__(self, name, model, optimizer, scheduler):
         self.name, self.model, self.optimizer, self.scheduler = name, model, optimizer, scheduler
         self.losses, self.step_s, self.train_step_s = [], [], []
-        self.val_loss = None
+        self.val_losses = []  # one per evaluation, on the same held-out batches each time
+
+    @property
+    def short_name(self):
+        """``flatopt`` or ``torch``: how the progress line tells the two runs apart."""
+        return self.name.split(".")[0]
+
+    @property
+    def val_loss(self):
+        """The latest validation loss, None before the first evaluation."""
+        return self.val_losses[-1] if self.val_losses else None
 
     def train_step(self, x, y, clock):
         t0 = clock()
@@ -41,12 +51,31 @@ class Run:
     @torch.no_grad()
     def evaluate(self, batches):
         self.model.eval()
-        self.val_loss = sum(lm_loss(self.model, x, y).item() for x, y in batches) / len(batches)
+        self.val_losses.append(sum(lm_loss(self.model, x, y).item() for x, y in batches) / len(batches))
         self.model.train()
 
 
+def eval_every(config):
+    """Steps between two evaluations of the validation loss: ``config.eval_every``, by default a tenth of
+    the run (the progress line, written once per tenth to a log, then shows a fresh one)."""
+    return config.eval_every or max(1, config.steps // 10)
+
+
+def progress_text(runs, threads):
+    """The losses on the progress line, each named by its run: ``train loss (flatopt) 2.310 (torch) 2.320 ...``."""
+
+    def losses(values):
+        return "  ".join(f"({r.short_name}) {'-' if v is None else format(v, '.3f')}" for r, v in values)
+
+    train = losses((r, r.losses[-1]) for r in runs)
+    val = losses((r, r.val_loss) for r in runs)
+    return f"train loss {train} | val loss {val} | {threads.threads} threads"
+
+
 def train(config, data, device, threads, log):
-    """Train both copies interleaved; returns the two runs, the number of parameters and of warm-up steps."""
+    """Train both copies interleaved, evaluating both on the same held-out batches every :func:`eval_every`
+    steps and at the end; returns the two runs, the number of parameters, of warm-up steps, and the steps
+    after which the validation loss was measured."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         base = CharTransformer(data.vocab_size, config.seq_len, config.dim, config.layers, config.heads).to(device)
@@ -71,6 +100,12 @@ def train(config, data, device, threads, log):
 
     clock = make_clock(device)
     generator = torch.Generator().manual_seed(config.seed)
+    val_gen = torch.Generator().manual_seed(config.seed + 1)
+    val_batches = [
+        tuple(t.to(device) for t in data.batch(data.val, config.batch_size, val_gen))
+        for _ in range(config.eval_batches)
+    ]
+    every, eval_steps = eval_every(config), []
     progress = Progress(config.steps, enabled=not config.quiet)
     for step in range(config.steps):
         threads.update(step)
@@ -78,19 +113,11 @@ def train(config, data, device, threads, log):
         order = runs if step % 2 == 0 else runs[::-1]  # alternate who goes first: no cache or clock bias
         for run in order:
             run.train_step(x, y, clock)
-        progress.update(
-            step + 1, f"loss {runs[0].losses[-1]:.3f} / {runs[1].losses[-1]:.3f}, {threads.threads} threads"
-        )
+        done = step + 1
+        if done % every == 0 or done == config.steps:  # outside the timed steps
+            for run in runs:
+                run.evaluate(val_batches)
+            eval_steps.append(done)
+        progress.update(done, progress_text(runs, threads))
     progress.close()
-
-    val_gen = torch.Generator().manual_seed(config.seed + 1)
-    batches = [
-        tuple(t.to(device) for t in data.batch(data.val, config.batch_size, val_gen))
-        for _ in range(config.eval_batches)
-    ]
-    for run in runs:
-        run.evaluate(batches)
-    return runs, n_params, warmup
-
-
-# ------------------------------------------------------------------------------------------- outputs
+    return runs, n_params, warmup, eval_steps
