@@ -17,10 +17,16 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 
 env: $(ENV_STAMP)
 
+# pip runs quietly (-q): each step says first what it installs, since torch and triton take minutes.
 $(ENV_STAMP): pyproject.toml
-	@test -x $(PY) || python3 -m venv .venv
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	@test -x $(PY) || { echo "Creating .venv (the virtual environment make uses here)"; python3 -m venv .venv; }
+	@$(PY) -c "import torch" 2>/dev/null || { \
+		echo "Installing torch 2.13.0, as no torch is importable (install the build you want first to choose it) ..."; \
+		$(PIP) install torch==2.13.0; }
+	@echo "Installing flatopt in editable mode with its dependencies: triton, numpy, and the test and demo extras" \
+		"(pytest, matplotlib) ..."
 	$(PIP) install -e ".[test,demo]"
+	@echo "Environment ready: $(PY)"
 	@touch $@
 
 demo: env
