@@ -13,7 +13,7 @@ import torch
 
 import flatopt
 from flatopt import cli, demo
-from flatopt.demo.report import ema, figure, smoothing_window
+from flatopt.demo.report import figure, smooth, smoothing_half_width
 
 TINY = ["--steps", "6", "--batch-size", "4", "--seq-len", "32", "--dim", "32", "--layers", "1", "--heads", "2"]
 TINY += ["--lr", "1e-2", "--data-mb", "0.2", "--device", "cpu", "--threads", "1", "--seed", "3", "--quiet"]
@@ -119,6 +119,13 @@ def test_demo_progress_line_names_each_loss(tmp_path, capsys):
         assert line.startswith(f"step {step}/4 [") and f"] {train} | {val} | 1 threads |" in line, line
 
 
+def test_smooth_is_a_centred_mean():
+    assert smooth([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 0) == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert smooth([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 2) == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # a line stays put: no lag
+    assert smooth([0.0, 3.0, 0.0, 3.0, 0.0], 1) == [0.0, 1.0, 2.0, 1.0, 0.0]
+    assert smoothing_half_width(6) == 0 and smoothing_half_width(800) == 20 and smoothing_half_width(10**5) == 25
+
+
 def _results_for_plot(train_a, train_b, val_a, val_b, val_steps):
     runs = {}
     for name, train, val in (("flatopt.AdamW", train_a, val_a), ("torch.optim.AdamW", train_b, val_b)):
@@ -145,8 +152,8 @@ def test_plot_draws_validation_smoothed_training_and_no_placeholder_points():
     lines = {line.get_label(): line for line in ax_loss.get_lines()}
     val_line = lines["flatopt.AdamW validation: 2.700"]
     assert list(val_line.get_xdata()) == val_steps and list(val_line.get_ydata()) == val_a
-    smooth = next(line for label, line in lines.items() if label.startswith("flatopt.AdamW train (EMA"))
-    assert list(smooth.get_ydata()) == ema(train_a, smoothing_window(n)) != train_a
+    smoothed = next(line for label, line in lines.items() if label.startswith("flatopt.AdamW train (centred mean"))
+    assert list(smoothed.get_ydata()) == smooth(train_a, smoothing_half_width(n)) != train_a
     raw = [line for line in ax_loss.get_lines() if list(line.get_ydata()) == train_a]
     assert raw and raw[0].get_alpha() < 0.5, "the raw training curve is drawn faint behind the smoothed one"
     # the difference panel: a point for each step whose losses differ, at that difference, and nothing else

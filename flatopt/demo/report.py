@@ -10,18 +10,21 @@ PLOT_NAME = "loss_curves.png"
 RESULTS_NAME = "results.json"
 
 
-def smoothing_window(steps):
-    """Steps an exponential moving average of the training loss spans in the plot: a 20th of the run, at
-    most 50 (1: no smoothing)."""
-    return max(1, min(50, steps // 20))
+def smoothing_half_width(steps):
+    """Half the window of :func:`smooth` in the plot: a 40th of the run, at most 25 steps (0: no smoothing)."""
+    return min(25, steps // 40)
 
 
-def ema(values, window):
-    """Exponential moving average with weight ``1 / window`` on each new value, started at the first value."""
-    out, avg = [], None
+def smooth(values, half):
+    """Centred moving mean over ``2 * half + 1`` values, the window shrinking evenly near the ends: it does
+    not lag behind a falling loss as a trailing average (an EMA) does."""
+    sums = [0.0]
     for v in values:
-        avg = v if avg is None else avg + (v - avg) / window
-        out.append(avg)
+        sums.append(sums[-1] + v)
+    out = []
+    for i in range(len(values)):
+        h = min(half, i, len(values) - 1 - i)
+        out.append((sums[i + h + 1] - sums[i - h]) / (2 * h + 1))
     return out
 
 
@@ -38,7 +41,7 @@ def plot(path, results, title):
 def figure(results, title):
     """The loss curves and their differences, as a matplotlib ``Figure`` (raises ImportError without matplotlib).
 
-    Left: each run's training loss, raw (faint) and smoothed (:func:`ema`), and its validation loss at the
+    Left: each run's training loss, raw (faint) and smoothed (:func:`smooth`), and its validation loss at the
     steps where it was measured. Right: |flatopt - torch.optim| of both, on a log scale; steps where the
     two losses are equal have no point there (their count is in the legend).
     """
@@ -47,7 +50,7 @@ def figure(results, title):
     (name_a, a), (name_b, b) = results["runs"].items()
     steps = list(range(1, len(a["train_losses"]) + 1))
     val_steps = results["val_steps"]
-    window = smoothing_window(len(steps))
+    half = smoothing_half_width(len(steps))
     fig = Figure(figsize=(12, 4.6), layout="constrained")
     ax_loss, ax_diff = fig.subplots(1, 2, width_ratios=[3, 2])
     # flatopt drawn first and wider, torch.optim over it: where the curves coincide, both stay visible
@@ -57,16 +60,11 @@ def figure(results, title):
     )
     for name, r, color, ls, _ in styles:
         ax_loss.plot(steps, r["train_losses"], color=color, lw=0.6, alpha=0.25)
-        smooth = ema(r["train_losses"], window)
-        how = f"EMA over ~{window} steps" if window > 1 else "per step"
+        how = f"centred mean of {2 * half + 1} steps" if half else "per step"
         ax_loss.plot(
-            steps,
-            smooth,
-            color=color,
-            ls=ls,
-            lw=2.4 if ls == "-" else 1.4,
-            label=f"{name} train ({how}): {smooth[-1]:.3f}",
-        )
+            steps, smooth(r["train_losses"], half), color=color, ls=ls, lw=2.4 if ls == "-" else 1.4,
+            label=f"{name} train ({how})",
+        )  # fmt: skip
     for name, r, color, ls, marker in styles:
         ax_loss.plot(
             val_steps, r["val_losses"], color=color, ls=ls, lw=1.0, mfc=color if ls == "-" else "white", **marker,
