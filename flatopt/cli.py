@@ -50,7 +50,7 @@ def _device(text):
 
 
 def add_demo_arguments(parser):
-    """Declare the options of ``flatopt demo``; the defaults take about two minutes on a 2-core CPU."""
+    """Declare the options of ``flatopt demo``; the defaults train for 3 to 5 minutes on a 2-core CPU."""
     from flatopt import demo
 
     d = demo.DemoConfig()

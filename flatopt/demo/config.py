@@ -11,7 +11,7 @@ class DemoError(Exception):
 
 @dataclass
 class DemoConfig:
-    """Options of the demo; the defaults take about two minutes on a 2-core CPU.
+    """Options of the demo; the defaults train for 3 to 5 minutes on a 2-core CPU.
 
     Args:
         steps (int): training steps per optimizer (default: 800)
