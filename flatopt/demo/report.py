@@ -94,6 +94,7 @@ def figure(results, title):
         ax_diff.set_yscale("log")
     else:
         ax_diff.text(0.5, 0.5, "equal at every step", ha="center", va="center", transform=ax_diff.transAxes)
+        ax_diff.set_yticks([])  # nothing drawn: no scale to read
     ax_diff.set(xlabel="step", ylabel="|flatopt loss - torch.optim loss|", xlim=ax_loss.get_xlim())
     ax_diff.legend(loc="lower right", fontsize=8)
     ratio = results["step_time_ratio"]["optimizer_step_median"]
