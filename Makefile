@@ -20,7 +20,7 @@ env: $(ENV_STAMP)
 $(ENV_STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv .venv
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install -e ".[test,demo]"
+	$(PIP) install -e ".[test,demo,integrations]"
 	@touch $@
 
 demo: env
