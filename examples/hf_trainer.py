@@ -159,7 +159,7 @@ def train(
         disable_tqdm=True, **saving, **checkpointing_args(checkpointing),
     )  # fmt: skip
     if pass_as == "cls":
-        # Trainer calls cls(param_groups, lr=..., weight_decay=... per group); lr comes from args.learning_rate
+        # Trainer calls cls(param_groups, **kwargs): weight_decay per group from args, lr and the rest from kwargs
         how = {"optimizer_cls_and_kwargs": (cls, {"lr": lr, "betas": (0.9, 0.95)})}
     elif pass_as == "instance":
         params = net if cls is flatopt.AdamW else net.parameters()  # flatopt takes the module itself
@@ -175,7 +175,7 @@ def train(
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
     held = None  # bytes flatopt's gradient buffers hold after training
     if isinstance(inner, flatopt.AdamW):
-        held = sum(buf.grad.untyped_storage().nbytes() for buf in flatopt.inspect(inner).buffers)
+        held = sum(b.grad.untyped_storage().nbytes() for b in flatopt.inspect(inner).buffers if b.grad is not None)
     renamed = hasattr(type(net), "is_activation_checkpointing")  # transformers 5's name for it
     return {
         "losses": [h["loss"] for h in history if "loss" in h],
