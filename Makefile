@@ -23,9 +23,9 @@ $(ENV_STAMP): pyproject.toml
 	@$(PY) -c "import torch" 2>/dev/null || { \
 		echo "Installing torch 2.13.0, as no torch is importable (install the build you want first to choose it) ..."; \
 		$(PIP) install torch==2.13.0; }
-	@echo "Installing flatopt in editable mode with its dependencies: triton, numpy, and the test and demo extras" \
-		"(pytest, matplotlib) ..."
-	$(PIP) install -e ".[test,demo]"
+	@echo "Installing flatopt in editable mode with its dependencies: triton, numpy, and the test, demo and integration extras" \
+		"(pytest, matplotlib, transformers, accelerate, lightning) ..."
+	$(PIP) install -e ".[test,demo,integrations]"
 	@echo "Environment ready: $(PY)"
 	@touch $@
 
