@@ -20,9 +20,11 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
         in_backward (bool, optional): step each bucket of parameters during backward, from
             post-accumulate-grad hooks, as soon as its gradients exist, and free those gradients:
             there is no flat gradient buffer and ``p.grad`` is None after backward. ``step()`` and
-            ``zero_grad()`` remain callable and do nothing harmful. Not compatible with
-            GradScaler, global gradient-norm clipping, reentrant activation checkpointing or
-            ``flat=False``; accumulate gradients with ``with opt.no_step():`` (default: False)
+            ``zero_grad()`` remain callable and do nothing harmful; one of them must come between
+            two stepping backward passes (a second one is refused before it updates anything).
+            Not compatible with GradScaler, reentrant activation checkpointing or ``flat=False``;
+            accumulate gradients with ``accumulation_steps`` or ``with opt.no_step():``, clip with
+            ``max_grad_norm`` (default: False)
         bucket_size (int, optional): with ``in_backward=True``, the most elements of consecutive
             parameters stepped by one kernel launch; gradient memory held by the optimizer is
             about one bucket (default: 2**25)
@@ -30,6 +32,22 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             torch.distributed ranks whose models share no parameters (pipeline stages,
             independent runs); refused by default, since in-backward steps happen before
             DistributedDataParallel averages gradients (default: False)
+        accumulation_steps (int, optional): with ``in_backward=True`` only, the backward passes
+            per optimizer step, for loops a framework drives (transformers' Trainer
+            ``gradient_accumulation_steps``, Lightning's ``accumulate_grad_batches``). Passes are
+            counted from the last ``step()`` or ``zero_grad()``: the first ``k - 1`` accumulate
+            in ``.grad`` (as under ``no_step()``), the ``k``-th steps with the sum during
+            backward; ``step()`` before it steps what was accumulated. The loss is not scaled
+            (default: 1)
+        max_grad_norm (float, optional): with ``in_backward=True`` only, clip by the global
+            gradient norm in backward: each bucket's gradient is multiplied, in its launch, by
+            ``min(1, max_grad_norm / (n + 1e-6))``, ``n`` the larger of the previous stepped
+            pass's total norm and the norm of this pass's gradients stepped so far (this
+            bucket's included); a ``step()`` that steps gradients left in ``.grad`` clips by
+            their total norm, as torch does. ``torch.nn.utils.clip_grad_norm_`` called with the
+            same value after backward returns the norm (``opt.last_grad_norm``); without this
+            option such a call raises (default: None, no clipping)
+        norm_type (float, optional): the norm of ``max_grad_norm``: 2.0, 1.0 or inf (default: 2.0)
 
         direct_grads (bool, optional): in step mode, the covered layers (``nn.Linear``,
             ``nn.Embedding``) of the model write their gradients straight into the flat gradient

@@ -71,6 +71,17 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     skip_unused = property(lambda self: self.options.skip_unused)
     in_backward = property(lambda self: self.options.in_backward)
     bucket_size = property(lambda self: self.options.bucket_size)
+    accumulation_steps = property(lambda self: self.options.accumulation_steps)
+    max_grad_norm = property(lambda self: self.options.max_grad_norm)
+    norm_type = property(lambda self: self.options.norm_type)
+
+    @property
+    def last_grad_norm(self):
+        """With ``in_backward=True`` and ``max_grad_norm``: the total norm (before clipping, a tensor on the
+        device) of the gradients of the last stepped backward pass, or of the last ``step()`` that stepped
+        gradients left in ``.grad``; None before the first, and without ``max_grad_norm``."""
+        clip = getattr(self.engine, "clip", None)
+        return None if clip is None else clip.last
 
     # ------------------------------------------------------------------ copies
     def _cannot_copy(self):
@@ -215,7 +226,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
         Backward passes inside it do not update the parameters: their gradients accumulate in
         ``p.grad`` as with torch.optim (holding a full set of gradients, so in-backward mode saves
-        no memory during accumulation). The next backward pass outside it steps with the sum.
+        no memory during accumulation). The next backward pass outside it steps with the sum, or
+        ``step()`` does. Passes inside it are not counted in ``accumulation_steps``' windows.
         In step mode (``in_backward=False``) gradients accumulate in the flat buffer anyway and
         this does nothing.
         """
@@ -226,6 +238,13 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         """Clip the gradients of every parameter of this optimizer by their global norm, as
         ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` does, with one norm per flat
         gradient buffer and no host synchronisation (unless ``error_if_nonfinite``).
+
+        With ``in_backward=True`` the gradients of a backward pass are applied and freed during it: after such a
+        pass (and before the next ``step()`` or ``zero_grad()``) this returns the norm the pass was clipped by in
+        backward when the optimizer was built with the same ``max_grad_norm`` and ``norm_type``, and raises
+        otherwise; gradients still in ``.grad`` (accumulated, not yet stepped) are clipped as torch clips them,
+        or, with ``max_grad_norm``, left for the optimizer to clip when it steps them (their norm is returned).
+        See docs/in-backward.md, "Clipping".
 
         Returns:
             Tensor: the total norm of the gradients before clipping (float32; float64 when a gradient is).

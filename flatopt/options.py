@@ -5,11 +5,13 @@ options below as keyword arguments. The options are parsed once, by the base cla
 :class:`FlatOptions`; an unknown keyword raises TypeError as for any function.
 """
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: 128 MiB of float32 staging gradient in in-backward mode
+NORM_TYPES = (1.0, 2.0, math.inf)  # the norms in-backward clipping (max_grad_norm) takes
 
 # torch.optim's implementation options (and lion-pytorch's): name -> (whether a value changes nothing for flatopt,
 # why another value is refused and what to do, the hint for a constructor that does not take the option). A
@@ -91,6 +93,12 @@ class FlatOptions:
             in by hook.
         model: the model whose covered layers write into the buffer when ``params`` are parameters or
             param groups rather than the module itself (None: ``params`` if it is a module).
+        accumulation_steps: in in-backward mode, the backward passes per optimizer step: the first
+            ``accumulation_steps - 1`` after a ``step()`` or ``zero_grad()`` accumulate in ``.grad``, the
+            next one steps with the sum.
+        max_grad_norm: in in-backward mode, clip the gradients by their global norm in backward (see
+            :mod:`flatopt.engines.backward_clip`); None: no clipping.
+        norm_type: the norm of ``max_grad_norm``: 1.0, 2.0 or inf.
     """
 
     flat: bool = True
@@ -101,6 +109,9 @@ class FlatOptions:
     allow_several_ranks: bool = False
     direct_grads: bool = True
     model: object = None
+    accumulation_steps: int = 1
+    max_grad_norm: float | None = None
+    norm_type: float = 2.0
 
     @classmethod
     def parse(cls, cls_name, kwargs):
@@ -138,6 +149,7 @@ class FlatOptions:
             bucket_size = DEFAULT_BUCKET_SIZE
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"Invalid bucket_size: {bucket_size!r}; expected a positive number of elements")
+        accumulation_steps, max_grad_norm, norm_type = _backward_options(cls_name, kwargs, in_backward)
         return cls(
             flat=flat,
             backend=kwargs.get("backend"),
@@ -147,4 +159,53 @@ class FlatOptions:
             allow_several_ranks=bool(kwargs.get("allow_several_ranks", False)),
             direct_grads=bool(kwargs.get("direct_grads", True)),
             model=model,
+            accumulation_steps=accumulation_steps,
+            max_grad_norm=max_grad_norm,
+            norm_type=norm_type,
         )
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _backward_options(cls_name, kwargs, in_backward):
+    """``accumulation_steps``, ``max_grad_norm`` and ``norm_type``, checked: they serve in-backward mode, whose
+    gradients are applied and freed during backward; step mode accumulates and clips as torch.optim does."""
+    k = kwargs.get("accumulation_steps", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(
+            f"Invalid accumulation_steps: {k!r}; expected an integer >= 1, the backward passes per optimizer step"
+        )
+    if k != 1 and not in_backward:
+        raise ValueError(
+            f"{cls_name}: accumulation_steps applies to in_backward=True only. In step mode gradients accumulate in "
+            ".grad over backward passes until step(), as with torch.optim: call opt.step() and opt.zero_grad() "
+            "every k micro-batches (or let the framework do it), and drop accumulation_steps"
+        )
+    c = kwargs.get("max_grad_norm")
+    if c is not None and (not _is_number(c) or not math.isfinite(c) or c <= 0):
+        raise ValueError(
+            f"Invalid max_grad_norm: {c!r}; expected a finite number > 0 (None, the default, does not clip)"
+        )
+    if c is not None and not in_backward:
+        raise ValueError(
+            f"{cls_name}: max_grad_norm applies to in_backward=True only, whose gradients are applied and freed "
+            "during backward. In step mode the gradients stay in .grad until step(): clip them as usual with "
+            "opt.clip_grad_norm_(max_norm) or torch.nn.utils.clip_grad_norm_ before opt.step(), and drop max_grad_norm"
+        )
+    norm_type = kwargs.get("norm_type", 2.0)
+    try:
+        norm = float(norm_type) if _is_number(norm_type) or isinstance(norm_type, str) else None
+    except ValueError:
+        norm = None
+    if norm not in NORM_TYPES:
+        raise ValueError(
+            f"Invalid norm_type: {norm_type!r}; in-backward clipping supports 2.0 (the default), 1.0 and inf "
+            "(float('inf'))"
+        )
+    if "norm_type" in kwargs and c is None:
+        raise ValueError(
+            f"{cls_name}: norm_type applies with max_grad_norm only; pass max_grad_norm, or drop norm_type"
+        )
+    return k, None if c is None else float(c), norm

@@ -155,6 +155,7 @@ def test_large_parameter_is_stepped_from_its_own_gradient_without_a_copy():
         ref.step()
         ref.zero_grad()
         twin(x).sum().backward()
+        opt.step()  # steps nothing more: the next backward pass is a new step
         assert_models_equal(twin, model, opt, ref, step)
     assert len(flatopt.inspect(opt).engine.buckets) == 2
     assert flatopt.inspect(opt).engine.peak_held == 0
@@ -174,6 +175,7 @@ def test_large_parameters_get_their_own_buckets_and_small_ones_share():
         ref.step()
         ref.zero_grad()
         twin(x).square().mean().backward()
+        opt.zero_grad()  # drops nothing (in-backward mode leaves no gradient): the next backward pass is a new step
         assert_models_equal(twin, model, opt, ref, step)
     ib = flatopt.inspect(opt).engine
     assert [len(b.params) for b in ib.buckets] == [1] * 6 + [6]
@@ -205,21 +207,34 @@ def test_gradient_accumulation_with_no_step_matches_step_mode():
             assert_models_equal(twin, model, ours, ref, step)
 
 
-def test_accumulation_without_no_step_is_refused_before_the_second_update():
+@pytest.mark.parametrize("called", ["nothing", "step", "zero_grad"])
+def test_accumulation_without_no_step_is_refused_before_the_second_update(called):
+    """A loop that accumulates over micro-batches without saying so: the second backward pass is refused at its
+    first gradient, before it updates anything, in the first window (no step() called yet) as in later ones."""
     torch.manual_seed(0)
     model = Net()
     opt = OPTIMIZERS["sgd"](model, in_backward=True)
     gen = torch.Generator().manual_seed(1)
+    if called != "nothing":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss_fn(model, make_batch(gen)).backward()
+        getattr(opt, called)()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loss_fn(model, make_batch(gen)).backward()
-    opt.step()
-    loss_fn(model, make_batch(gen)).backward()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"without opt.step\(\) in between.*opt.no_step\(\)"):
+    steps = {float(s["momentum_buffer"].abs().sum()) for s in opt.state.values()}
+    with pytest.raises(
+        RuntimeError,
+        match=r"second backward pass started with neither opt.step\(\) nor opt.zero_grad\(\).*"
+        r"gradient_accumulation_steps.*accumulation_steps=k.*opt.no_step\(\)",
+    ):
         loss_fn(model, make_batch(gen)).backward()
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b)
+    assert {float(s["momentum_buffer"].abs().sum()) for s in opt.state.values()} == steps
+    assert all(p.grad is None for p in model.parameters()), "the refused pass left a gradient"
 
 
 def test_several_ranks_are_refused_at_construction(monkeypatch):
@@ -278,11 +293,20 @@ def test_grad_scaler_is_refused():
         scaler.step(opt)
 
 
-def test_global_norm_clipping_is_refused():
+def test_global_norm_clipping_after_an_unclipped_pass_is_refused():
+    """opt.clip_grad_norm_() after a backward pass that applied its gradients: they are gone, and an optimizer
+    built without max_grad_norm cannot say by what they were clipped (tests/test_in_backward_frameworks.py
+    covers clipping in backward)."""
+    torch.manual_seed(0)
     model = Net()
     opt = OPTIMIZERS["adamw"](model, in_backward=True)
-    with pytest.raises(RuntimeError, match="cannot clip by the global gradient norm"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss_fn(model, make_batch(torch.Generator().manual_seed(1))).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"cannot clip the gradients.*Pass max_grad_norm=1.0"):
         opt.clip_grad_norm_(1.0)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
 
 
 @pytest.mark.parametrize(

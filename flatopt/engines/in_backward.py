@@ -18,8 +18,15 @@ parameter's layout is stepped straight from ``p.grad``, with no copy. A callback
 autograd engine runs when the backward pass ends and steps the buckets that are still open,
 treating missing gradients as zero (or, with ``skip_unused=True``, stepping only the parameters
 that received one), so every backward pass equals one ``step()`` of step mode.
-``opt.step()`` steps the gradients it finds in ``p.grad`` (accumulated under ``no_step()``, or
-set by hand), as torch.optim does.
+``opt.step()`` steps the gradients it finds in ``p.grad`` (accumulated under ``no_step()`` or by
+a short accumulation window, or set by hand), as torch.optim does.
+
+With ``accumulation_steps=k`` the backward passes since the last ``step()`` or ``zero_grad()`` form
+a window: the first ``k - 1`` leave their gradients in ``p.grad`` (as under ``no_step()``), the
+``k``-th steps with the sum. With ``max_grad_norm`` each bucket's launch divides its gradient by a
+clip divisor computed on the device from the running norm (:mod:`flatopt.engines.backward_clip`),
+and ``torch.nn.utils.clip_grad_norm_`` over the parameters asks :meth:`InBackwardEngine.clip_call`
+(:mod:`flatopt.clip_patch`).
 
 A parameter with post-accumulate-grad hooks registered after the optimizer's (per-parameter
 clipping, logging) keeps its gradient until those hooks have run: torch runs a parameter's hooks
@@ -27,11 +34,12 @@ one after another, in registration order, so its gradient is taken at the next g
 the same thread, or at the end of the pass.
 
 A backward pass that cannot be stepped as one ``step()`` is refused at its first gradient, and
-the refused pass leaves no gradient in ``.grad``: a second stepping pass without ``opt.step()``
-in between, a pass begun after one that raised with neither ``opt.zero_grad()`` nor
-``opt.step()`` in between, and a pass run inside another one (reentrant activation
-checkpointing), detected from the hook's Python frames: an autograd Function's backward, or a
-second engine run, below it.
+the refused pass leaves no gradient in ``.grad``: a pass after the window's stepping pass (with
+``k = 1``, a second pass) with neither ``opt.step()`` nor ``opt.zero_grad()`` in between, a pass
+begun after one that raised with neither ``opt.zero_grad()`` nor ``opt.step()`` in between, and a
+pass run inside another one (reentrant activation checkpointing), detected from the hook's Python
+frames: an autograd Function's backward, or a second engine run, below it. A pass nested in an
+accumulating pass is refused too, leaving the window's gradients in ``.grad``.
 
 Kernel launches per backward: about ``numel / bucket_size`` plus one per parameter larger than a
 bucket. Gradient memory held by flatopt: the open buckets' staging gradients (one bucket at a
@@ -45,8 +53,10 @@ from contextlib import contextmanager
 
 import torch
 
+from flatopt import clip_patch
 from flatopt.bindings import FULL_CHECK_EVERY
 from flatopt.distributed import check_single_process
+from flatopt.engines.backward_clip import BackwardClip
 from flatopt.engines.base import FlatEngine
 from flatopt.layout import ALIGN, StepMeta
 from flatopt.step_graph import StepGraph
@@ -109,6 +119,7 @@ class Bucket:
         self.done = False  # stepped in the backward pass in progress
         self.grad = None  # staging gradient while the bucket is open
         self.direct = None  # the parameter's own gradient, flattened, for a one-parameter bucket
+        self.divisor = None  # [1] on the buffer's device: the clip divisor of the bucket's launch (max_grad_norm)
         self.graph = StepGraph()  # the bucket's launch, replayed (keyed on the gradient's address too)
 
     def staging(self, stats=None):
@@ -174,8 +185,12 @@ class InBackwardEngine(FlatEngine):
         self.lock = threading.Lock()
         self.task = None  # graph task id of the backward pass in progress (or of one that raised, until dropped)
         self.paused = 0  # > 0 inside opt.no_step()
-        self.passes_since_step = 0  # stepping backward passes that ended since the last opt.step()
-        self.step_called = False
+        options = opt.options
+        self.accumulation_steps = options.accumulation_steps
+        self.window = 0  # backward passes (outside no_step()) begun since the last step() or zero_grad()
+        self.accumulating = None  # graph task id of the accumulating pass in progress (window < accumulation_steps)
+        self.applied = False  # a pass since the last step() or zero_grad() stepped its gradients and freed them
+        self.clip = None if options.max_grad_norm is None else BackwardClip(options.max_grad_norm, options.norm_type)
         self.deferred = []  # (thread id, parameter): gradients to take once the parameter's later hooks ran
         self.stepped = 0  # parameters stepped so far in the backward pass in progress
         self.dirty = True  # recompute each bucket's UNIFORM flag at the next backward
@@ -187,6 +202,7 @@ class InBackwardEngine(FlatEngine):
         self.handles = []
         self.hook_id = {}  # param -> the id of the optimizer's hook in p._post_accumulate_grad_hooks
         self.outside = set()  # laid-out parameters removed from param_groups since: not stepped until laid out anew
+        clip_patch.register(self)  # torch.nn.utils.clip_grad_norm_ over its parameters asks it (see clip_patch)
 
     # ------------------------------------------------------------------ layout
     def order(self, params, groups):
@@ -242,12 +258,12 @@ class InBackwardEngine(FlatEngine):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Gradients in p.grad: accumulated under no_step() by every micro-batch, or set by hand (p.grad = g
-        # after torch.autograd.grad): step them as torch.optim does. A backward pass leaves none.
+        # Gradients in p.grad: accumulated under no_step() or by the first passes of an accumulation window (a
+        # short last window: step() before its last pass), or set by hand (p.grad = g after torch.autograd.grad):
+        # step them as torch.optim does. A stepped pass leaves none.
         if self.pending or any(p.grad is not None for p in self.bucket_of):
             self.step_pending()
-        self.step_called = True
-        self.passes_since_step = 0
+        self.new_window()
         return loss
 
     def zero_grad(self, set_to_none):
@@ -255,13 +271,99 @@ class InBackwardEngine(FlatEngine):
         self.follow_members()  # torch.optim zeroes what the groups hold now
         self.pending = False  # the accumulated gradients are dropped, as torch.optim does
         torch.optim.Optimizer.zero_grad(self.opt, set_to_none=set_to_none)
+        self.new_window()
+
+    def new_window(self):
+        """step() or zero_grad(): the next backward pass is the first of a new accumulation window."""
+        self.window = 0
+        self.accumulating = None
+        self.applied = False
+
+    def holds(self, p):
+        """Whether ``p`` is laid out in this optimizer's buffers now (not moved since by another optimizer)."""
+        entry = self.bucket_of.get(p)
+        return entry is not None and p.data_ptr() == entry[0].buf.expected[self.index_of[p]][0]
 
     def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite):
-        raise RuntimeError(
-            f"{self.cls}(in_backward=True) cannot clip by the global gradient norm: each bucket "
-            "of parameters is updated during backward, before the gradients of the others exist. Use "
-            "in_backward=False to clip, or clip each gradient separately"
+        """``opt.clip_grad_norm_()``: as ``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters."""
+        params = list(self.bucket_of)
+        clip = clip_patch.original("clip_grad_norm_")
+        return self.clip_call(
+            max_norm, norm_type, error_if_nonfinite, lambda: clip(params, max_norm, norm_type, error_if_nonfinite)
         )
+
+    def clip_call(self, max_norm, norm_type, error_if_nonfinite, run_torch):
+        """A call of torch.nn.utils.clip_grad_norm_ (or of ``opt.clip_grad_norm_``) over this optimizer's
+        parameters; ``run_torch()`` makes torch's call as it was asked. Returns the total norm before clipping,
+        as torch does, or raises before anything changes:
+
+        * after a pass that stepped its gradients (and freed them) since the last step() or zero_grad(): the
+          norm that pass was clipped by in backward when the optimizer was built with the same
+          ``max_grad_norm`` and ``norm_type``; otherwise RuntimeError, since those gradients are gone;
+        * otherwise every gradient is still in ``.grad``, not yet stepped (micro-batches of an accumulation
+          window, under no_step(), or set by hand): torch's call clips them for real; with ``max_grad_norm``
+          (the same value) the optimizer clips them itself when it steps them, and the call returns their
+          total norm and changes nothing."""
+        cls, clip = self.cls, self.clip
+        asked = f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r})"
+        try:
+            max_norm, norm_type = float(max_norm), float(norm_type)
+        except (TypeError, ValueError):
+            return run_torch()  # torch's own error for the arguments
+        same = clip is not None and clip.max_norm == max_norm and clip.norm_type == norm_type
+        if clip is not None and not same:
+            raise RuntimeError(
+                f"{cls}(in_backward=True, max_grad_norm={clip.max_norm!r}, norm_type={clip.norm_type!r}) clips its "
+                f"gradients in backward, and {asked} asks for another clipping, which the gradients, applied during "
+                "backward, cannot get. Give the optimizer and the clipping call the same max_norm and norm_type, "
+                "or turn clipping off in the framework (max_grad_norm=0 in transformers' TrainingArguments, "
+                "gradient_clip_val=None in Lightning's Trainer)"
+            )
+        if self.applied:
+            if clip is None:
+                raise RuntimeError(
+                    f"{cls}(in_backward=True): {asked} cannot clip the gradients: the backward pass applied them to "
+                    "the parameters and freed them as they arrived, so this call would find none and clip nothing. "
+                    f"Pass max_grad_norm={max_norm!r} (and norm_type={norm_type!r} if not 2.0) to {cls}, which then "
+                    "clips in backward by the running norm (docs/in-backward.md, 'Clipping'), or turn clipping off in "
+                    "the framework (max_grad_norm=0 in transformers' TrainingArguments, gradient_clip_val=None in "
+                    "Lightning's Trainer), or use in_backward=False (step mode). The parameters have already been "
+                    "updated with the unclipped gradients of that pass"
+                )
+            norm = clip.last.clone()
+        elif clip is None:
+            return run_torch()  # the gradients are in .grad: clipped for real, stepped later as they are then
+        else:  # measured apart: the optimizer's own running norm is left as it is
+            measure = BackwardClip(clip.max_norm, clip.norm_type)
+            measure.begin(self.devices, [b.dtype for b in self.buffers])
+            norm = measure.norm_of([p.grad for p in self.bucket_of if p.grad is not None])
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+                "clipped. "
+                + (
+                    "In in-backward mode the pass has already updated the parameters with them. "
+                    if self.applied
+                    else ""
+                )
+                + "To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        return norm
+
+    def clip_value_call(self, run_torch):
+        """A call of torch.nn.utils.clip_grad_value_ over this optimizer's parameters: refused after a pass that
+        stepped its gradients since the last step() or zero_grad() (they are gone); torch's call otherwise."""
+        if self.applied:
+            raise RuntimeError(
+                f"{self.cls}(in_backward=True): clip_grad_value_ cannot clip the gradients: the backward pass applied "
+                "them to the parameters and freed them as they arrived, so this call would find none and clip "
+                "nothing. Clip each gradient in a hook registered after the optimizer, which runs before the step "
+                "(p.register_post_accumulate_grad_hook(lambda p: p.grad.clamp_(-v, v)) for each parameter), turn "
+                "value clipping off in the framework, or use in_backward=False (step mode). The parameters have "
+                "already been updated with the unclipped gradients of that pass"
+            )
+        return run_torch()
 
     def remove(self):
         if getattr(self, "_finalizer", None) is not None:
@@ -299,6 +401,8 @@ class InBackwardEngine(FlatEngine):
         self.task = None
         self.deferred = []
         self.stepped = 0
+        if self.clip is not None:
+            self.clip.drop()
 
     def _release(self, bucket):
         if bucket.grad is not None:
@@ -319,11 +423,22 @@ class InBackwardEngine(FlatEngine):
         refuse the pass (returns the message, once the refused gradients are dropped); then take
         ``p.grad`` now, or, when hooks were registered on ``p`` after the optimizer's, once they have run."""
         task = _graph_task_id()
+        if task == self.accumulating:
+            self.pending = True  # a micro-batch of the window: accumulated in p.grad, as under no_step()
+            return None
         if task != self.task:
-            refusal = self._refusal(p)
+            accumulate = self.window + 1 < self.accumulation_steps
+            refusal = self._refusal(p, accumulate)
             if refusal is not None:
                 return refusal
-            self._begin(task)
+            if accumulate:
+                self.window += 1
+                self.accumulating = task
+                self.pending = True
+                return None
+            self.accumulating = None
+            self._begin(task)  # a pass refused by its checks (an opt.state edit it cannot honour) is not counted
+            self.window += 1
         if p in self.outside:
             return None  # removed from param_groups: its gradient stays in .grad, as torch.optim leaves it
         elif p in self.bucket_of[p][0].arrived or any(q is p for _, q in self.deferred):
@@ -340,13 +455,23 @@ class InBackwardEngine(FlatEngine):
         else:
             self._take(p)
 
-    def _refusal(self, p):
-        """Why the backward pass that delivers ``p``'s gradient, the first of a pass, cannot be stepped
-        (None when it can): a pass nested in another one, a pass begun while one that raised was not
-        dropped, or a second stepping pass without opt.step() in between. Checked before anything is
-        taken or stepped."""
-        cls, name = self.cls, self.opt.names(p)
+    def _refusal(self, p, accumulate):
+        """Why the backward pass that delivers ``p``'s gradient, the first of a pass, cannot be stepped, or
+        accumulated when ``accumulate`` (None when it can): a pass nested in another one, a pass begun while
+        one that raised was not dropped, or a pass after the one that stepped the window's gradients, with
+        neither opt.step() nor opt.zero_grad() in between. Checked before anything is taken or stepped."""
+        cls, name, k = self.cls, self.opt.names(p), self.accumulation_steps
         outer = nesting_backward()
+        if outer is not None and (accumulate or self.accumulating is not None):
+            return (  # nothing begun, nothing stepped: p.grad keeps the sum of the window's micro-batches
+                f"{cls}(in_backward=True, accumulation_steps={k}): the gradient of {name} comes from a backward pass "
+                f"run inside another backward pass (by {outer}'s backward), as reentrant activation checkpointing "
+                "(torch.utils.checkpoint with use_reentrant=True) runs one per checkpointed segment; it cannot be "
+                "counted as one micro-batch of the window, and the window's last backward pass, which steps, "
+                "would be refused for it. Use torch.utils.checkpoint(..., use_reentrant=False), or in_backward=False "
+                "(step mode). No parameter was updated; the gradients accumulated so far stay in .grad, and "
+                "opt.zero_grad() drops them"
+            )
         if outer is not None:
             stepped = (
                 f"{self.stepped} parameter(s) stepped earlier in this pass, whose gradients came before the nested "
@@ -371,20 +496,34 @@ class InBackwardEngine(FlatEngine):
                 "was updated by this backward pass",
                 keep_task=True,
             )
-        if self.step_called and self.passes_since_step:
+        if self.window >= k:
+            if k == 1:
+                what = (
+                    f"{cls}(in_backward=True): a second backward pass started with neither opt.step() nor "
+                    "opt.zero_grad() since the previous one, which in-backward mode already stepped (each backward "
+                    "pass updates the parameters and frees its gradients). "
+                )
+            else:
+                what = (
+                    f"{cls}(in_backward=True, accumulation_steps={k}): backward pass {k + 1} of a window started with "
+                    f"neither opt.step() nor opt.zero_grad() since its first; pass {k} already stepped the parameters "
+                    "with the accumulated gradients. "
+                )
             return self._refuse(
                 p,
-                f"{cls}(in_backward=True): a second backward pass started without opt.step() "
-                "in between. Each backward pass updates the parameters, so gradients are not accumulated over "
-                "micro-batches: run all but the last micro-batch's backward inside `with opt.no_step():`. Nothing "
-                "was updated by this backward pass",
+                what + "If the loop accumulates gradients over k backward passes per optimizer step (transformers' "
+                "Trainer with gradient_accumulation_steps=k, Lightning's accumulate_grad_batches=k), pass "
+                f"accumulation_steps=k to {cls}; in a hand-written loop, run the micro-batches' backward inside "
+                "`with opt.no_step():`, or call opt.step() (or opt.zero_grad()) after each optimizer step's last "
+                "backward. Nothing was updated by this backward pass",
             )
         return None
 
     def _refuse(self, p, message, keep_task=False):
         """Drop the refused pass's gradients (``p``'s, and those waiting for later hooks), so that no later
         pass or step() applies them, and end the pass; ``keep_task`` keeps the graph task of a pass that
-        raised, so that backward passes are refused until zero_grad() or step() drops it."""
+        raised, so that backward passes are refused until zero_grad() or step() drops it. A stepping pass
+        refused part way (a nested pass in it) is not counted in the window: the next pass steps."""
         p.grad = None
         for _, q in self.deferred:
             q.grad = None
@@ -392,6 +531,8 @@ class InBackwardEngine(FlatEngine):
         self.reset()
         if keep_task:
             self.task = task
+        elif task is not None:
+            self.window -= 1
         return message
 
     def _hooked_after(self, p):
@@ -450,16 +591,29 @@ class InBackwardEngine(FlatEngine):
             self.dirty = False
         self.task = task
         self.pending = False  # gradients accumulated under no_step() are taken by this pass
+        if self.clip is not None:
+            self.clip.begin(self.devices, [b.dtype for b in self.buffers])
         if backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def step_pending(self):
-        """``opt.step()`` after every micro-batch ran under ``no_step()``: step the accumulated
-        ``p.grad`` as torch.optim would, then free them."""
+        """``opt.step()`` after every micro-batch ran under ``no_step()`` (or a short accumulation window):
+        step the accumulated ``p.grad`` as torch.optim would, then free them. With ``max_grad_norm`` every
+        gradient is known before the first bucket: they are clipped by their total norm, as torch clips."""
         with self.lock, torch.no_grad():
             try:
                 self._begin(task=None, backward=False)
+                if self.clip is not None:
+                    self.clip.know_all(
+                        [
+                            p.grad
+                            for p in self.bucket_of
+                            if p.grad is not None and p.grad.layout == torch.strided and p not in self.outside
+                        ]
+                    )
                 self._end_pass()
+                if self.clip is not None:
+                    self.clip.end()
             finally:
                 self.reset()
 
@@ -469,7 +623,9 @@ class InBackwardEngine(FlatEngine):
             try:
                 self._flush()
                 self._end_pass()
-                self.passes_since_step += 1
+                if self.clip is not None:
+                    self.clip.end()
+                self.applied = True  # the pass's gradients are applied and freed
             finally:
                 self.reset()
 
@@ -504,12 +660,19 @@ class InBackwardEngine(FlatEngine):
         s, e = bucket.start, bucket.end
         states = [buf.states.get(n) for n in opt.rule.state_names]
         hparams = opt.hparams.on(buf.device)
+        divisor = None
+        if self.clip is not None:  # max_grad_norm: the gradient is divided by it in the launch, as by a grad scale
+            if bucket.divisor is None:
+                dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32
+                bucket.divisor = torch.ones(1, dtype=dtype, device=buf.device)
+            divisor = self.clip.divisor(grad, bucket.divisor)
 
         def launch():
-            self.launch(buf, grad, hparams=hparams, meta=meta, span=(s, e))
+            self.launch(buf, grad, hparams=hparams, meta=meta, span=(s, e), grad_scale=divisor)
 
         if meta.active is None and self.graph_usable():
             key = (grad.data_ptr(), meta.uniform, hparams.data_ptr(), meta.steps.data_ptr())
+            key += (None if divisor is None else divisor.data_ptr(),)
             bucket.graph.run_keyed(key + tuple(None if t is None else t.data_ptr() for t in states), launch)
         else:
             launch()

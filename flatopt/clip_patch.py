@@ -1,0 +1,106 @@
+"""``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` made to see in-backward optimizers.
+
+Frameworks clip after backward and before ``optimizer.step()``: transformers' Trainer (through
+accelerate) calls ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)``, Lightning
+``torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)`` (or ``clip_grad_value_``), each looking
+the function up when it calls it. In in-backward mode the gradients were applied and freed during
+backward, so torch's function would find none, return 0 and clip nothing, without a word.
+
+When the first in-backward optimizer is created, :func:`register` replaces both functions (in
+``torch.nn.utils`` and ``torch.nn.utils.clip_grad``) by wrappers, once per process. A wrapper
+materialises ``parameters`` (which may be a generator) and, when none of them belongs to a live
+in-backward optimizer, calls torch's function unchanged (same arguments, result and errors). When
+some do, the optimizer decides (:meth:`flatopt.engines.in_backward.InBackwardEngine.clip_call`): it
+returns the norm it clipped by in backward when it was built with the same ``max_grad_norm`` and
+``norm_type``, and otherwise raises before anything changes. The optimizers are held weakly: one
+that is garbage collected no longer counts.
+"""
+
+import functools
+import inspect
+import weakref
+
+import torch
+
+_engines = weakref.WeakSet()  # the engines of the live in-backward optimizers
+_originals = {}  # function name -> torch's function, as it was before the first in-backward optimizer
+
+
+def register(engine):
+    """An in-backward optimizer's engine: its parameters are looked for in every clipping call from now on."""
+    _engines.add(engine)
+    if not _originals:
+        _install()
+
+
+def original(name):
+    """torch's own ``name`` (``"clip_grad_norm_"`` or ``"clip_grad_value_"``), unwrapped."""
+    return _originals.get(name) or getattr(torch.nn.utils.clip_grad, name)
+
+
+def owner(params, call):
+    """The in-backward engine whose parameters ``params`` (a list) holds, or None when it holds none.
+    Raises when they belong to several in-backward optimizers, or mix one's parameters with other
+    parameters that have a gradient, since neither can be clipped as one set."""
+    tensors = [p for p in params if isinstance(p, torch.Tensor)]
+    found = [e for e in list(_engines) if e.opt is not None and any(e.holds(p) for p in tensors)]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise RuntimeError(
+            f"{call}: the parameters belong to {len(found)} in-backward optimizers "
+            f"({', '.join(e.cls for e in found)}), which clip their gradients in backward each on its own; "
+            f"call {call} once per optimizer, with its parameters"
+        )
+    engine = found[0]
+    others = [p for p in tensors if not engine.holds(p) and p.grad is not None]
+    if others:
+        raise RuntimeError(
+            f"{call}: the parameters mix those of {engine.cls}(in_backward=True), whose gradients are applied during "
+            f"backward, with {len(others)} other parameter(s) that hold a gradient; clip the two sets with separate "
+            "calls"
+        )
+    return engine
+
+
+def _wrap(fn, name):
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not _engines:
+            return fn(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+            params = bound.arguments["parameters"]
+            if not isinstance(params, torch.Tensor):
+                params = bound.arguments["parameters"] = list(params)  # a generator is read once, here
+        except (TypeError, KeyError):
+            return fn(*args, **kwargs)  # torch's own error for the arguments
+        engine = owner([params] if isinstance(params, torch.Tensor) else params, name)
+        if engine is None:
+            return fn(*bound.args, **bound.kwargs)
+        given = bound.arguments
+        if name == "clip_grad_value_":
+            return engine.clip_value_call(lambda: fn(*bound.args, **bound.kwargs))
+        return engine.clip_call(
+            given["max_norm"],
+            given.get("norm_type", 2.0),
+            given.get("error_if_nonfinite", False),
+            lambda: fn(*bound.args, **bound.kwargs),
+        )
+
+    return wrapper
+
+
+def _install():
+    utils, module = torch.nn.utils, torch.nn.utils.clip_grad
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        fn = getattr(module, name)
+        _originals[name] = fn
+        wrapped = _wrap(fn, name)
+        setattr(module, name, wrapped)
+        if getattr(utils, name, None) is fn:
+            setattr(utils, name, wrapped)
+        else:  # replaced by someone else already: wrap that one too, on its own
+            setattr(utils, name, _wrap(getattr(utils, name), name))
