@@ -14,10 +14,17 @@ some do, the optimizer decides (:meth:`flatopt.engines.in_backward.InBackwardEng
 returns the norm it clipped by in backward when it was built with the same ``max_grad_norm`` and
 ``norm_type``, and otherwise raises before anything changes. The optimizers are held weakly: one
 that is garbage collected no longer counts.
+
+A call with ``max_norm=inf`` clips nothing: it only asks for the norm (transformers' Trainer makes it at
+every step with ``max_grad_norm=0``, its setting for no clipping, to log ``grad_norm``). It is answered
+by :func:`norm_query` and never refused: after a stepped pass, with the norm the optimizer measured
+(built with ``max_grad_norm`` and the same ``norm_type``) or NaN, with a warning, when it measured none.
 """
 
 import functools
 import inspect
+import math
+import warnings
 import weakref
 
 import torch
@@ -63,6 +70,42 @@ def owner(params, call):
     return engine
 
 
+def norm_query(engine, norm_type, error_if_nonfinite, run_torch):
+    """``clip_grad_norm_(params, inf, norm_type)`` over ``engine``'s parameters, which clips nothing; returns the
+    total norm, as torch does:
+
+    * gradients still in ``.grad`` (no pass stepped since the last step() or zero_grad()): torch's call;
+    * after a stepped pass, an optimizer built with ``max_grad_norm`` and this ``norm_type``: the pass's norm
+      before clipping (what ``clip_grad_norm_(params, max_grad_norm)`` returns);
+    * after a stepped pass, an optimizer that measured no norm of this type: NaN (the norm is unknown: the
+      gradients are gone), with a warning that says how to have it measured; with ``error_if_nonfinite``, a
+      RuntimeError instead."""
+    clip = engine.clip
+    if not engine.applied:
+        return run_torch()
+    try:
+        norm_type = float(norm_type)
+    except (TypeError, ValueError):
+        return run_torch()  # torch's own error for the argument
+    if clip is not None and clip.norm_type == norm_type:
+        return engine.clip_call(clip.max_norm, norm_type, error_if_nonfinite, run_torch)
+    built = "without max_grad_norm" if clip is None else f"with norm_type={clip.norm_type!r}"
+    unknown = (
+        f"{engine.cls}(in_backward=True), built {built}, measured no gradient norm of order {norm_type!r} for the "
+        "backward pass, which applied the gradients and freed them"
+    )
+    if error_if_nonfinite:
+        raise RuntimeError(f"clip_grad_norm_(max_norm=inf, error_if_nonfinite=True): {unknown}; it cannot be checked")
+    warnings.warn(
+        f"clip_grad_norm_(max_norm=inf) asks for the norm only: {unknown}, so it returns NaN (transformers' Trainer "
+        f"logs grad_norm nan). To have the norm measured and returned, build the optimizer with max_grad_norm=1e9 "
+        "(and this norm_type), which then divides each gradient by 1 (changes nothing) unless its norm exceeds it",
+        stacklevel=3,
+    )
+    device = engine.devices[0] if engine.devices else None
+    return torch.full((), math.nan, device=device)
+
+
 def _wrap(fn, name):
     signature = inspect.signature(fn)
 
@@ -83,6 +126,13 @@ def _wrap(fn, name):
         given = bound.arguments
         if name == "clip_grad_value_":
             return engine.clip_value_call(lambda: fn(*bound.args, **bound.kwargs))
+        if _is_inf(given["max_norm"]):  # clips nothing: a question for the norm, never refused
+            return norm_query(
+                engine,
+                given.get("norm_type", 2.0),
+                given.get("error_if_nonfinite", False),
+                lambda: fn(*bound.args, **bound.kwargs),
+            )
         return engine.clip_call(
             given["max_norm"],
             given.get("norm_type", 2.0),
@@ -91,6 +141,13 @@ def _wrap(fn, name):
         )
 
     return wrapper
+
+
+def _is_inf(max_norm):
+    try:
+        return float(max_norm) == math.inf
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def _install():
