@@ -9,6 +9,7 @@ Runs on the CPU in seconds.
     python examples/hf_trainer.py --pass-as instance       # optimizers=(flatopt.AdamW(model, ...), None)
     python examples/hf_trainer.py --bf16 --grad-accum 4 --checkpointing non-reentrant --model llama
     python examples/hf_trainer.py --resume-at 8            # save at step 8, resume there, compare with the whole run
+    python examples/hf_trainer.py --in-backward --grad-accum 4   # flatopt.AdamW(..., in_backward=True)
 
 The two ways of handing an optimizer to Trainer:
 
@@ -21,6 +22,19 @@ The two ways of handing an optimizer to Trainer:
 Trainer ends each step with ``model.zero_grad()`` rather than ``optimizer.zero_grad()``; the
 :class:`ReleaseGradients` callback below frees flatopt's gradient buffer there, as torch.optim's
 gradients are freed.
+
+In-backward mode (``--in-backward``; ``flatopt.AdamW(..., in_backward=True)`` steps the parameters during
+backward): the optimizer must be told the loop's accumulation and clipping, from ``TrainingArguments``
+(:func:`in_backward_options`)::
+
+    args = TrainingArguments(..., gradient_accumulation_steps=4, max_grad_norm=1.0)
+    kwargs = {"lr": 3e-4, "in_backward": True,
+              "accumulation_steps": args.gradient_accumulation_steps,   # 3 passes accumulate, the 4th steps
+              "max_grad_norm": args.max_grad_norm or None}              # clips in backward; None when 0
+    Trainer(model=model, args=args, optimizer_cls_and_kwargs=(flatopt.AdamW, kwargs), ...)
+
+Without ``accumulation_steps`` the second backward pass of a window is refused; without ``max_grad_norm``
+Trainer's first clipping call is (``max_grad_norm=0`` in ``TrainingArguments`` turns Trainer's clipping off).
 
 Requires ``pip install "flatopt[integrations]"`` (transformers, accelerate).
 """
@@ -113,7 +127,20 @@ def checkpointing_args(mode):
     return kwargs
 
 
-def train(
+def in_backward_options(args):
+    """What an in-backward optimizer must be told about the loop Trainer drives, from its own
+    ``TrainingArguments``: the window of ``gradient_accumulation_steps`` backward passes that make one step,
+    and the norm Trainer clips by (its ``max_grad_norm``; 0 turns clipping off). Trainer's clipping call,
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)``, then returns the norm the
+    optimizer clipped by in backward, and Trainer logs it as ``grad_norm``."""
+    return {
+        "in_backward": True,
+        "accumulation_steps": args.gradient_accumulation_steps,
+        "max_grad_norm": args.max_grad_norm or None,
+    }
+
+
+def build_trainer(
     optimizer="flatopt",
     pass_as="cls",
     model="gpt2",
@@ -126,27 +153,28 @@ def train(
     grad_accum=1,
     checkpointing="off",
     save_at=None,
-    resume_from=None,
     output_dir=None,
     release_grads=True,
+    in_backward=False,
+    options=None,
+    callbacks=(),
     seed=0,
 ):
-    """Train for ``steps`` optimizer steps with ``transformers.Trainer`` and return what happened.
+    """A ``transformers.Trainer`` over a tiny model, ready to train for ``steps`` optimizer steps.
 
     Args:
         optimizer: ``"flatopt"`` (flatopt.AdamW) or ``"torch"`` (torch.optim.AdamW)
         pass_as: ``"cls"`` (``optimizer_cls_and_kwargs``) or ``"instance"`` (``optimizers=(opt, None)``)
         model: ``"gpt2"`` or ``"llama"`` (see :func:`tiny_model`)
+        max_grad_norm, bf16, grad_accum (``gradient_accumulation_steps``): Trainer's settings
+        checkpointing: activation checkpointing (see :func:`checkpointing_args`)
         save_at: save a checkpoint every ``save_at`` steps (default: no checkpoints)
-        resume_from: a checkpoint directory to resume from (``trainer.train(resume_from_checkpoint=...)``)
         release_grads: add :class:`ReleaseGradients`, which frees flatopt's gradient buffer after each step
-
-    Returns:
-        dict: ``losses``, ``grad_norms`` (before clipping) and ``lrs``, one per optimizer step as Trainer logs
-        them; ``params`` (name -> final parameter); ``optimizer`` (the class Trainer stepped) and its groups'
-        ``weight_decays``; ``mixed_precision`` (accelerate's); ``checkpointing`` (whether the model had
-        activation checkpointing on); ``grad_bytes`` (what flatopt's gradient buffers hold at the end, None
-        for torch.optim); ``output_dir``.
+        in_backward: flatopt in in-backward mode, told Trainer's accumulation and clipping
+            (:func:`in_backward_options`)
+        options: more keyword arguments for flatopt.AdamW, over those (``{"max_grad_norm": None}`` leaves the
+            clipping out, to see what Trainer's first clipping call then says)
+        callbacks: more ``TrainerCallback`` objects
     """
     cls = OPTIMIZERS[optimizer]
     net = tiny_model(model, seed)
@@ -158,25 +186,56 @@ def train(
         bf16=bf16, use_cpu=True, seed=seed, logging_steps=1, report_to=[], dataloader_num_workers=0,
         disable_tqdm=True, **saving, **checkpointing_args(checkpointing),
     )  # fmt: skip
+    kwargs = {"lr": lr, "betas": (0.9, 0.95)}
+    if in_backward or options:
+        if cls is not flatopt.AdamW:
+            raise ValueError("in_backward and options apply to flatopt only")
+        kwargs.update({**(in_backward_options(args) if in_backward else {}), **(options or {})})
     if pass_as == "cls":
         # Trainer calls cls(param_groups, **kwargs): weight_decay per group from args, lr and the rest from kwargs
-        how = {"optimizer_cls_and_kwargs": (cls, {"lr": lr, "betas": (0.9, 0.95)})}
+        how = {"optimizer_cls_and_kwargs": (cls, kwargs)}
     elif pass_as == "instance":
         params = net if cls is flatopt.AdamW else net.parameters()  # flatopt takes the module itself
-        how = {"optimizers": (cls(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay), None)}
+        how = {"optimizers": (cls(params, weight_decay=weight_decay, **kwargs), None)}
     else:
         raise ValueError(f"unknown pass_as {pass_as!r}; use 'cls' or 'instance'")
     trainer = Trainer(model=net, args=args, train_dataset=RandomTokens(seed=seed), **how)
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; main() prints its own table
     if release_grads:
         trainer.add_callback(ReleaseGradients())
+    for callback in callbacks:
+        trainer.add_callback(callback)
+    return trainer
+
+
+def inner_optimizer(trainer):
+    """The optimizer Trainer steps (accelerate wraps it in an ``AcceleratedOptimizer``)."""
+    return getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+
+
+def train(*args, resume_from=None, **knobs):
+    """Train for ``steps`` optimizer steps with ``transformers.Trainer`` and return what happened.
+
+    Args:
+        resume_from: a checkpoint directory to resume from (``trainer.train(resume_from_checkpoint=...)``)
+        args, knobs: :func:`build_trainer`'s arguments
+
+    Returns:
+        dict: ``losses``, ``grad_norms`` (before clipping) and ``lrs``, one per optimizer step as Trainer logs
+        them; ``params`` (name -> final parameter); ``optimizer`` (the class Trainer stepped), its groups'
+        ``weight_decays``; flatopt's ``in_backward``, ``accumulation_steps``, ``max_grad_norm`` and
+        ``last_grad_norm`` (None for torch.optim); ``mixed_precision``
+        (accelerate's); ``checkpointing`` (whether the model had activation checkpointing on); ``grad_bytes``
+        (what flatopt's gradient buffers hold at the end, None for torch.optim); ``output_dir``.
+    """
+    trainer = build_trainer(*args, **knobs)
     trainer.train(resume_from_checkpoint=resume_from)
-    history = trainer.state.log_history
-    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+    net, history, inner = trainer.model, trainer.state.log_history, inner_optimizer(trainer)
     held = None  # bytes flatopt's gradient buffers hold after training
     if isinstance(inner, flatopt.AdamW):
         held = sum(b.grad.untyped_storage().nbytes() for b in flatopt.inspect(inner).buffers if b.grad is not None)
     renamed = hasattr(type(net), "is_activation_checkpointing")  # transformers 5's name for it
+    last_norm = getattr(inner, "last_grad_norm", None)
     return {
         "losses": [h["loss"] for h in history if "loss" in h],
         "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h],
@@ -184,10 +243,14 @@ def train(
         "params": {n: p.detach().clone() for n, p in net.named_parameters()},
         "optimizer": f"{type(inner).__module__}.{type(inner).__name__}",
         "weight_decays": [group["weight_decay"] for group in inner.param_groups],
+        "in_backward": getattr(inner, "in_backward", False),
+        "accumulation_steps": getattr(inner, "accumulation_steps", None),
+        "max_grad_norm": getattr(inner, "max_grad_norm", None),
+        "last_grad_norm": None if last_norm is None else float(last_norm),
         "mixed_precision": trainer.accelerator.mixed_precision,
         "checkpointing": net.is_activation_checkpointing if renamed else net.is_gradient_checkpointing,
         "grad_bytes": held,
-        "output_dir": output_dir,
+        "output_dir": trainer.args.output_dir,
     }
 
 
@@ -222,6 +285,11 @@ def main(argv=None):
         default=None,
         help="also save a checkpoint every this many steps, resume from the first one and compare",
     )
+    parser.add_argument(
+        "--in-backward",
+        action="store_true",
+        help="flatopt in in-backward mode, with accumulation_steps and max_grad_norm from TrainingArguments",
+    )
     parser.add_argument("--only", choices=["flatopt", "torch"], default=None, help="run one optimizer only")
     args = parser.parse_args(argv)
     logging.disable_progress_bar()  # the bar of each checkpoint's save
@@ -231,11 +299,17 @@ def main(argv=None):
         grad_accum=args.grad_accum, max_grad_norm=args.max_grad_norm, checkpointing=args.checkpointing,
     )  # fmt: skip
     print("transformers.Trainer: " + ", ".join(f"{k}={v}" for k, v in common.items()))
+    if args.in_backward and args.max_grad_norm:
+        print(
+            "  flatopt in in-backward mode clips in backward by the running norm (docs/in-backward.md, 'Clipping'), "
+            "not by torch's exact global norm: with clipping on, the runs differ by more than float noise"
+        )
     runs = {}
     for name in [args.only] if args.only else ["flatopt", "torch"]:
         t0 = time.perf_counter()
-        runs[name] = train(name, save_at=args.resume_at, **common)
-        print(f"  {runs[name]['optimizer']}: {time.perf_counter() - t0:.1f} s")
+        mode = {"in_backward": True} if args.in_backward and name == "flatopt" else {}
+        runs[name] = train(name, save_at=args.resume_at, **common, **mode)
+        print(f"  {runs[name]['optimizer']}{' (in_backward=True)' if mode else ''}: {time.perf_counter() - t0:.1f} s")
     print("  step  " + "  ".join(f"{name:>10}" for name in runs))
     for i, losses in enumerate(zip(*(r["losses"] for r in runs.values()))):
         print(f"  {i + 1:4d}  " + "  ".join(f"{loss:10.6f}" for loss in losses))
@@ -247,7 +321,8 @@ def main(argv=None):
     if args.resume_at:
         name, whole = next(iter(runs.items()))
         checkpoint = os.path.join(whole["output_dir"], f"checkpoint-{args.resume_at}")
-        resumed = train(name, save_at=args.resume_at, resume_from=checkpoint, **common)
+        mode = {"in_backward": True} if args.in_backward and name == "flatopt" else {}
+        resumed = train(name, save_at=args.resume_at, resume_from=checkpoint, **common, **mode)
         diff, where = max_param_diff(whole["params"], resumed["params"])
         print(f"  {name} resumed from {checkpoint}: largest parameter difference from the whole run: {diff:.3g}")
         summary["resumed"], summary["resume_diff"] = resumed, diff
