@@ -100,7 +100,7 @@ def norm_query(engine, norm_type, error_if_nonfinite, run_torch):
         f"clip_grad_norm_(max_norm=inf) asks for the norm only: {unknown}, so it returns NaN (transformers' Trainer "
         f"logs grad_norm nan). To have the norm measured and returned, build the optimizer with max_grad_norm=1e9 "
         "(and this norm_type), which then divides each gradient by 1 (changes nothing) unless its norm exceeds it",
-        stacklevel=3,
+        stacklevel=4,
     )
     device = engine.devices[0] if engine.devices else None
     return torch.full((), math.nan, device=device)
@@ -126,14 +126,8 @@ def _wrap(fn, name):
         given = bound.arguments
         if name == "clip_grad_value_":
             return engine.clip_value_call(lambda: fn(*bound.args, **bound.kwargs))
-        if _is_inf(given["max_norm"]):  # clips nothing: a question for the norm, never refused
-            return norm_query(
-                engine,
-                given.get("norm_type", 2.0),
-                given.get("error_if_nonfinite", False),
-                lambda: fn(*bound.args, **bound.kwargs),
-            )
-        return engine.clip_call(
+        return clip_request(
+            engine,
             given["max_norm"],
             given.get("norm_type", 2.0),
             given.get("error_if_nonfinite", False),
@@ -141,6 +135,16 @@ def _wrap(fn, name):
         )
 
     return wrapper
+
+
+def clip_request(engine, max_norm, norm_type, error_if_nonfinite, run_torch):
+    """A clip_grad_norm_ call over in-backward ``engine``'s parameters, from torch's wrapped function or from
+    ``opt.clip_grad_norm_()``: ``max_norm=inf`` clips nothing and only asks for the norm (transformers' Trainer
+    makes that call with ``max_grad_norm=0``, to log it), so it is never refused (:func:`norm_query`); any
+    other value is the engine's to clip or refuse (``clip_call``)."""
+    if _is_inf(max_norm):
+        return norm_query(engine, norm_type, error_if_nonfinite, run_torch)
+    return engine.clip_call(max_norm, norm_type, error_if_nonfinite, run_torch)
 
 
 def _is_inf(max_norm):

@@ -187,11 +187,16 @@ def test_a_max_norm_inf_call_only_asks_for_the_norm_and_is_never_refused():
     for m in (plain, clipped, other_type, windowed):
         backward(m)
     before = [p.detach().clone() for p in plain.parameters()]
-    with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(max_norm=1.0, norm_type=2.0\) cannot clip"):
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_\(max_norm=1.0, norm_type=2.0\) cannot clip") as info:
         torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)  # a real clip is refused, as before
+    assert "Pass max_grad_norm=1.0 to AdamW" in str(info.value), "the default norm_type is not asked for"
+    with pytest.raises(RuntimeError, match=r"Pass max_grad_norm=1.0 and norm_type=inf to AdamW"):
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0, norm_type=math.inf)
     with pytest.warns(UserWarning, match=r"built without max_grad_norm, measured no gradient norm.*returns NaN"):
         norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), math.inf)
     assert norm.dim() == 0 and math.isnan(norm)
+    with pytest.warns(UserWarning, match=r"built without max_grad_norm, measured no gradient norm.*returns NaN"):
+        assert math.isnan(opts[0].clip_grad_norm_(math.inf)), "the optimizer's own method answers as torch's does"
     with pytest.raises(RuntimeError, match=r"max_norm=inf, error_if_nonfinite=True\).*cannot be checked"):
         torch.nn.utils.clip_grad_norm_(plain.parameters(), float("inf"), error_if_nonfinite=True)
     assert all(torch.equal(p, b) for p, b in zip(plain.parameters(), before))

@@ -288,8 +288,8 @@ class InBackwardEngine(FlatEngine):
         """``opt.clip_grad_norm_()``: as ``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters."""
         params = list(self.bucket_of)
         clip = clip_patch.original("clip_grad_norm_")
-        return self.clip_call(
-            max_norm, norm_type, error_if_nonfinite, lambda: clip(params, max_norm, norm_type, error_if_nonfinite)
+        return clip_patch.clip_request(
+            self, max_norm, norm_type, error_if_nonfinite, lambda: clip(params, max_norm, norm_type, error_if_nonfinite)
         )
 
     def clip_call(self, max_norm, norm_type, error_if_nonfinite, run_torch):
@@ -324,7 +324,8 @@ class InBackwardEngine(FlatEngine):
                 raise RuntimeError(
                     f"{cls}(in_backward=True): {asked} cannot clip the gradients: the backward pass applied them to "
                     "the parameters and freed them as they arrived, so this call would find none and clip nothing. "
-                    f"Pass max_grad_norm={max_norm!r} (and norm_type={norm_type!r} if not 2.0) to {cls}, which then "
+                    f"Pass max_grad_norm={max_norm!r}{'' if norm_type == 2.0 else f' and norm_type={norm_type!r}'} "
+                    f"to {cls}, which then "
                     "clips in backward by the running norm (docs/in-backward.md, 'Clipping'), or turn clipping off in "
                     "the framework (max_grad_norm=0 in transformers' TrainingArguments, gradient_clip_val=None in "
                     "Lightning's Trainer), or use in_backward=False (step mode). The parameters have already been "
