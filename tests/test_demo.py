@@ -37,7 +37,7 @@ def test_demo_writes_a_png_and_results(demo_run):
     assert results["plot"] == "loss_curves.png"
     assert results["device"] == "cpu"
     assert results["versions"]["torch"] and results["versions"]["flatopt"]
-    assert results["runs"]["flatopt.AdamW"]["backend"] == "torch"
+    assert results["runs"]["flatopt.AdamW"]["backend"] == "cpu"  # the default on the CPU
     assert results["config"]["steps"] == 6
 
 

@@ -10,7 +10,7 @@ step alone and of the whole training step, and how far apart the two loss curves
 a plot of the curves (matplotlib, the ``demo`` extra) and a results JSON into the output folder.
 
 On a CUDA device flatopt steps with its Triton kernels and the clock is read after a
-synchronisation; on the CPU it uses its pure-torch backend.
+synchronisation; on the CPU it uses its CPU backend (torch's fused CPU kernels over the flat buffers).
 """
 
 import json
