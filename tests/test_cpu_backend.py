@@ -423,17 +423,31 @@ def test_in_backward_mode_steps_as_step_mode():
 
 # ------------------------------------------------------------------------------------------ torch's SGD
 def test_fused_sgd_check_recognises_a_kernel_that_leaves_the_parameters(monkeypatch):
+    """fused_sgd_steps compares torch's kernel with the rule's math: a kernel that stores nothing is refused, one that
+    computes the rule is taken; where none is taken for the buffers nor for float32, the launch is the reference's."""
+
+    def by_the_rule(params, grads, bufs, *, momentum, dampening, weight_decay, lr, nesterov, maximize,
+                    is_first_step, grad_scale=None, found_inf=None):  # fmt: skip
+        p, g, b = params[0], grads[0], bufs[0]
+        hp = dict(lr=lr, momentum=momentum, one_minus_dampening=1 - dampening, weight_decay=weight_decay,
+                  nesterov=float(nesterov), grad_sign=-1.0 if maximize else 1.0)  # fmt: skip
+        hp = {k: torch.tensor(v) for k, v in hp.items()}
+        new_p, new_b = SGD.math(
+            p.float(), g.float(), b.float(), steps=torch.tensor(0.0 if is_first_step else 1.0), **hp
+        )
+        p.copy_(new_p)
+        b.copy_(new_b)
+
     cpu.fused_sgd_steps.cache_clear()
     try:
         monkeypatch.setattr(torch, "_fused_sgd_", lambda params, grads, bufs, **kw: None)
-        assert not cpu.fused_sgd_steps(torch.float32)
+        assert not cpu.fused_sgd_steps(torch.float32) and not cpu.fused_sgd_steps(torch.bfloat16)
+        ours, ref = Case("sgd", torch.bfloat16, "groups-and-steps"), Case("sgd", torch.bfloat16, "groups-and-steps")
+        ours.launch("cpu")
+        ref.launch("torch")
+        compare(ours, ref, "no fused kernel taken")
         cpu.fused_sgd_steps.cache_clear()
-
-        def chunked(params, grads, bufs, *, momentum, dampening, weight_decay, lr, is_first_step, **kw):
-            h = dict(lr=lr, weight_decay=weight_decay, one_minus_dampening=1 - dampening, nesterov=0.0, grad_sign=1.0)
-            cpu._sgd_chunked(params[0], grads[0], bufs[0], h, momentum, is_first_step, None)
-
-        monkeypatch.setattr(torch, "_fused_sgd_", chunked)
+        monkeypatch.setattr(torch, "_fused_sgd_", by_the_rule)
         assert cpu.fused_sgd_steps(torch.bfloat16)
     finally:
         cpu.fused_sgd_steps.cache_clear()
