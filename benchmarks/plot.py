@@ -14,6 +14,9 @@ kind of result is read from the JSON's "benchmark" field (results of bench_step.
               with flatopt's targets
     eager     bench_eager.py: per model, ms per training step of each implementation (paired timing, synchronised
               and back to back) with flatopt's ratio to torch-fused, and the peak memory of each
+    cpu       bench_cpu.py: per variant (step alone; zero_grad + backward + step) and optimizer, each implementation's
+              median time relative to the case's fastest baseline that steps right, flatopt's ratio written above
+              its bar, the target (1.0) dashed; an implementation found to step wrong in a case is hatched there
 
     python3 benchmarks/plot.py benchmarks/results/step-<stamp>.json                # PNG next to the JSON
     python3 benchmarks/plot.py RESULT.json --png out.png --markdown out.md
@@ -62,7 +65,7 @@ SAME_BYTES = "copy-same-bytes"  # bench_step.py's reference row: dst.copy_(src) 
 SMOKE_LABEL = "SMOKE RUN: NOT A MEASUREMENT"
 
 
-KINDS = ("step", "memory", "capture", "eager")
+KINDS = ("step", "memory", "capture", "eager", "cpu")
 SCHEMAS = (1,)
 
 
@@ -664,18 +667,77 @@ def plot_eager_png(record, path):
     plt.close(fig)
 
 
+# -------------------------------------------------------------------------------------------- cpu result
+CPU_COLORS = {"torch-foreach": "#9ecae1", "torch-fused": "#3182bd", "lion-pytorch": "#fdae6b", "flatopt": "#31a354"}
+
+
+def plot_cpu_png(record, path):
+    """bench_cpu.py: one panel per variant and optimizer; per case (set, dtype) a bar per implementation, its median
+    time over the case's baseline (the fastest implementation that steps right), flatopt's ratio written on its bar,
+    1.0 dashed; a bar of an implementation that steps wrong in that case (bench_cpu.steps_right) is hatched."""
+    from benchmarks import bench_cpu
+
+    plt = _pyplot()
+    rows = record["results"]
+    variants, optimizers = bench_cpu.VARIANTS, bench_cpu.OPTIMIZERS
+    fig, axes = plt.subplots(len(variants), len(optimizers), figsize=(15, 8), squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for (vi, variant), (oi, opt) in ((v, o) for v in enumerate(variants) for o in enumerate(optimizers)):
+        mine = [r for r in rows if r["variant"] == variant and r["optimizer"] == opt]
+        if not mine:
+            continue
+        ax = axes[vi][oi]
+        ax.set_visible(True)
+        cases = list(dict.fromkeys((r["set"], r["dtype"]) for r in mine))
+        impls = [i for i in bench_cpu.IMPLS[opt] if any(r["impl"] == i for r in mine)]
+        idx = {(r["set"], r["dtype"], r["impl"]): r for r in mine}
+        width = 0.8 / len(impls)
+        top, labelled = 0.0, set()
+        for k, impl in enumerate(impls):
+            for j, (s, dt) in enumerate(cases):
+                r, base = idx.get((s, dt, impl)) or {}, (idx.get((s, dt, "flatopt")) or {}).get("baseline_ms")
+                x = j + (k - (len(impls) - 1) / 2) * width
+                if r.get("median_ms") is None or not base:
+                    ax.text(x, 0.05, gap_label(r or None, "no baseline"), rotation=90, ha="center", va="bottom",
+                            fontsize=6, color="0.35")  # fmt: skip
+                    continue
+                y = r["median_ms"] / base
+                top = max(top, y)
+                wrong = r.get("steps_right") is False
+                label = None if impl in labelled else impl
+                labelled.add(impl)
+                ax.bar(x, y, width, color=CPU_COLORS.get(impl, "0.5"), hatch="//" if wrong else None, label=label)
+                if impl == "flatopt":
+                    ax.annotate(f"{y:.2f}", (x, y), ha="center", va="bottom", fontsize=7)
+        if top > 20:  # a case far above the rest (a per-tensor loop over many small tensors): keep the rest readable
+            ax.set_yscale("log")
+        ax.axhline(bench_cpu.TARGET_RATIO, color="black", ls="--", lw=1)
+        ax.set_xticks(range(len(cases)), [f"{s}\n{dt}" for s, dt in cases], fontsize=7)
+        ax.set_ylabel("median time / fastest baseline", fontsize=8)
+        what = "step() alone" if variant == "step" else "zero_grad + backward + step"
+        ax.set_title(f"{OPTIMIZER_TITLES[opt]}: {what}", fontsize=9)
+        ax.legend(fontsize=6)
+    cpu = record.get("cpu") or {}
+    title = (f"flatopt backend='cpu' against torch.optim and lion-pytorch: {cpu.get('model')}, {cpu.get('cores')} "
+             f"cores, {cpu.get('threads')} torch thread(s); hatched: steps wrong, left out of the ratio\n"
+             f"{harness.env_line(record)}")  # fmt: skip
+    _finish(fig, record, title, path)
+    plt.close(fig)
+
+
 def draw(record, path, kind=None):
     """Draw ``record`` (of any kind) to the PNG ``path``."""
     kind = kind or kind_of(record)
-    {"step": plot_png, "memory": plot_memory_png, "capture": plot_capture_png, "eager": plot_eager_png}[kind](
-        record, path
-    )
+    draw_kind = {"step": plot_png, "memory": plot_memory_png, "capture": plot_capture_png, "eager": plot_eager_png}
+    draw_kind["cpu"] = plot_cpu_png
+    draw_kind[kind](record, path)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", type=Path, help="a JSON written by bench_step.py, bench_memory.py, bench_capture.py or "
-                   "bench_eager.py")  # fmt: skip
+    p.add_argument("json", type=Path, help="a JSON written by bench_step.py, bench_memory.py, bench_capture.py, "
+                   "bench_eager.py or bench_cpu.py")  # fmt: skip
     p.add_argument("--png", type=Path, default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-png", action="store_true", help="do not draw the PNG")
     p.add_argument("--markdown", nargs="?", const="-", default=None, help="write the markdown table (default: stdout)")

@@ -1,7 +1,7 @@
 """Generate docs/performance.md from the results stored under benchmarks/results/, so that the page says only what
 a stored result measured, with the device, library versions, date, commit and command it was measured with.
 
-For each kind of benchmark (step, eager, capture, memory) the page takes the latest stored result (by the date in
+For each kind of benchmark (step, eager, capture, memory, cpu) the page takes the latest stored result (by the date in
 its environment record), links its JSON and its plot, counts flatopt's targets met, missed and not evaluated, and
 gives the benchmark script's own tables (percent of the floor, timings, targets). A kind with no stored result says
 so and gives the command that produces one. Then the other stored records: profiles (latest per kind), the test
@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable (
 from benchmarks import harness, plot
 
 DOC = harness.REPO / "docs" / "performance.md"
-SECTIONS = (  # kind, title, the command that produces a result of that kind on a GPU machine
+SECTIONS = (  # kind, title, the command that produces a result of that kind (on a GPU machine but cpu's)
     ("step", "Optimizer step: percent of the memory-bandwidth floor", None),
     ("eager", "Eager training step: flatopt.AdamW against torch.optim.AdamW",
      "FLATOPT_SECTIONS=\"loop eager\" bash benchmarks/run_gpu.sh"),
@@ -33,6 +33,8 @@ SECTIONS = (  # kind, title, the command that produces a result of that kind on 
      "FLATOPT_SECTIONS=\"tests capture\" bash benchmarks/run_gpu.sh"),
     ("memory", "In-backward mode: peak memory on a 1B-parameter model",
      "FLATOPT_SECTIONS=\"step memory\" bash benchmarks/run_gpu.sh"),
+    ("cpu", "On the CPU: backend='cpu' against torch.optim and lion-pytorch (see docs/optimizers.md)",
+     "pip install lion-pytorch; PYTHONPATH=. python3 benchmarks/bench_cpu.py --threads N --out benchmarks/results"),
 )  # fmt: skip
 PROFILE_KINDS = ("profile-step", "profile-gather", "profile-capture")
 
@@ -135,7 +137,8 @@ def section(kind, title, command, found, doc_dir):
 def result_section(kind, heading, command, found, doc_dir):
     lines = [heading, ""]
     if not found:
-        return lines + [f"No stored result yet. On a GPU machine: `{command}`, then commit the JSON and PNG it "
+        where = "On an idle machine (no other work on its cores)" if kind == "cpu" else "On a GPU machine"
+        return lines + [f"No stored result yet. {where}: `{command}`, then commit the JSON and PNG it "
                         f"writes to `benchmarks/results/` and run `python3 benchmarks/report.py`.", ""]  # fmt: skip
     path, record = found[0]
     met, missed, none = harness.targets_summary(record.get("targets") or [])

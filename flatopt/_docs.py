@@ -9,8 +9,11 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             (device, dtype), stepped by one kernel launch each; ``p.data`` and ``p.grad`` become
             views. ``False`` leaves the caller's tensors where they are and launches once per
             parameter (default: True)
-        backend (str, optional): ``"triton"`` (the default when every parameter is on CUDA) or
-            ``"torch"`` (pure torch over the same buffers, the default on the CPU)
+        backend (str, optional): ``"triton"`` (the default when every parameter is on CUDA),
+            ``"cpu"`` (the default when every parameter is on the CPU: torch's fused CPU kernels and
+            chunked in-place code over the same buffers, one call per run of parameters sharing a
+            param group and step count; see :mod:`flatopt.cpu`) or ``"torch"`` (pure torch over the
+            same buffers, on any device: the reference the tests compare with)
         skip_unused (bool, optional): leave parameters whose ``.grad`` is None at ``step()``
             untouched (no weight decay, no state update, step count unchanged), exactly as
             torch.optim does. When every parameter has a gradient the step is the same single

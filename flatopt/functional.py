@@ -1,5 +1,6 @@
 """Functional entry points: one keyword-only signature per optimizer, dispatching to the Triton
-kernels (``backend="triton"``) or the pure-torch reference (``backend="torch"``).
+kernels (``backend="triton"``), the CPU backend (``backend="cpu"``: torch's fused CPU kernels and chunked
+in-place code, see :mod:`flatopt.cpu`) or the pure-torch reference (``backend="torch"``).
 
 ``hparams`` is the ``[groups, num_hparams]`` table of the rule's rows: float32 for float32, bfloat16 and
 float16 buffers, float64 for float64 ones (the dtype their math runs in). A float64 table also steps a
@@ -11,7 +12,7 @@ import torch
 from flatopt import reference
 from flatopt.layout import compute_dtype
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "cpu", "torch")
 
 
 def _impl(name, backend):
@@ -19,6 +20,10 @@ def _impl(name, backend):
         from flatopt import kernels
 
         return getattr(kernels, name)
+    if backend == "cpu":
+        from flatopt import cpu
+
+        return getattr(cpu, name)
     if backend == "torch":
         return getattr(reference, name)
     raise ValueError(f"Invalid backend: {backend!r}; expected one of {BACKENDS}")

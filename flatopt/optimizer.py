@@ -181,15 +181,22 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def _choose_backend(self, backend):
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         on_cuda = bool(trainable) and all(p.is_cuda for p in trainable)
+        on_cpu = all(p.device.type == "cpu" for p in trainable)
         if backend is None:
-            return "triton" if on_cuda else "torch"
+            return "triton" if on_cuda else "cpu" if on_cpu else "torch"
         if backend not in BACKENDS:
             raise ValueError(f"Invalid backend: {backend!r}; expected one of {BACKENDS}")
         if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "backend='triton' runs on CUDA tensors, and some parameters are not on a CUDA device; "
-                "use backend='torch' (the default on the CPU), or set TRITON_INTERPRET=1 before importing "
+                "use backend='cpu' (the default on the CPU), or set TRITON_INTERPRET=1 before importing "
                 "triton to run the kernels under the Triton interpreter"
+            )
+        if backend == "cpu" and not on_cpu:
+            where = sorted({str(p.device) for p in trainable if p.device.type != "cpu"})
+            raise ValueError(
+                f"backend='cpu' runs on CPU tensors, and some parameters are on {', '.join(where)}; use "
+                "backend='triton' for CUDA parameters (the default there), or backend='torch' (pure torch, any device)"
             )
         return backend
 

@@ -81,7 +81,7 @@ class FlatOptions:
     Attributes:
         flat: parameters, gradients and states in flat buffers (False: the caller's tensors, one
             launch per parameter).
-        backend: ``"triton"``, ``"torch"`` or None (chosen from the parameters' devices).
+        backend: ``"triton"``, ``"cpu"``, ``"torch"`` or None (chosen from the parameters' devices).
         skip_unused: leave parameters whose ``.grad`` is None untouched at a step, as torch.optim
             does (False: step them with a zero gradient).
         in_backward: step buckets of parameters during backward.

@@ -18,13 +18,42 @@ adamw_math, sgd_math, lion_math = ADAMW.math, SGD.math, LION.math
 __all__ = ["adamw_math", "sgd_math", "lion_math", "adamw_step", "sgd_step", "lion_step"]
 
 
+def runs(meta, numel):
+    """On the CPU: the launch's elements as runs ``(start, end, group, steps)`` of consecutive parameters sharing
+    param group (an int, the row of the table), completed steps (a float) and active flag, the inactive runs left
+    out. UNIFORM: one run. Host work of a few operations over the launch's parameters (not its elements), then
+    Python per run: the parameters of a flat buffer lie in order, so ``meta.param_of_granule`` is non-decreasing
+    and each parameter's granules are found by a binary search."""
+    if meta.uniform:
+        return [(0, numel, int(meta.param_group[meta.first]), float(meta.steps[meta.first]))]
+    owner = meta.param_of_granule
+    if owner.numel() == 0:
+        return []
+    ids = torch.arange(int(owner[0]), int(owner[-1]) + 1, dtype=owner.dtype)
+    begin = torch.searchsorted(owner, ids)  # each parameter's first granule
+    owns = torch.searchsorted(owner, ids, right=True) > begin  # parameters of no element own no granule
+    ids, begin = ids[owns].long(), begin[owns]
+    group, steps = meta.param_group.long()[ids], meta.steps[ids]
+    active = torch.ones_like(ids, dtype=torch.bool) if meta.active is None else meta.active.bool()[ids]
+    change = (group[1:] != group[:-1]) | (steps[1:] != steps[:-1]) | (active[1:] != active[:-1])
+    firsts = [0, *(torch.nonzero(change).flatten() + 1).tolist()]
+    starts = begin[firsts].tolist()
+    bounds = [*starts, owner.numel()]
+    return [
+        (a * ALIGN, min(b * ALIGN, numel), g, st)
+        for a, b, g, st, on in zip(bounds, bounds[1:], group[firsts].tolist(), steps[firsts].tolist(),
+                                   active[firsts].tolist())
+        if on
+    ]  # fmt: skip
+
+
 def _pieces(meta, hparams, numel):
     """The launch's elements as pieces ``(start, end, hyper-parameters, completed steps, active mask)``.
 
     UNIFORM: one piece with scalars. Otherwise, on the CPU: one piece per run of consecutive parameters
-    sharing param group, step count and active flag, with scalars (inactive runs are left out); the
-    host reads the small tables, which costs nothing there. On other devices: one piece whose
-    hyper-parameters, steps and mask are given per element, with no host synchronisation. Either way
+    sharing param group, step count and active flag, with scalars (inactive runs are left out; see
+    :func:`runs`); the host reads the small tables, which costs nothing there. On other devices: one piece
+    whose hyper-parameters, steps and mask are given per element, with no host synchronisation. Either way
     every element sees the same values of the table, so the results are identical.
     """
     if meta.uniform:
@@ -35,14 +64,8 @@ def _pieces(meta, hparams, numel):
         cols = hparams.index_select(0, meta.param_group.long()[pidx]).t()
         active = None if meta.active is None else meta.active.bool()[pidx]
         return [(0, numel, cols, meta.steps[pidx], active)]
-    group, steps = meta.param_group.long()[owner], meta.steps[owner]
-    active = torch.ones_like(owner, dtype=torch.bool) if meta.active is None else meta.active.bool()[owner]
-    change = (group[1:] != group[:-1]) | (steps[1:] != steps[:-1]) | (active[1:] != active[:-1])
-    bounds = [0, *(torch.nonzero(change).flatten() + 1).tolist(), owner.numel()]
     return [
-        (a * ALIGN, min(b * ALIGN, numel), hparams[group[a]], steps[a], None)
-        for a, b in zip(bounds, bounds[1:])
-        if active[a]
+        (a, b, hparams[g], torch.tensor(steps, dtype=meta.steps.dtype), None) for a, b, g, steps in runs(meta, numel)
     ]
 
 
@@ -55,6 +78,12 @@ def _run(meta, hparams, numel, found_inf, update, dtype):
         keep = active if ok is None else (ok if active is None else active & ok)
         for dst, new in update(start, end, h, steps):
             dst.copy_(new if keep is None else torch.where(keep, new, dst.to(dtype)))
+    advance_steps(meta, ok)
+
+
+def advance_steps(meta, ok=None):
+    """Add one to the completed steps of the launch's active parameters (``ok``: a bool tensor, False when
+    found_inf skipped the step, or None)."""
     steps = meta.steps[meta.first : meta.stop]
     inc = torch.ones_like(steps)
     if meta.active is not None:

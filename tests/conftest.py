@@ -50,7 +50,7 @@ TRITON_SKIP = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["torch", pytest.param("triton", marks=TRITON_SKIP)])
+@pytest.fixture(params=["torch", "cpu", pytest.param("triton", marks=TRITON_SKIP)])
 def backend(request):
     return request.param
 

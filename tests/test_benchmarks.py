@@ -281,6 +281,65 @@ def test_smoke_run_on_cpu_then_plot(bench, plot, tmp_path, capsys):
         assert "PNG skipped" in capsys.readouterr().out
 
 
+def test_cpu_benchmark_quick_run_then_plot(plot, tmp_path, capsys):
+    """bench_cpu.py --quick: every case of both variants timed for every implementation (lion-pytorch skipped, with
+    the reason, where the bench extra is not installed), flatopt's ratio to the fastest implementation that steps
+    right, one thread, the machine recorded; plot.py draws it only as a smoke run."""
+    cpu_bench = import_benchmark("bench_cpu")
+    path = tmp_path / "cpu.json"
+    assert cpu_bench.main(["--quick", "--rounds", "3", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["benchmark"] == "cpu" and record["schema"] == 1 and record["smoke"] is True
+    assert record["cpu"]["threads"] == 1 and record["cpu"]["cores"] == os.cpu_count() and record["cpu"]["model"]
+    assert record["env"]["torch"] == torch.__version__ and "bench_cpu.py --quick" in record["command"]
+    lion = importlib.util.find_spec("lion_pytorch") is not None
+    rows = {(r["variant"], r["set"], r["dtype"], r["optimizer"], r["impl"]): r for r in record["results"]}
+    cases = {k[:4] for k in rows}
+    assert cases == {(v, s, d, o) for v in ("step", "loop") for s in record["sets"] for d in ("fp32", "bf16")
+                     for o in ("adamw", "sgd", "lion")}  # fmt: skip
+    right = {(e["impl"], e["optimizer"], e["dtype"]): e["ok"] for e in record["steps_right"]}
+    for case in cases:
+        ours = rows[(*case, "flatopt")]
+        assert ours["status"] == "ok" and ours["median_ms"] > 0 and ours["rounds"] == 3, ours
+        assert right[("flatopt", case[3], case[2])] is True
+        others = [rows[(*case, i)] for i in cpu_bench.IMPLS[case[3]] if i != "flatopt"]
+        for r in others:
+            if r["impl"] == "lion-pytorch" and not lion:
+                assert r["status"] == "skipped" and "pip install lion-pytorch" in r["reason"]
+            else:
+                assert r["status"] == "ok" and r["median_ms"] > 0, r
+        usable = [r for r in others if r.get("median_ms") and right[(r["impl"], case[3], case[2])]]
+        if usable:
+            best = min(usable, key=lambda r: r["median_ms"])
+            assert ours["baseline"] == best["impl"] and ours["ratio"] == pytest.approx(
+                ours["median_ms"] / best["median_ms"]
+            )
+        else:
+            assert ours.get("ratio") is None
+    assert len(record["targets"]) == len(cases)
+    capsys.readouterr()
+    assert plot.main([str(path)]) == 2  # a smoke run is not drawn as a result
+    png, md = tmp_path / "cpu.png", tmp_path / "cpu.md"
+    assert plot.main([str(path), "--allow-smoke", "--png", str(png), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert text.startswith("> **SMOKE RUN") and "AdamW, `step()` alone:" in text and "Lion, `zero_grad()`" in text
+    assert_png(png, capsys)
+    page = import_benchmark("report").render(tmp_path, tmp_path / "performance.md", allow_smoke=True)
+    section = page[page.index("## On the CPU") :]
+    assert f"Result: [`{path.name}`]" in section and "No stored result yet" not in section.split("\n## ")[0]
+
+
+def test_cpu_benchmark_ratio_leaves_out_an_implementation_that_steps_wrong():
+    cpu_bench = import_benchmark("bench_cpu")
+    rows = [
+        dict(impl="torch-foreach", median_ms=2.0, steps_right=True),
+        dict(impl="torch-fused", median_ms=1.0, steps_right=False),  # faster, but wrong: not the baseline
+        dict(impl="flatopt", median_ms=1.5),
+    ]
+    cpu_bench.add_ratios(rows)
+    assert (rows[2]["baseline"], rows[2]["ratio"]) == ("torch-foreach", 0.75)
+
+
 def test_flatopt_failure_is_recorded_and_sets_exit_status(bench, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")
@@ -1148,7 +1207,7 @@ def test_docs_performance_is_generated_from_the_stored_results(report, capsys):
     for path in RESULT_JSONS:
         record = json.loads(path.read_text())
         kind = record.get("benchmark", "step")
-        if kind in ("step", "eager", "capture", "memory"):
+        if kind in ("step", "eager", "capture", "memory", "cpu"):
             assert f"(../benchmarks/results/{path.name})" in text and record["env"]["date"] in text
     assert "SMOKE RUN" not in text
 
@@ -1164,10 +1223,10 @@ def test_report_from_smoke_results(report, plot, loop_smoke, eager_smoke, memory
     doc = tmp_path / "docs" / "performance.md"
     assert report.main(["--results", str(results), "--out", str(doc)]) == 0  # smoke runs left out
     text = doc.read_text()
-    assert text.count("No stored result yet") == 5 and "SMOKE RUN" not in text  # step (2 variants), eager, ...
+    assert text.count("No stored result yet") == 6 and "SMOKE RUN" not in text  # step (2 variants), eager, ..., cpu
     assert report.main(["--results", str(results), "--out", str(doc), "--allow-smoke"]) == 0
     text = doc.read_text()
-    assert text.count("No stored result yet") == 4  # the step variant, eager on a GPU, capture and memory
+    assert text.count("No stored result yet") == 5  # the step variant, eager on a GPU, capture, memory and cpu
     assert "### On the CPU: flatopt.demo's model" in text  # an eager result of a CPU run has its own place
     assert "### The training loop's step" in text and "AdamW, `step`:" not in text
     assert "Result: [`step-cpu-1.json`](../results/step-cpu-1.json)" in text

@@ -513,7 +513,7 @@ def test_a_buffer_refuses_a_table_of_another_dtype_before_anything_changes(opt):
         assert torch.equal(case.meta.steps, steps)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("opt", list(OPTS))
 def test_a_float64_table_steps_a_float32_buffer_as_its_float32_table_does(opt, dtype, backend):

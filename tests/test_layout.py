@@ -11,7 +11,7 @@ from conftest import Net, assert_same, device_for, loss_fn, make_batch
 from torch import nn
 
 import flatopt
-from flatopt import kernels, reference
+from flatopt import cpu, kernels, reference
 from flatopt.layout import ALIGN, FlatBuffer, align_up
 
 # Sizes that are not multiples of ALIGN, exactly ALIGN, one past it, a scalar-like one and an
@@ -528,7 +528,7 @@ def layouts(case, device):
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 def test_one_launch_per_buffer_per_step(backend, opt_name, case, monkeypatch):
     make, entry = OPTIMIZERS[opt_name]
-    module = kernels if backend == "triton" else reference
+    module = {"triton": kernels, "cpu": cpu, "torch": reference}[backend]
     calls = []
     real = getattr(module, entry)
 

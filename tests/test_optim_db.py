@@ -120,7 +120,7 @@ def case_grid(*extras, triton_extras=None):
     grid = []
     for optim in OPTIMS.values():
         for case in optim.supported():
-            for backend in ("torch", "triton"):
+            for backend in ("torch", "cpu", "triton"):
                 if backend == "triton" and not on_triton(optim, case):
                     continue
                 marks = [TRITON_SKIP] if backend == "triton" else []
@@ -538,7 +538,7 @@ def test_fused_matches_torch_fused(name, dtype, backend):
         pytest.skip(INTERPRETED_BF16 + "; this comparison runs on a GPU and with the torch backend")
     optim = OPTIMS[name]
     for case in optim.supported():
-        if backend == "torch" or on_triton(optim, case):
+        if backend != "triton" or on_triton(optim, case):
             kwargs = case.make(fused=True)
             compare_between(optim, kwargs, case.make(fused=True), backend, dtype=dtype, tol=TOL[dtype])
 
@@ -628,7 +628,7 @@ def test_goes_right_direction(optim, case, backend, with_lrsched):
     """torch's test_forloop_goes_right_direction (contiguous parameters), with every scheduler list of the
     optimizer's OptimizerInfo (the first one on the Triton backend: schedulers change the param groups, which both
     backends read through the same hyper-parameter table)."""
-    lists = optim.scheduler_inputs if backend == "torch" else optim.scheduler_inputs[:1]
+    lists = optim.scheduler_inputs if backend != "triton" else optim.scheduler_inputs[:1]
     for schedulers in lists if with_lrsched == "lrsched" else [()]:
         initial, *finals = run_weight_bias(optim, backend, one_group(case), schedulers)
         assert_direction(case.kwargs, initial, *finals)
@@ -653,7 +653,7 @@ def test_non_contiguous_parameters(optim, backend):
         opt.step()
     assert_unchanged(before)
     for case in optim.supported():
-        if backend == "torch" or on_triton(optim, case):
+        if backend != "triton" or on_triton(optim, case):
             initial, *finals = run_weight_bias(optim, backend, one_group(case), contiguous=False)
             assert_direction(case.kwargs, initial, *finals)
 
@@ -939,11 +939,12 @@ def test_load_nontensor_step(optim, case, backend):
 
 
 @pytest.mark.parametrize(
-    "optim, case, backend, source", case_grid(("torch.optim",), ("flatopt-torch",), ("flatopt-triton",))
+    "optim, case, backend, source",
+    case_grid(("torch.optim",), ("flatopt-torch",), ("flatopt-cpu",), ("flatopt-triton",)),
 )
 def test_state_dict_loads_into_equal_parameters(optim, case, backend, source):
     """torch's test_state_dict_with_cuda_params without a second device: a state dict made by torch.optim or by
-    flatopt (either backend) over some parameters loads into flatopt over equal, other parameters; the state dict
+    flatopt (any backend) over some parameters loads into flatopt over equal, other parameters; the state dict
     is not changed by loading, step counts stay float32 CPU tensors, and both then step alike."""
     source_backend = source.split("-")[1] if source.startswith("flatopt") else "torch"
     if source_backend == "triton" and not triton_available():

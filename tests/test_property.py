@@ -98,7 +98,7 @@ BAD_LOADS = (
     "not_a_dict",
     "unknown_index",
 )
-N_EXAMPLES = {"torch": 600, "triton": 200}
+N_EXAMPLES = {"torch": 600, "cpu": 300, "triton": 200}
 ORDINARY_EVENTS = {
     "flatopt_to_torch",
     "torch_to_flatopt",
@@ -116,7 +116,7 @@ def applies(kind, optim, backend):
     if kind in ("momentum_off", "momentum_on_checkpoint"):
         return optim == "SGD"
     if kind == "bf16":
-        return optim == "AdamW" and backend == "torch"
+        return optim == "AdamW" and backend != "triton"
     return True
 
 
@@ -179,7 +179,7 @@ def draw(seed, backend, force=None):
         dtype = low if low is not None and rng.random() < 0.5 else torch.float32
         if "float64" in kinds and rng.random() < 0.6:
             dtype = torch.float64
-        free.append((rng.choice(SHAPES if backend == "torch" else SHAPES[:10]), dtype))
+        free.append((rng.choice(SHAPES if backend != "triton" else SHAPES[:10]), dtype))
     if "float64" in kinds and all(d != torch.float64 for _, d in free):
         free[0] = (free[0][0], torch.float64)
     linears = []
@@ -235,7 +235,7 @@ def draw(seed, backend, force=None):
         plan.options["model"] = True
     elif rng.random() < 0.2:
         plan.options["direct_grads"] = False
-    n_steps = rng.randint(4, 8) if backend == "torch" else rng.randint(3, 5)
+    n_steps = rng.randint(4, 8) if backend != "triton" else rng.randint(3, 5)
     if "scheduler" in kinds:
         plan.schedulers = [draw_scheduler(rng, plan, n_steps)]
     frozen_now = set()

@@ -16,7 +16,7 @@ import torch
 from conftest import TOL, TRITON_SKIP, device_for
 
 import flatopt
-from flatopt import functional, kernels, reference
+from flatopt import cpu, functional, kernels, reference
 from flatopt.layout import FlatBuffer
 from flatopt.rules import ADAMW, LION, SGD, Rule
 
@@ -196,7 +196,7 @@ def test_optimizer_classes_step_by_their_rule(opt):
     assert set(flatopt.inspect(o).buffers[0].states) == {n for n in rule.state_names if opt != "sgd"}
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=TRITON_SKIP)])
+@pytest.mark.parametrize("backend", ["torch", "cpu", pytest.param("triton", marks=TRITON_SKIP)])
 @pytest.mark.parametrize(
     "shape, dtype, what",
     [((1, 9), torch.float32, r"got torch.float32 of shape \(1, 9\)"), ((10,), torch.float32, r"shape \(10,\)"),
@@ -207,7 +207,7 @@ def test_a_table_of_another_shape_is_refused_before_anything_changes(backend, sh
     buf = FlatBuffer(params, [0, 0], ADAMW.state_names)
     buf.grad.copy_(torch.randn(buf.numel))
     before = [t.clone() for t in (buf.data, buf.grad, *buf.states.values(), buf.meta.steps)]
-    launcher = (kernels if backend == "triton" else reference).adamw_step
+    launcher = {"triton": kernels, "cpu": cpu, "torch": reference}[backend].adamw_step
     expected = r"AdamW's hyper-parameter table is float32 \[groups, 10\] \(columns lr, beta1, "
     with pytest.raises(ValueError, match=expected) as e:
         launcher(buf.data, buf.grad, *buf.states.values(), hparams=torch.zeros(shape, dtype=dtype), meta=buf.meta)

@@ -15,8 +15,9 @@ their ratio flatopt / torch.optim (below 1 when flatopt is faster), the backend 
 (matplotlib, the ``demo`` extra: training loss raw and smoothed, validation loss, and the runs'
 differences) and a results JSON into the output folder.
 
-flatopt steps with the backend it chooses for the device (its Triton kernels on CUDA); on CUDA the
-clock is read after a synchronisation.
+flatopt steps with the backend it chooses for the device (its Triton kernels on CUDA, its CPU
+backend, torch's fused CPU kernels over the flat buffers, on the CPU); on CUDA the clock is read
+after a synchronisation.
 """
 
 import json

@@ -1,0 +1,252 @@
+"""The CPU backend (``backend="cpu"``, the default for CPU parameters): each launch over flat buffers steps in
+place, one call per piece, with no full-size temporaries.
+
+A piece is a run of consecutive parameters sharing param group, step count and active flag
+(:func:`flatopt.reference.runs`; one piece for a buffer with one group, equal steps and every parameter active),
+so the hyper-parameters and the step count of a piece are scalars read on the host, where reading them costs
+nothing. Each piece is stepped by:
+
+* AdamW: ``torch._fused_adamw_``, the vectorised, multi-threaded kernel of ``torch.optim.AdamW(fused=True)`` on the
+  CPU, over the piece's slices of the flat buffers (float32, bfloat16, float16, float64: it upcasts to float32 as
+  flatopt's rule does, and computes float64 in float64).
+* SGD: ``torch._fused_sgd_`` where it steps the buffer's dtype right (:func:`fused_sgd_steps`, checked once per
+  dtype: float32 and float64). torch 2.13's CPU kernel for bfloat16 and float16 stores no parameter in its
+  vectorised loop, so most parameters would not move: those buffers are stepped a chunk at a time by the float32
+  kernel over float32 copies (the chunked path below), which rounds once as the rule does.
+* Lion: the chunked path (torch has no Lion kernel).
+
+The chunked path steps ``CHUNK`` elements at a time with torch's in-place operations, the temporaries being
+scratch buffers of one chunk, reused, that stay in the cache: each element is read from memory and written back
+once, as a fused kernel does. bfloat16 and float16 chunks are upcast into float32 scratch buffers, computed as the
+rule computes them, and rounded once when stored.
+
+The arguments are those of the Triton launchers (:mod:`flatopt.kernels`) and of :mod:`flatopt.reference`; the math
+is the rule's (:mod:`flatopt.rules`), with the single roundings in a different order (an FMA where the reference
+rounds a product first): the results agree with the reference to the tests' tolerances, not bit for bit.
+GradScaler's ``found_inf`` skips the whole launch (read on the host), ``grad_scale`` leaves the unscaled
+gradients in ``grad`` as torch's fused kernels do; the step counts advance as the reference advances them.
+"""
+
+import functools
+import math
+import threading
+
+import torch
+
+from flatopt import reference
+from flatopt.layout import compute_dtype
+from flatopt.reference import advance_steps, gather, runs
+from flatopt.rules import ADAMW, LION, SGD
+
+__all__ = ["adamw_step", "sgd_step", "lion_step", "CHUNK"]
+
+# Elements per chunk of the chunked path: 1 MiB of float32 per scratch buffer, a chunk's tensors and temporaries
+# (5 MiB for float32 Lion) small enough to stay in the cache between its operations, large enough that each
+# operation's fixed cost (dispatch, a parallel region: a few microseconds) is small against its work. On a 2-core
+# AMD EPYC (1 MiB L2 per core, 32 MiB L3), 14M-element float32 Lion: 18 ms in 64K-element chunks, 12.5 in 256K and
+# 1M, 24 in 4M.
+CHUNK = 1 << 18
+
+_scratch = threading.local()
+
+
+def _scratch_buffers(dtype, count):
+    """``count`` scratch buffers of CHUNK elements of ``dtype``, kept per thread and reused at every launch."""
+    have = getattr(_scratch, "buffers", None)
+    if have is None:
+        have = _scratch.buffers = {}
+    bufs = have.get(dtype)
+    if bufs is None or len(bufs) < count or bufs[0].numel() != CHUNK:
+        bufs = have[dtype] = [torch.empty(CHUNK, dtype=dtype) for _ in range(count)]
+    return bufs[:count]
+
+
+def _check(rule, param, grad, states, hparams):
+    """What the in-place calls need of the buffers, checked before anything changes."""
+    rule.check_table(hparams, param.dtype)
+    named = [("param", param), ("grad", grad), *((n, t) for n, t in zip(rule.state_names, states) if t is not None)]
+    for name, t in named:
+        if t.device.type != "cpu":
+            raise ValueError(
+                f"backend='cpu' steps CPU tensors, and {name} is on {t.device}; use backend='triton' for CUDA "
+                "tensors (the default there)"
+            )
+        if t.dim() != 1 or (t.numel() > 1 and t.stride(0) != 1):
+            raise ValueError(
+                f"backend='cpu' steps flat, contiguous 1-D buffers in place; {name} has shape {tuple(t.shape)} and "
+                f"strides {t.stride()}: pass a 1-D view with stride 1 (a flat buffer or a slice of one)"
+            )
+        if t.dtype != param.dtype or t.numel() != param.numel():
+            raise ValueError(
+                f"backend='cpu': {name} is {t.dtype} of {t.numel()} elements, the parameters {param.dtype} of "
+                f"{param.numel()}; every buffer of a launch has the parameters' dtype and length"
+            )
+
+
+def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, found_inf, sources):
+    """Check, gather the gradients from ``sources`` (as the reference does), then call ``piece_step(start, end, h,
+    steps, grad_scale)`` (``h``: the piece's row by column name, floats; ``steps``: its completed steps) for each
+    active piece unless ``found_inf`` skips the launch, and advance the step counts."""
+    _check(rule, param, grad, states, hparams)
+    gather(grad, sources, meta)
+    ok = None if found_inf is None else found_inf.reshape(()) == 0
+    if ok is None or bool(ok):
+        if grad_scale is not None:
+            grad_scale = grad_scale.reshape(()).to("cpu")
+        rows = hparams.tolist()
+        for start, end, group, steps in runs(meta, param.numel()):
+            if end > start:
+                piece_step(start, end, rule.named(rows[group]), steps, grad_scale)
+    advance_steps(meta, ok)
+
+
+def _kernel_scale(grad, grad_scale):
+    """The ``grad_scale`` a fused kernel reads (float32), or None after dividing ``grad`` by it here: the reference
+    divides by it in the math's dtype, which float32 holds exactly but for a float64 scale of a float64 gradient."""
+    if grad_scale is None or grad_scale.dtype == torch.float32:
+        return grad_scale
+    if grad.dtype == torch.float64 and grad_scale.dtype == torch.float64:
+        grad.div_(grad_scale)
+        return None
+    return grad_scale.float()
+
+
+# ------------------------------------------------------------------------------------------------- AdamW
+def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None,
+               sources=None):  # fmt: skip
+    """One AdamW step over flat buffers (``block_size``: the kernels', ignored here)."""
+
+    def piece(s, e, h, steps, scale):
+        g = grad[s:e]
+        # The kernel computes the bias corrections 1 - beta**t in float64 from the betas it is given: betas
+        # rebuilt from the table's logarithms, as the rule computes them (a float32 table's beta2 = 0.999 is off by
+        # 1.3e-8, which 1 - beta2**3 = 0.003 would magnify to 1.3e-5)
+        torch._fused_adamw_(
+            [param[s:e]], [g], [exp_avg[s:e]], [exp_avg_sq[s:e]], [], [torch.tensor(steps + 1.0)],
+            lr=h["lr"], beta1=math.exp(h["log_beta1"]), beta2=math.exp(h["log_beta2"]),
+            weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=h["grad_sign"] < 0,
+            grad_scale=_kernel_scale(g, scale),
+        )  # fmt: skip
+
+    _step(ADAMW, piece, param, grad, (exp_avg, exp_avg_sq), hparams=hparams, meta=meta, grad_scale=grad_scale,
+          found_inf=found_inf, sources=sources)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------- SGD
+def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None,
+             sources=None):  # fmt: skip
+    """One SGD step over flat buffers (``block_size``: the kernels', ignored here)."""
+    if fused_sgd_steps(param.dtype):
+        kernel = _fused_sgd
+    elif fused_sgd_steps(compute_dtype(param.dtype)):
+        kernel = _sgd_chunked
+    else:  # no torch kernel steps as the rule does, for the buffers nor for their math's dtype
+        return reference.sgd_step(param, grad, momentum_buffer, hparams=hparams, meta=meta, grad_scale=grad_scale,
+                                  found_inf=found_inf, sources=sources)  # fmt: skip
+
+    def piece(s, e, h, steps, scale):
+        # the rule leaves the buffer alone where a group has no momentum, or where no group has one (None)
+        momentum = h["momentum"] if momentum_buffer is not None else 0.0
+        buf = momentum_buffer[s:e] if momentum != 0.0 else None
+        kernel(param[s:e], grad[s:e], buf, h, momentum, steps == 0, scale)
+
+    _step(SGD, piece, param, grad, (momentum_buffer,), hparams=hparams, meta=meta, grad_scale=grad_scale,
+          found_inf=found_inf, sources=sources)  # fmt: skip
+
+
+def _fused_sgd(param, grad, buf, h, momentum, first, scale):
+    """``torch._fused_sgd_`` over one piece (``buf`` None without momentum)."""
+    torch._fused_sgd_(
+        [param], [grad], [] if buf is None else [buf], weight_decay=h["weight_decay"], momentum=momentum,
+        lr=h["lr"], dampening=1.0 - h["one_minus_dampening"], nesterov=h["nesterov"] != 0,
+        maximize=h["grad_sign"] < 0, is_first_step=first, grad_scale=_kernel_scale(grad, scale),
+    )  # fmt: skip
+
+
+def _sgd_chunked(param, grad, buf, h, momentum, first, scale):
+    """SGD over bfloat16 or float16 slices, a chunk at a time: the parameters, gradients and buffer upcast into float32
+    scratch buffers, ``torch._fused_sgd_`` over those (the float32 step, rounded once), the parameters and the buffer
+    (and, with ``scale``, the unscaled gradients) stored back."""
+    dtype = compute_dtype(param.dtype)
+    pf_all, gf_all, bf_all = _scratch_buffers(dtype, 3)
+    for s in range(0, param.numel(), CHUNK):
+        e = min(s + CHUNK, param.numel())
+        n, p, g = e - s, param[s:e], grad[s:e]
+        pf, gf = pf_all[:n].copy_(p), gf_all[:n].copy_(g)
+        b = None if buf is None else buf[s:e]
+        bf = None if b is None else bf_all[:n].copy_(b)
+        _fused_sgd(pf, gf, bf, h, momentum, first, None if scale is None else scale.to(dtype))
+        p.copy_(pf)
+        if b is not None:
+            b.copy_(bf)
+        if scale is not None:
+            g.copy_(gf)  # the unscaled gradient stays in .grad, as torch's fused kernels leave it
+
+
+@functools.cache
+def fused_sgd_steps(dtype):
+    """Whether ``torch._fused_sgd_`` steps buffers of ``dtype`` on the CPU as the rule does: 256 elements stepped with
+    momentum, dampening and weight decay, once per dtype, against the rule's math (rounded to ``dtype``). With torch
+    2.13 it does for float32 and float64, not for bfloat16 and float16: its vectorised loop for them stores no
+    parameter and reads the momentum buffer as float32."""
+    x = torch.linspace(-1.0, 1.0, 256, dtype=torch.float64)
+    p, g, b = (t.to(dtype) for t in (x, x.flip(0) * 0.5, x * x))
+    row = dict(lr=0.5, momentum=0.9, one_minus_dampening=0.75, weight_decay=0.1, nesterov=0.0, grad_sign=1.0)
+    math_dtype = compute_dtype(dtype)
+    hp = {k: torch.tensor(v, dtype=math_dtype) for k, v in row.items()}  # the rule reads tensors, as a table's row
+    want = SGD.math(*(t.to(math_dtype) for t in (p, g, b)), steps=torch.tensor(1.0), **hp)
+    try:
+        _fused_sgd(p, g, b, row, 0.9, False, None)
+    except RuntimeError:  # no kernel for this dtype
+        return False
+    tol = dict(rtol=2**-6, atol=2**-8)  # a rounding or two of bfloat16 apart
+    return all(torch.allclose(got.to(math_dtype), w.to(dtype).to(math_dtype), **tol) for got, w in zip((p, b), want))
+
+
+# -------------------------------------------------------------------------------------------------- Lion
+def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None,
+              sources=None):  # fmt: skip
+    """One Lion step over flat buffers (``block_size``: the kernels', ignored here)."""
+
+    def piece(s, e, h, steps, scale):
+        _lion_chunked(param[s:e], grad[s:e], exp_avg[s:e], h, scale)
+
+    _step(LION, piece, param, grad, (exp_avg,), hparams=hparams, meta=meta, grad_scale=grad_scale,
+          found_inf=found_inf, sources=sources)  # fmt: skip
+
+
+def _lion_chunked(param, grad, exp_avg, h, scale):
+    """Lion over slices, a chunk at a time, in the rule's order of operations and roundings (the sign of a sum near
+    zero depends on them): ``p * (1 - lr * weight_decay) + (-lr) * sign(m * beta1 + (1 - beta1) * g)``, ``m * beta2
+    + (1 - beta2) * g``. bfloat16 and float16 chunks are upcast into float32 scratch buffers and rounded once when
+    stored back (operations mixing dtypes would spare the copies, but run several times slower)."""
+    dtype = compute_dtype(param.dtype)
+    upcast = param.dtype != dtype
+    c_all, t_all, *up = _scratch_buffers(dtype, 5 if upcast else 2)
+    if scale is not None:
+        scale = scale.to(dtype)
+    lr, wd = h["lr"], h["weight_decay"]
+    beta1, omb1, beta2, omb2 = h["beta1"], h["one_minus_beta1"], h["beta2"], h["one_minus_beta2"]
+    decay = (1.0 - torch.tensor(lr, dtype=dtype) * wd).item()  # rounded as the rule rounds it in the table's dtype
+    for s in range(0, param.numel(), CHUNK):
+        e = min(s + CHUNK, param.numel())
+        n, p, g, m = e - s, param[s:e], grad[s:e], exp_avg[s:e]
+        c, t = c_all[:n], t_all[:n]
+        if upcast:
+            gf, pf, mf = up[0][:n].copy_(g), up[1][:n].copy_(p), up[2][:n].copy_(m)
+        else:
+            gf, pf, mf = g, p, m
+        if scale is not None:
+            gf.div_(scale)
+            if upcast:
+                g.copy_(gf)  # the unscaled gradient stays in .grad
+        torch.mul(mf, beta1, out=c).add_(torch.mul(gf, omb1, out=t)).sign_()
+        if wd != 0.0:
+            pf.mul_(decay)
+        pf.add_(c, alpha=-lr)
+        if upcast:  # one operation: its float32 rounding differs from the rule's, the stored bfloat16 hardly ever
+            mf.lerp_(gf, omb2)
+            p.copy_(pf)
+            m.copy_(mf)
+        else:
+            mf.mul_(beta2).add_(torch.mul(gf, omb2, out=t))
