@@ -417,6 +417,7 @@ def test_in_backward_mode_steps_as_step_mode():
         m1(x).square().mean().backward()
         o1.step()
         m2(x).square().mean().backward()
+        o2.step()  # in-backward mode: ends the optimizer step the backward pass already applied
         for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
             close(b, a, f"step {step}, {n}", **TOL[torch.float32])
 
