@@ -64,7 +64,9 @@ frees its gradients; the first gradient of the next backward brings it back (:me
 address that may differ (:meth:`data_ptr`), and zeroes the alignment padding. Reading a released buffer
 crashes the process, so every reader of ``buf.grad`` calls :meth:`acquire` first. The storage is kept
 when anything beyond the buffers' own views references it (a ``.grad`` the caller kept, as torch lets
-one keep), and always under :meth:`hold` (CUDA graphs, whose recorded addresses must not move).
+one keep), always under :meth:`hold` (CUDA graphs, whose recorded addresses must not move), and on the
+CPU (:attr:`LandingSlots.release_on_cpu`: re-faulting a large buffer's pages at every backward costs more
+than the step there).
 """
 
 import weakref
@@ -132,6 +134,12 @@ class LandingSlots:
     :meth:`unlanded`, :meth:`stale`) and ``fuse_accumulation`` are not used by it today.
     """
 
+    #: Whether zero_grad() releases a CPU gradient storage too. Off: on the CPU a buffer of more than
+    #: malloc's mmap threshold (32 MiB at most) comes back as fresh pages that fault on first touch at
+    #: every backward, while torch's per-parameter gradients are reused from the heap; kept, the
+    #: resident memory is what torch's loop holds too (a freed heap block stays resident).
+    release_on_cpu = False
+
     def __init__(self, buffers, *, fuse_accumulation=False, on_fallback=None):
         buffers = list(buffers)  # none when no parameter is trainable yet: the slots come with the next layout
         self.buffers = buffers
@@ -143,6 +151,7 @@ class LandingSlots:
         self._by_buffer = []
         self._count = []  # per buffer: parameters that received a gradient this epoch
         self._storages, self._nbytes, self._pads, self._released, self._baseline = [], [], [], [], []
+        self._on_cpu = []
         for b, buf in enumerate(buffers):
             if not isinstance(buf, FlatBuffer):
                 raise TypeError(f"LandingSlots takes FlatBuffer objects, got {type(buf).__name__} at index {b}")
@@ -162,6 +171,7 @@ class LandingSlots:
             self._storages.append(st)
             self._nbytes.append(st.nbytes())
             self._released.append(False)
+            self._on_cpu.append(buf.grad.device.type == "cpu")
         # references to each storage when no gradient tensor of ours is alive: more means someone kept one
         self._baseline = [_storage_use_count(st._cdata) if _storage_use_count else None for st in self._storages]
         self._patches = []  # (weak module, the installed call)
@@ -255,7 +265,7 @@ class LandingSlots:
                 self._count[b] = len(slots)
 
     def _release(self, b):
-        if self._released[b] or self.release_blocked(b):
+        if self._released[b] or self.release_blocked(b) or (self._on_cpu[b] and not self.release_on_cpu):
             return
         self._storages[b].resize_(0)
         self._released[b] = True

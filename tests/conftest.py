@@ -153,3 +153,14 @@ def pretend_ranks(monkeypatch, world):
     monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+
+
+@pytest.fixture(autouse=True)
+def release_gradients_as_on_a_gpu(request, monkeypatch):
+    """zero_grad() releases the flat gradient storage on a GPU and keeps it on the CPU (flatopt.landing:
+    re-faulting its pages costs more than the step there). The suite runs on the CPU and tests the release
+    path, the one users on a GPU get; a test marked ``cpu_storage_policy`` gets the CPU's default."""
+    if "cpu_storage_policy" not in request.keywords:
+        from flatopt.landing import LandingSlots
+
+        monkeypatch.setattr(LandingSlots, "release_on_cpu", True)

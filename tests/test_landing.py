@@ -933,6 +933,53 @@ def test_a_gradient_kept_by_the_caller_keeps_the_storage():
     assert slots.released(0)
 
 
+@pytest.mark.cpu_storage_policy
+def test_on_the_cpu_zero_grad_keeps_the_storage_and_gradients_land_in_it_again():
+    """The CPU's default (LandingSlots.release_on_cpu off): zero_grad() sets every .grad to None but keeps the
+    storage at its address, so a backward writes into memory already mapped; gradients are torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    ref = copy.deepcopy(model)
+    slots, bufs, _ = land(model)
+    buf = bufs[0]
+    address = buf.grad.data_ptr()
+    x = torch.randn(4, 5)
+    for step in range(3):
+        model(x).sum().backward()
+        ref(x).sum().backward()
+        assert_grads(model, ref, f"step {step}")
+        slots.zero_grad()
+        ref.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        assert not slots.released(0) and slots.data_ptr(0) == address
+        assert buf.grad.untyped_storage().nbytes() == buf.numel * 4
+
+
+@pytest.mark.cpu_storage_policy
+def test_an_optimizer_on_the_cpu_steps_as_torch_with_the_storage_kept(backend):
+    """The optimizer's loop over the kept storage (each backward writes over the last one's gradients) steps
+    as torch.optim does."""
+    import flatopt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    ref = copy.deepcopy(model)
+    ours = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1, backend=backend)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    address = None
+    for step in range(4):
+        x = torch.randn(4, 5)
+        for m, o in ((model, ours), (ref, theirs)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+        grad_ptr = model[0].weight.grad.untyped_storage().data_ptr()
+        assert address in (None, grad_ptr), f"step {step}: the gradient storage moved"
+        address = grad_ptr
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}, {n}")
+
+
 def test_stale_lists_a_grad_replaced_after_landing():
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
