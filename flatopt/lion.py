@@ -37,7 +37,7 @@ Lion.__doc__ = rf"""Implements Lion (Chen et al. 2023, "Symbolic Discovery of Op
             the running average (default: (0.9, 0.99))
         weight_decay (float, optional): decoupled weight decay coefficient (default: 0.0)
         use_triton (bool, optional): lion-pytorch's choice of implementation; only False (its
-            default) is taken, since flatopt steps with its own kernels, Triton or torch as
+            default) is taken, since flatopt steps with its own kernels (Triton, CPU or torch) as
             ``backend`` says (default: False)
         decoupled_weight_decay (bool, optional): only False: lion-pytorch's ``True`` divides
             the weight decay by the constructor's ``lr``; pass ``weight_decay / lr`` instead,

@@ -43,7 +43,7 @@ TORCH_ONLY_KWARGS = {
     "amsgrad": (lambda v: not v, "it does not implement amsgrad; use torch.optim.AdamW(amsgrad=True)", None),
     "use_triton": (
         lambda v: not v,
-        "it steps with its own fused kernels, Triton or torch as backend= says (Triton is the default on CUDA); "
+        "it steps with its own kernels, as backend= says (Triton on CUDA, torch's fused CPU kernels on the CPU); "
         "drop 'use_triton'",
         None,
     ),

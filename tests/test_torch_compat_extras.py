@@ -449,8 +449,8 @@ REFUSED = {
     ("SGD", "foreach", False): r"drop 'foreach'",
     ("SGD", "fused", False): r"drop 'fused' \(or pass fused=True\)",
     ("SGD", "differentiable", True): r"use torch\.optim\.SGD\(differentiable=True\)",
-    ("Lion", "use_triton", True): r"it steps with its own fused kernels, Triton or torch as backend= says "
-    r"\(Triton is the default on CUDA\); drop 'use_triton'",
+    ("Lion", "use_triton", True): r"it steps with its own kernels, as backend= says "
+    r"\(Triton on CUDA, torch's fused CPU kernels on the CPU\); drop 'use_triton'",
     ("Lion", "decoupled_weight_decay", True): r"lion-pytorch's decoupled weight decay \(weight_decay divided by "
     r"the constructor's lr\); pass weight_decay=weight_decay / lr instead, which decays the same",
 }
