@@ -102,8 +102,11 @@ class GradLanding:
             if g is view or g is None:  # accumulated into the view: nothing to do
                 return
             self_ = ref()
-            if self_ is None or p.data_ptr() != homes[p] or self_.slots.owns_grad(p):
-                return  # the optimizer is gone, p was laid out elsewhere, or its gradient is in its slot already
+            if self_ is None or p.data_ptr() != homes[p]:
+                return  # the optimizer is gone, or p was laid out elsewhere
+            s = self_.slots.slot_of(p)
+            if s is None or g is s.grad or g is s.view:
+                return  # no slot, or its gradient is in its slot already
             if (
                 self_.deferred
                 and g.layout is strided
@@ -119,7 +122,7 @@ class GradLanding:
                 or g.get_device() != view.get_device()
             ):
                 return
-            self_.slots.adopt(p)  # copied into its slot (the storage brought back first if it was released)
+            self_.slots.take(s, g)  # copied into its slot (the storage brought back first if it was released)
 
         # covered layers write into the slots themselves: no hook (no Python per parameter per backward), until a
         # gradient of theirs goes torch's way (a tensor hook, create_graph, torch.compile): then it gets one

@@ -397,23 +397,28 @@ class LandingSlots:
 
     def adopt(self, p):
         """Copy ``p.grad`` into the slot and make ``.grad`` a view of it, if it is a dense tensor of its own
-        (a gradient of an uncovered use); for the optimizer's post-accumulate-grad hook. Returns whether
-        it copied."""
+        (a gradient of an uncovered use). Returns whether it copied."""
         s = self._get(p)
         g = p.grad
         if s is None or g is None or g is s.grad or g is s.view:
             return False
         if g.requires_grad or g.layout is not torch.strided or g.dtype != s.view.dtype or g.device != s.view.device:
             return False  # the optimizer's checks name the problem
-        self.acquire(s.b)
+        self.take(s, g)
+        return True
+
+    def take(self, s, g):
+        """:meth:`adopt` without its checks, for the optimizer's post-accumulate-grad hook, which made them: ``g``
+        (``.grad`` of slot ``s``'s parameter, without history, dense, of the slot's dtype and device) copied into
+        the slot, which becomes ``.grad``."""
+        if self._released[s.b]:
+            self.acquire(s.b)
         out = s.view.detach()
-        if not (g.data_ptr() == out.data_ptr() and g.stride() == out.stride()):
-            with torch.no_grad():
-                out.copy_(g)
-        p.grad = out
+        if g.data_ptr() != out.data_ptr() or g.stride() != out.stride():
+            out.copy_(g)  # neither side requires grad: nothing is recorded, whatever the grad mode
+        s.param.grad = out
         s.grad = out
         self._stamp(s)
-        return True
 
     # ---- covered layers ---------------------------------------------------------------------------
 
