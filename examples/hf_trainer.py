@@ -19,9 +19,10 @@ The two ways of handing an optimizer to Trainer:
 * ``optimizers=(flatopt.AdamW(model, ...), None)``: you build it (after the model is on its device
   and in its dtype); Trainer adds its linear LR schedule when the second element is None.
 
-Trainer ends each step with ``model.zero_grad()`` rather than ``optimizer.zero_grad()``; the
-:class:`ReleaseGradients` callback below frees flatopt's gradient buffer there, as torch.optim's
-gradients are freed.
+Trainer ends each step with ``model.zero_grad()`` rather than ``optimizer.zero_grad()``. An optimizer
+that was given the model (``optimizers=(flatopt.AdamW(model), None)``) sees it at the next forward pass
+and frees its gradient buffer then, as torch.optim's gradients are freed; one built by Trainer from param
+groups does not know the model, and the :class:`ReleaseGradients` callback below frees it.
 
 In-backward mode (``--in-backward``; ``flatopt.AdamW(..., in_backward=True)`` steps the parameters during
 backward): the optimizer must be told the loop's accumulation and clipping, from ``TrainingArguments``
@@ -103,10 +104,11 @@ class RandomTokens(torch.utils.data.Dataset):
 
 
 class ReleaseGradients(TrainerCallback):
-    """Trainer ends each step with ``model.zero_grad()``, which sets every ``.grad`` to None but cannot free
-    flatopt's flat gradient buffer (the ``.grad`` were views into it): the buffer would stay allocated through
-    the next forward pass, where torch.optim's gradients are freed. ``optimizer.zero_grad()`` frees it, as
-    torch.optim's does; with torch.optim, it finds nothing left to free."""
+    """Trainer ends each step with ``model.zero_grad()``, which sets every ``.grad`` to None. flatopt sees it at the
+    next forward pass of a layer whose gradients it writes, which it has only when it was given the model: built
+    by Trainer from param groups, its flat gradient buffer would stay allocated through the next forward pass,
+    where torch.optim's gradients are freed. ``optimizer.zero_grad()`` frees it, as torch.optim's does; with
+    torch.optim, or a flatopt optimizer that already freed it, it finds nothing left to free."""
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         optimizer.zero_grad(set_to_none=True)

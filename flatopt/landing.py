@@ -150,8 +150,10 @@ class LandingSlots:
         self._slots = {}  # id(parameter) -> _Slot (keyed by id: a tensor's own __hash__ is Python code)
         self._by_buffer = []
         self._count = []  # per buffer: parameters that received a gradient this epoch
+        self._last = []  # per buffer: the slot that last received one (release_if_reset() looks at its .grad)
         self._storages, self._nbytes, self._pads, self._released, self._baseline = [], [], [], [], []
         self._on_cpu = []
+        self._scanned = -1  # the epoch of release_if_reset()'s last scan (one per epoch at most)
         for b, buf in enumerate(buffers):
             if not isinstance(buf, FlatBuffer):
                 raise TypeError(f"LandingSlots takes FlatBuffer objects, got {type(buf).__name__} at index {b}")
@@ -166,6 +168,7 @@ class LandingSlots:
                 slots.append(s)
             self._by_buffer.append(slots)
             self._count.append(0)
+            self._last.append(None)
             self._pads.append(buf.padding(buf.grad))
             st = buf.grad.untyped_storage()
             self._storages.append(st)
@@ -264,8 +267,28 @@ class LandingSlots:
                     s.task = -1
                 self._count[b] = len(slots)
 
+    def release_if_reset(self):
+        """zero_grad()'s release when every ``.grad`` was set to None behind its back (``model.zero_grad()``, which
+        Hugging Face's Trainer calls instead of the optimizer's): run by each covered layer's forward, so the
+        storage is not held through the forward pass. O(buffers) while the slot that last received a gradient
+        still has it (accumulation) or the storage is released (zero_grad() was called); otherwise one scan of
+        every ``.grad``, once per epoch at most."""
+        if self._scanned == self.epoch or self.keep_allocated:
+            return
+        for b, s in enumerate(self._last):
+            if s is not None and s.epoch == self.epoch and s.param.grad is None and self._releasable(b):
+                break
+        else:
+            return
+        self._scanned = self.epoch
+        if all(s.param.grad is None for slots in self._by_buffer for s in slots):
+            self.zero_grad(set_to_none=True)
+
+    def _releasable(self, b):
+        return not self._released[b] and not (self._on_cpu[b] and not self.release_on_cpu)
+
     def _release(self, b):
-        if self._released[b] or self.release_blocked(b) or (self._on_cpu[b] and not self.release_on_cpu):
+        if not self._releasable(b) or self.release_blocked(b):
             return
         self._storages[b].resize_(0)
         self._released[b] = True
@@ -295,6 +318,7 @@ class LandingSlots:
     # ---- where a gradient goes --------------------------------------------------------------------
 
     def _stamp(self, s):
+        self._last[s.b] = s
         if s.epoch != self.epoch:
             s.epoch = self.epoch
             self._count[s.b] += 1
@@ -510,6 +534,7 @@ class _Call:
             and torch._C._functorch.peek_interpreter_stack() is None
             and type(args[0]) is torch.Tensor
         ):
+            slots.release_if_reset()
             out = self.forward(m, slots, args[0])
             if out is not None:
                 return out

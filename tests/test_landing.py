@@ -980,6 +980,52 @@ def test_an_optimizer_on_the_cpu_steps_as_torch_with_the_storage_kept(backend):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}, {n}")
 
 
+def test_model_zero_grad_releases_the_storage_at_the_next_forward(backend):
+    """Hugging Face's Trainer ends each step with model.zero_grad(), not the optimizer's: every .grad becomes None
+    without the optimizer knowing. The next forward of a covered layer sees it and releases the storage, so it is
+    not held through the forward pass; training goes on as torch.optim's."""
+    import flatopt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    ref = copy.deepcopy(model)
+    ours = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1, backend=backend)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    slots = flatopt.inspect(ours).landing.slots
+    for step in range(4):
+        x = torch.randn(4, 5)
+        for m, o in ((model, ours), (ref, theirs)):
+            m(x).square().mean().backward()
+            o.step()
+            m.zero_grad()
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}, {n}")
+    assert not slots.released(0), "model.zero_grad() alone releases nothing"
+    model(torch.randn(4, 5))
+    assert slots.released(0), "the next forward did not release the storage"
+
+
+def test_a_gradient_left_in_place_keeps_the_storage_through_forward():
+    """Accumulation (a forward after backward with the gradients in place), or a single .grad set to None by hand:
+    the storage stays, and the next backward adds into the gradients that are there, as torch does."""
+    import flatopt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    ref = copy.deepcopy(model)
+    opt = flatopt.AdamW(model, lr=1e-2)
+    slots = flatopt.inspect(opt).landing.slots
+    x1, x2 = torch.randn(4, 5), torch.randn(4, 5)
+    for m in (model, ref):
+        m(x1).sum().backward()
+    model[2].bias.grad = None
+    ref[2].bias.grad = None
+    for m in (model, ref):
+        m(x2).sum().backward()
+    assert not slots.released(0)
+    assert_grads(model, ref, "accumulated over two passes, one .grad reset in between")
+
+
 def test_stale_lists_a_grad_replaced_after_landing():
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
