@@ -463,8 +463,9 @@ def test_a_covered_and_an_uncovered_use_in_one_pass_land_in_the_slot(micro):
 
 
 def test_a_grad_set_to_none_behind_zero_grad_is_written_afresh():
-    """model.zero_grad() (every .grad None, the LandingSlots not told): the next backward writes the slots
-    afresh rather than adding to the stale values, as torch starts from nothing; the reset is noticed."""
+    """model.zero_grad() (every .grad None, the LandingSlots not told): the next forward notices it and starts a
+    new accumulation (the storage released), so the next backward writes the slots afresh rather than adding to
+    the stale values, as torch starts from nothing."""
     torch.manual_seed(0)
     model = TiedLM()
     ref = copy.deepcopy(model)
@@ -472,10 +473,13 @@ def test_a_grad_set_to_none_behind_zero_grad_is_written_afresh():
     gen = torch.Generator().manual_seed(1)
     for step in range(3):
         idx = torch.randint(0, 30, (4, 9), generator=gen)
-        model(idx).backward()
+        epoch = slots.epoch
+        loss = model(idx)
+        if step > 0:
+            assert slots.epoch == epoch + 1 and slots.released(0), f"step {step}: model.zero_grad() not noticed"
+        loss.backward()
         ref(idx).backward()
         assert_grads(model, ref, f"step {step}")
-        assert slots.reset_seen == (step > 0)
         model.zero_grad()
         ref.zero_grad()
 
