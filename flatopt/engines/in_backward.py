@@ -428,9 +428,10 @@ class InBackwardEngine(FlatEngine):
 
     def _refusal(self, p, accumulate):
         """Why the backward pass that delivers ``p``'s gradient, the first of a pass, cannot be stepped, or
-        accumulated when ``accumulate`` (None when it can): a pass nested in another one, a pass begun while
-        one that raised was not dropped, or a pass after the one that stepped the window's gradients, with
-        neither opt.step() nor opt.zero_grad() in between. Checked before anything is taken or stepped."""
+        accumulated when ``accumulate`` (None when it can): a pass nested in another one or that would run
+        one (reentrant checkpointing), a pass begun while one that raised was not dropped, or a pass after
+        the one that stepped the window's gradients, with neither opt.step() nor opt.zero_grad() in between.
+        Checked before anything is taken or stepped."""
         cls, k = self.cls, self.accumulation_steps
         nested = nesting_backward()
         ahead = reentrant_segment() if nested is None else None  # once per pass: one walk of its autograd graph
@@ -489,7 +490,7 @@ class InBackwardEngine(FlatEngine):
                 f"{fix}. No parameter was updated; the gradients accumulated so far stay in .grad, and "
                 "opt.zero_grad() drops them"
             )
-        stepped = (  # only when the outer pass's roots were not found (a pass started from C++)
+        stepped = (  # only for a nested pass the walk could not foresee (roots not read, a Function of another name)
             f"{self.stepped} parameter(s) stepped earlier in this pass, whose gradients came before the nested pass, "
             "stay stepped: restart from a checkpoint if that matters"
             if self.stepped

@@ -10,8 +10,9 @@ frame of torch's engine call (``torch.autograd.graph._engine_run_backward``, whi
 or on the thread waiting in that call when a device's worker thread runs the hook, and the graph is
 walked from them once, looking for a checkpointing Function whose node the engine will execute
 (``torch._C._will_engine_execute_node``: its pass, not another thread's, and needed for the
-``inputs`` asked for). Where the roots cannot be found (a backward pass started from C++), the
-nested pass is seen at its first gradient by :func:`nesting_backward`, from the hook's frames.
+``inputs`` asked for). Where the roots cannot be found (a torch without that call, a backward pass
+started from C++), and for a nested pass run by any other Function's backward or by a hook, the
+nested pass is seen at its own first gradient by :func:`nesting_backward`, from the hook's frames.
 """
 
 import sys
@@ -79,9 +80,9 @@ def reentrant_segment():
     backward pass in progress will run, whose backward runs a backward pass inside this one; None when
     it runs none, or when the pass's roots cannot be found. Called from a gradient hook of the pass
     (not a nested one), once per pass: one walk of the pass's autograd graph."""
-    if _ENGINE_RUN is None:
+    will_run = getattr(torch._C, "_will_engine_execute_node", None)
+    if _ENGINE_RUN is None or will_run is None:
         return None
-    will_run = torch._C._will_engine_execute_node
     roots = _roots_below(sys._getframe(1))  # the hook runs on the thread that called backward (CPU)
     if roots is None:  # on a device's worker thread (CUDA): the caller waits in the engine call on its own
         me, roots = threading.get_ident(), []
