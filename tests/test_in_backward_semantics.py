@@ -329,14 +329,118 @@ def test_reentrant_checkpointing_is_refused_before_any_update(bucket_size):
         assert_matches_torch(twin, model, ours, theirs, step)
 
 
-def test_reentrant_checkpointing_after_stepped_buckets_says_so():
-    """When the pass stepped buckets before the first checkpointed segment ran (here the last layer,
-    a bucket of its own), the refusal says that those updates stay."""
+class Tail(nn.Module):
+    """A checkpointed segment followed by layers outside it: the tail's gradients, the first of the backward
+    pass, come from the outer pass before the segment's nested pass runs. With a small bucket_size the
+    tail's weights are buckets of their own, complete as soon as their gradients arrive."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = Checkpointed()
+        self.tail = nn.Sequential(nn.Linear(4, 64, bias=False), nn.Tanh(), nn.Linear(64, 4))
+
+    def forward(self, x):
+        return self.tail(torch.tanh(self.body(x)))
+
+    def checkpointing(self, reentrant):
+        self.body.use_reentrant = reentrant
+
+
+def tail_pair(opt, **kwargs):
     torch.manual_seed(0)
-    model = nn.Sequential(Checkpointed(), nn.Linear(4, 64, bias=False))
-    opt = flatopt.AdamW(model, lr=1e-2, in_backward=True, bucket_size=512)
-    with pytest.raises(RuntimeError, match=r"use_reentrant=False.*1 parameter\(s\) stepped earlier in this pass"):
+    model = Tail()
+    twin = copy.deepcopy(model)
+    make_ours, make_theirs = PAIRS[opt]
+    return model, make_theirs(model.parameters()), twin, make_ours(twin, in_backward=True, **kwargs)
+
+
+def snapshot(model, opt):
+    """The parameters and every state value of ``opt``, copied."""
+    params = [p.detach().clone() for p in model.parameters()]
+    states = [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()} for p in model.parameters()]
+    return params, states
+
+
+def assert_unchanged(model, opt, before, what):
+    params, states = before
+    for (name, p), q, state in zip(model.named_parameters(), params, states):
+        assert torch.equal(p.detach(), q), f"{what}: {name} was updated"
+        assert opt.state[p].keys() == state.keys(), f"{what}: the state keys of {name} changed"
+        for k, v in state.items():
+            same = torch.equal(opt.state[p][k], v) if torch.is_tensor(v) else opt.state[p][k] == v
+            assert same, f"{what}: {name}'s state {k!r} changed"
+
+
+@pytest.mark.parametrize("bucket_size", [64, 512])
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_reentrant_checkpointing_after_layers_outside_it_is_refused_before_any_update(opt, bucket_size):
+    """The tail's buckets fill before the checkpointed segment's nested pass runs: the pass is refused at
+    its first gradient, from the checkpointing node in its graph, before any bucket is stepped. Nothing is
+    left behind: no gradient, no state, and after zero_grad() a loop without reentrant checkpointing trains
+    as torch.optim does."""
+    model, theirs, twin, ours = tail_pair(opt, bucket_size=bucket_size)
+    before = snapshot(twin, ours)
+    data = batches(4)
+    with pytest.raises(RuntimeError, match=r"by CheckpointFunction's backward.*use_reentrant=False.*No parameter was"):
+        loss_of(twin, data[0]).backward()
+    assert_unchanged(twin, ours, before, "the refused pass")
+    assert [n for n, p in twin.named_parameters() if p.grad is not None] == [], "a gradient was left"
+    engine = flatopt.inspect(ours).engine
+    assert engine.launches == 0 and engine.held == 0 and engine.task is None
+    ours.zero_grad()
+    model.checkpointing(False)
+    twin.checkpointing(False)
+    for step, batch in enumerate(data[1:], 1):
+        torch_step(model, theirs, batch)
+        torch_step(twin, ours, batch)
+        assert_matches_torch(twin, model, ours, theirs, step)
+
+
+def test_reentrant_checkpointing_in_the_stepping_pass_of_a_window_is_refused_before_any_update():
+    """With accumulation_steps=2 the second pass steps the window; run with reentrant checkpointing, it is
+    refused at its first gradient, before the tail's buckets are stepped, and the window's gradients stay in
+    .grad; after zero_grad() windows without reentrant checkpointing train as torch.optim does."""
+    model, theirs, twin, ours = tail_pair("adamw", bucket_size=64, accumulation_steps=2)
+    before = snapshot(twin, ours)
+    data = batches(6)
+    twin.checkpointing(False)
+    loss_of(twin, data[0]).backward()
+    twin.checkpointing(True)
+    with pytest.raises(RuntimeError, match=r"accumulation_steps=2\): .*use_reentrant=False.*No parameter was updated"):
+        loss_of(twin, data[1]).backward()
+    assert_unchanged(twin, ours, before, "the refused pass")
+    assert flatopt.inspect(ours).engine.launches == 0
+    ours.zero_grad()
+    assert all(p.grad is None for p in twin.parameters())
+    model.checkpointing(False)
+    twin.checkpointing(False)
+    for step in (1, 2):
+        for m, o in ((model, theirs), (twin, ours)):
+            for batch in data[2 * step : 2 * step + 2]:
+                loss_of(m, batch).backward()
+            o.step()
+            o.zero_grad()
+        assert_matches_torch(twin, model, ours, theirs, step)
+
+
+def test_reentrant_checkpointing_whose_roots_cannot_be_found_is_refused_at_the_nested_pass(monkeypatch):
+    """Where the pass's roots cannot be read (torch's engine call not found, as for a backward pass started
+    from C++), the nested pass is seen at its first gradient, from the hook's frames; buckets the tail filled
+    before it were stepped, and the message counts them."""
+    from flatopt.engines import nesting
+
+    monkeypatch.setattr(nesting, "_ENGINE_RUN", None)
+    torch.manual_seed(0)
+    model = Tail()
+    opt = flatopt.AdamW(model, lr=1e-2, in_backward=True, bucket_size=64)
+    last = model.tail[2].weight.detach().clone()
+    with pytest.raises(
+        RuntimeError, match=r"by CheckpointFunction's backward.*[1-9]\d* parameter\(s\) stepped earlier"
+    ):
         model(torch.randn(3, 8)).square().mean().backward()
+    assert not torch.equal(model.tail[2].weight.detach(), last), (
+        "the tail's last weight, a bucket of its own, was stepped"
+    )
     assert all(p.grad is None for p in model.parameters())
     assert flatopt.inspect(opt).engine.task is None and flatopt.inspect(opt).engine.held == 0
 

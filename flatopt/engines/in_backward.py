@@ -37,16 +37,15 @@ A backward pass that cannot be stepped as one ``step()`` is refused at its first
 the refused pass leaves no gradient in ``.grad``: a pass after the window's stepping pass (with
 ``k = 1``, a second pass) with neither ``opt.step()`` nor ``opt.zero_grad()`` in between, a pass
 begun after one that raised with neither ``opt.zero_grad()`` nor ``opt.step()`` in between, and a
-pass run inside another one (reentrant activation checkpointing), detected from the hook's Python
-frames: an autograd Function's backward, or a second engine run, below it. A pass nested in an
-accumulating pass is refused too, leaving the window's gradients in ``.grad``.
+pass that runs others inside it (reentrant activation checkpointing), found at its first gradient
+by one walk of its autograd graph (:mod:`flatopt.engines.nesting`), before anything is stepped. In
+an accumulation window such a pass is refused too, leaving the window's gradients in ``.grad``.
 
 Kernel launches per backward: about ``numel / bucket_size`` plus one per parameter larger than a
 bucket. Gradient memory held by flatopt: the open buckets' staging gradients (one bucket at a
 time when gradients arrive in layout order) plus the gradient autograd is producing.
 """
 
-import sys
 import threading
 import weakref
 from contextlib import contextmanager
@@ -58,6 +57,7 @@ from flatopt.bindings import FULL_CHECK_EVERY
 from flatopt.distributed import check_single_process
 from flatopt.engines.backward_clip import BackwardClip
 from flatopt.engines.base import FlatEngine
+from flatopt.engines.nesting import nesting_backward, reentrant_segment
 from flatopt.layout import ALIGN, StepMeta
 from flatopt.step_graph import StepGraph
 
@@ -65,36 +65,6 @@ from flatopt.step_graph import StepGraph
 def _graph_task_id():
     get = getattr(torch._C, "_current_graph_task_id", None)
     return get() if get is not None else -1
-
-
-def _code(obj, *path):
-    for name in path:
-        obj = getattr(obj, name, None)
-    return getattr(obj, "__code__", None)
-
-
-_FUNCTION_BACKWARD = _code(torch.autograd.function, "BackwardCFunction", "apply")  # runs a Function's backward
-_ENGINE_RUN = _code(torch.autograd.graph, "_engine_run_backward")  # torch.autograd.backward's and grad's engine call
-
-
-def nesting_backward():
-    """What runs the backward pass in progress inside another one, seen from a gradient hook of it:
-    the autograd Function whose backward started it (``CheckpointFunction`` for reentrant activation
-    checkpointing), ``"a hook"`` for a second engine run below this one, or None for a pass that is
-    not nested. A nested pass runs on the thread of the node that started it, below that node's
-    Python frames, on the thread that called backward() as on a device's worker thread."""
-    frame, runs = sys._getframe(1), 0
-    while frame is not None:
-        code = frame.f_code
-        if code is _FUNCTION_BACKWARD and code is not None:
-            fn = getattr(frame.f_locals.get("self"), "_forward_cls", None)
-            return getattr(fn, "__name__", "an autograd Function")
-        if code is _ENGINE_RUN and code is not None:
-            runs += 1
-            if runs > 1:
-                return "a hook"
-        frame = frame.f_back
-    return None
 
 
 class Bucket:
@@ -458,36 +428,15 @@ class InBackwardEngine(FlatEngine):
 
     def _refusal(self, p, accumulate):
         """Why the backward pass that delivers ``p``'s gradient, the first of a pass, cannot be stepped, or
-        accumulated when ``accumulate`` (None when it can): a pass nested in another one, a pass begun while
-        one that raised was not dropped, or a pass after the one that stepped the window's gradients, with
-        neither opt.step() nor opt.zero_grad() in between. Checked before anything is taken or stepped."""
-        cls, name, k = self.cls, self.opt.names(p), self.accumulation_steps
-        outer = nesting_backward()
-        if outer is not None and (accumulate or self.accumulating is not None):
-            return (  # nothing begun, nothing stepped: p.grad keeps the sum of the window's micro-batches
-                f"{cls}(in_backward=True, accumulation_steps={k}): the gradient of {name} comes from a backward pass "
-                f"run inside another backward pass (by {outer}'s backward), as reentrant activation checkpointing "
-                "(torch.utils.checkpoint with use_reentrant=True) runs one per checkpointed segment; it cannot be "
-                "counted as one micro-batch of the window, and the window's last backward pass, which steps, "
-                "would be refused for it. Use torch.utils.checkpoint(..., use_reentrant=False), or in_backward=False "
-                "(step mode). No parameter was updated; the gradients accumulated so far stay in .grad, and "
-                "opt.zero_grad() drops them"
-            )
-        if outer is not None:
-            stepped = (
-                f"{self.stepped} parameter(s) stepped earlier in this pass, whose gradients came before the nested "
-                "pass, stay stepped: restart from a checkpoint if that matters"
-                if self.stepped
-                else "No parameter was updated"
-            )
-            return self._refuse(
-                p,
-                f"{cls}(in_backward=True): the gradient of {name} comes from a backward pass run inside another "
-                f"backward pass (by {outer}'s backward). Reentrant activation checkpointing (torch.utils.checkpoint "
-                "with use_reentrant=True) runs one per checkpointed segment, and each would step its parameters "
-                "before the outer pass ends. Use torch.utils.checkpoint(..., use_reentrant=False), or "
-                f"in_backward=False (step mode). {stepped}",
-            )
+        accumulated when ``accumulate`` (None when it can): a pass nested in another one or that would run
+        one (reentrant checkpointing), a pass begun while one that raised was not dropped, or a pass after
+        the one that stepped the window's gradients, with neither opt.step() nor opt.zero_grad() in between.
+        Checked before anything is taken or stepped."""
+        cls, k = self.cls, self.accumulation_steps
+        nested = nesting_backward()
+        ahead = reentrant_segment() if nested is None else None  # once per pass: one walk of its autograd graph
+        if nested is not None or ahead is not None:
+            return self._refuse_nested(p, nested, ahead, accumulate)
         if self.task is not None:
             return self._refuse(
                 p,
@@ -519,6 +468,39 @@ class InBackwardEngine(FlatEngine):
                 "backward. Nothing was updated by this backward pass",
             )
         return None
+
+    def _refuse_nested(self, p, nested, ahead, accumulate):
+        """Refuse a backward pass run inside another one: the nested pass at its first gradient, when
+        ``nested`` (what runs it) was seen in the hook's frames, or the outer pass at its first gradient,
+        before anything is stepped, when its graph holds ``ahead``, a reentrant checkpointing Function."""
+        cls, name, k = self.cls, self.opt.names(p), self.accumulation_steps
+        source = (
+            f"the gradient of {name} comes from a backward pass run inside another backward pass (by {nested}'s "
+            if nested is not None
+            else f"the backward pass that delivers the gradient of {name} would run others inside it (by {ahead}'s "
+        ) + (
+            "backward), as reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True) runs "
+            "one per checkpointed segment"
+        )
+        fix = "Use torch.utils.checkpoint(..., use_reentrant=False), or in_backward=False (step mode)"
+        if accumulate or self.accumulating is not None:
+            return (  # nothing begun, nothing stepped: p.grad keeps the sum of the window's micro-batches
+                f"{cls}(in_backward=True, accumulation_steps={k}): {source}; such a pass can neither be counted as "
+                "a micro-batch of the window nor step the window's gradients. "
+                f"{fix}. No parameter was updated; the gradients accumulated so far stay in .grad, and "
+                "opt.zero_grad() drops them"
+            )
+        stepped = (  # only for a nested pass the walk could not foresee (roots not read, a Function of another name)
+            f"{self.stepped} parameter(s) stepped earlier in this pass, whose gradients came before the nested pass, "
+            "stay stepped: restart from a checkpoint if that matters"
+            if self.stepped
+            else "No parameter was updated"
+        )
+        return self._refuse(
+            p,
+            f"{cls}(in_backward=True): {source}, each of which would step its parameters before the outer pass "
+            f"ends. {fix}. {stepped}",
+        )
 
     def _refuse(self, p, message, keep_task=False):
         """Drop the refused pass's gradients (``p``'s, and those waiting for later hooks), so that no later
