@@ -159,12 +159,18 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{cls} supports {supported} parameters, got {p.dtype}; "
                 "convert the model with model.to(torch.float32) before creating the optimizer"
             )
-        if p.requires_grad and own_dispatch(p) and (flat or is_dtensor(p)):
-            raise ValueError(  # flat buffers hold plain storage; flat=False views each tensor with as_strided
+        if p.requires_grad and is_dtensor(p) and (not flat or self.options.in_backward):
+            mode = "flat=False" if not flat else "in_backward=True"
+            raise ValueError(
+                f"{cls}({mode}) cannot step {self.names(p)}, a DTensor (FSDP2's fully_shard): DTensor parameters are "
+                f"stepped in step mode with flat=True (the default), whose buffers hold each rank's local shards; "
+                f"drop {mode}. See docs/distributed.md"
+            )
+        if p.requires_grad and own_dispatch(p) and not is_dtensor(p) and flat:
+            raise ValueError(  # flat buffers hold plain storage
                 f"{cls} steps plain tensors, and {self.names(p)} is a {type(p.data).__name__}: "
-                "tensor subclasses with their own dispatch, such as DTensor (FSDP2's fully_shard, tensor "
-                "parallelism), keep their own layout and storage, which flat buffers cannot hold (and DTensor "
-                "has no as_strided, which flat=False uses). Use torch.optim for them"
+                "tensor subclasses with their own dispatch keep their own layout and storage, which flat buffers "
+                "cannot hold. Use torch.optim for them"
             )
         if p.requires_grad and flat and p.is_meta:
             raise ValueError(

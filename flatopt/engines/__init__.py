@@ -3,21 +3,35 @@
 * :class:`FlatStepEngine` (the default): flat buffers, ``step()`` launches once per buffer;
 * :class:`InBackwardEngine` (``in_backward=True``): flat parameters and states, buckets stepped
   during backward;
-* :class:`PerParamEngine` (``flat=False``): the caller's own tensors, one launch per parameter.
+* :class:`PerParamEngine` (``flat=False``): the caller's own tensors, one launch per parameter;
+* :class:`FSDPStepEngine` (step mode, parameters sharded by FSDP2's ``fully_shard``): flat buffers of each
+  rank's local shards, ``step()`` launches once per buffer.
 """
 
 from flatopt.engines.base import Engine, FlatEngine
+from flatopt.engines.fsdp import FSDPStepEngine
 from flatopt.engines.in_backward import InBackwardEngine
 from flatopt.engines.per_param import PerParamEngine
 from flatopt.engines.step import FlatStepEngine
+from flatopt.torch_compat import is_dtensor
 
-__all__ = ["Engine", "FlatEngine", "FlatStepEngine", "InBackwardEngine", "PerParamEngine", "make_engine"]
+__all__ = [
+    "Engine",
+    "FSDPStepEngine",
+    "FlatEngine",
+    "FlatStepEngine",
+    "InBackwardEngine",
+    "PerParamEngine",
+    "make_engine",
+]
 
 
 def make_engine(opt):
     """The engine for ``opt.options``, laid out."""
     if opt.options.in_backward:
         engine = InBackwardEngine(opt)
+    elif opt.options.flat and any(is_dtensor(p) for group in opt.param_groups for p in group["params"]):
+        engine = FSDPStepEngine(opt)
     elif opt.options.flat:
         engine = FlatStepEngine(opt)
     else:
