@@ -213,49 +213,56 @@ def run_errors(rank):
     return out
 
 
+def dcp_api():
+    """torch.distributed.checkpoint and its state_dict helpers (imported where torch.distributed is available)."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict as sd
+
+    return dcp, sd
+
+
 def checkpoint_dir(name):
     return os.path.join(os.environ[CKPT_ENV], name)
 
 
 def dcp_options(full_state):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return dcp_api()[1].StateDictOptions(full_state_dict=full_state)
 
-    return StateDictOptions(full_state_dict=full_state)
+
+def trained(rank, world):
+    """A sharded model and its flatopt.AdamW after 3 steps."""
+    flat_cls, _, hp = OPTIMIZERS["AdamW"]
+    model = sharded(world)
+    opt = flat_cls(model, **hp)
+    for step in range(3):
+        train_step(model, opt, rank, world, step)
+    return model, opt
 
 
 def run_checkpoints(rank):
     """Train 3 steps, save (DCP, sharded) and export (full), then continue 3 steps; a new flatopt optimizer
     loading the sharded state dict and torch.optim loading the full one, on models loaded from the checkpoint,
     continue the same 3 steps."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    dcp, sd = dcp_api()
 
     world = dist.get_world_size()
     flat_cls, ref_cls, hp = OPTIMIZERS["AdamW"]
-    model = sharded(world)
-    opt = flat_cls(model, **hp)
-    for step in range(3):
-        train_step(model, opt, rank, world, step)
-    sharded_osd = get_optimizer_state_dict(model, opt)
+    model, opt = trained(rank, world)
+    sharded_osd = sd.get_optimizer_state_dict(model, opt)
     out = {
         "state_types": sorted({type(v).__name__ for e in sharded_osd["state"].values() for v in e.values()}),
         "keys": sorted(sharded_osd["state"]),
     }
-    dcp.save({"model": get_model_state_dict(model), "optim": sharded_osd}, checkpoint_id=checkpoint_dir("two"))
-    full_osd = get_optimizer_state_dict(model, opt, options=dcp_options(True))
+    dcp.save({"model": sd.get_model_state_dict(model), "optim": sharded_osd}, checkpoint_id=checkpoint_dir("two"))
+    full_osd = sd.get_optimizer_state_dict(model, opt, options=dcp_options(True))
     out["full_types"] = sorted({type(v).__name__ for e in full_osd["state"].values() for v in e.values()})
-    full_msd = get_model_state_dict(model, options=dcp_options(True))
+    full_msd = sd.get_model_state_dict(model, options=dcp_options(True))
 
     def resumed(make_opt, osd, options):
         m = sharded(world)
-        set_model_state_dict(m, full_msd, options=dcp_options(True))
+        sd.set_model_state_dict(m, full_msd, options=dcp_options(True))
         o = make_opt(m)
-        set_optimizer_state_dict(m, o, osd, options=options)
+        sd.set_optimizer_state_dict(m, o, osd, options=options)
         return m, o
 
     def full_in_torch_format(m):  # torch.optim's own format, of full tensors: each rank keeps its shard of them
@@ -266,7 +273,7 @@ def run_checkpoints(rank):
         return o
 
     plain = sharded(world)
-    set_model_state_dict(plain, full_msd, options=dcp_options(True))
+    sd.set_model_state_dict(plain, full_msd, options=dcp_options(True))
     runs = {
         "original": (model, opt),
         "flatopt_full_load_state_dict": (plain, full_in_torch_format(plain)),
@@ -283,22 +290,16 @@ def run_checkpoints(rank):
 
 def resume_from(name, rank):
     """A model and flatopt optimizer on this world size, loaded from DCP checkpoint ``name``, trained 3 steps."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    dcp, sd = dcp_api()
 
     world = dist.get_world_size()
     flat_cls, _, hp = OPTIMIZERS["AdamW"]
     model = sharded(world)
     opt = flat_cls(model, **hp)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    state = {"model": sd.get_model_state_dict(model), "optim": sd.get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=checkpoint_dir(name))
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
+    sd.set_model_state_dict(model, state["model"])
+    sd.set_optimizer_state_dict(model, opt, state["optim"])
     history = []
     for step in range(3, 6):
         train_step(model, opt, rank, world, step)
@@ -308,17 +309,12 @@ def resume_from(name, rank):
 
 def run_four(rank):
     """On four ranks: resume from the two-rank checkpoint; and train 3 steps from scratch, save, continue."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    dcp, sd = dcp_api()
 
     out = {"from_two": resume_from("two", rank)}
     world = dist.get_world_size()
-    flat_cls, _, hp = OPTIMIZERS["AdamW"]
-    model = sharded(world)
-    opt = flat_cls(model, **hp)
-    for step in range(3):
-        train_step(model, opt, rank, world, step)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    model, opt = trained(rank, world)
+    state = {"model": sd.get_model_state_dict(model), "optim": sd.get_optimizer_state_dict(model, opt)}
     dcp.save(state, checkpoint_id=checkpoint_dir("four"))
     out["original"] = []
     for step in range(3, 6):

@@ -49,6 +49,14 @@ class Engine:
         """``opt.step()`` (after torch.optim's pre-hooks); returns the closure's loss."""
         raise NotImplementedError
 
+    @staticmethod
+    def run_closure(closure):
+        """``step(closure)``'s closure run with gradients enabled, as torch.optim runs it; its loss (or None)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def zero_grad(self, set_to_none):
         raise NotImplementedError
 
@@ -114,6 +122,18 @@ class Reconciled:
     def __init__(self, p, buf, i, extra, reset=False, copies=(), step=None):
         self.p, self.buf, self.i, self.extra = p, buf, i, extra
         self.reset, self.copies, self.step = reset, copies, step
+
+
+def clip_coefficient(total, max_norm, norm_type, error_if_nonfinite):
+    """``torch.nn.utils.clip_grad_norm_``'s factor for gradients of total norm ``total`` (a device tensor), after
+    its check of a non-finite norm (a host sync, only with ``error_if_nonfinite``)."""
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 def trainable(param_groups):

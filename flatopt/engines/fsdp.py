@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flatopt.distributed import fsdp
-from flatopt.engines.base import FlatEngine
+from flatopt.engines.base import FlatEngine, clip_coefficient
 from flatopt.layout import FlatBuffer, GradSources
 
 
@@ -127,10 +127,7 @@ class FSDPStepEngine(FlatEngine):
     # ------------------------------------------------------------------ step
     def step(self, closure, grad_scale, found_inf):
         opt = self.opt
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.run_closure(closure)
         self.sync_state()
         self.check_bindings(self.full_check_due())
         self.refresh_hparams()
@@ -194,13 +191,7 @@ class FSDPStepEngine(FlatEngine):
             local = local**norm_type
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
             total = local ** (1.0 / norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
         by_kind = {}
         for g in grads:
             by_kind.setdefault((g.device, g.dtype), []).append(g)

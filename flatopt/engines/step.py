@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from flatopt.engines.base import FlatEngine
+from flatopt.engines.base import FlatEngine, clip_coefficient
 from flatopt.grads import GradLanding
 from flatopt.step_graph import StepGraph
 from flatopt.torch_compat import has_step_pre_hooks
@@ -128,10 +128,7 @@ class FlatStepEngine(FlatEngine):
 
     def step(self, closure, grad_scale, found_inf):
         opt = self.opt
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.run_closure(closure)
         self.sync_state()  # the caller's edits of opt.state (a reset, an assigned tensor), as torch.optim reads them
         plan = self._check_bindings_at_step()
         if not self.recording:  # a captured step refreshes hyper-parameters before each replay
@@ -202,13 +199,7 @@ class FlatStepEngine(FlatEngine):
         ]
         wide = functools.reduce(torch.promote_types, [n.dtype for n in norms])
         total = torch.linalg.vector_norm(torch.stack([n.to(first, wide) for n in norms]), norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
         for b in self.buffers:  # the views, not the padding: a nan norm must not leave nan there for good
             torch._foreach_mul_(b.grad_views, coef.to(b.device, b.grad.dtype))
         return total
