@@ -39,8 +39,6 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         cls = type(self).__name__
         self.engine = None
         self.options = FlatOptions.parse(cls, options)
-        if self.options.in_backward:
-            check_single_process(cls, self.options.allow_several_ranks)
         self.use_step_graph = True  # replay step()'s launches from a CUDA graph (see flatopt.step_graph)
         self.module = None  # weak reference to the module, when given one (capture restores its buffers)
         model = self.options.model
@@ -61,6 +59,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self.hparams = HParamTable(self.rule.row, self.rule.check, self.rule.lr_column)
         super().__init__(params, defaults)
         self.names.param_groups = self.param_groups
+        # in-backward hooks step each rank's own gradient, except under FSDP2, whose hooks run after its reduce-scatter
+        if self.options.in_backward and not any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            check_single_process(cls, self.options.allow_several_ranks)
         # the model whose covered layers write their gradients into the flat buffer (see flatopt.landing)
         self.model = weakref.ref(model) if model is not None else self.module
         self.backend = self._choose_backend(self.options.backend)
@@ -159,12 +160,11 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{cls} supports {supported} parameters, got {p.dtype}; "
                 "convert the model with model.to(torch.float32) before creating the optimizer"
             )
-        if p.requires_grad and is_dtensor(p) and (not flat or self.options.in_backward):
-            mode = "flat=False" if not flat else "in_backward=True"
+        if p.requires_grad and is_dtensor(p) and not flat:
             raise ValueError(
-                f"{cls}({mode}) cannot step {self.names(p)}, a DTensor (FSDP2's fully_shard): DTensor parameters are "
-                f"stepped in step mode with flat=True (the default), whose buffers hold each rank's local shards; "
-                f"drop {mode}. See docs/distributed.md"
+                f"{cls}(flat=False) cannot step {self.names(p)}, a DTensor (FSDP2's fully_shard): DTensor parameters "
+                "are stepped with flat=True (the default), whose buffers hold each rank's local shards; drop "
+                "flat=False. See docs/distributed.md"
             )
         if p.requires_grad and own_dispatch(p) and not is_dtensor(p) and flat:
             raise ValueError(  # flat buffers hold plain storage

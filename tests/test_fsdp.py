@@ -186,8 +186,7 @@ def run_errors(rank):
     model = sharded(world)
     before = [p.to_local().data_ptr() for p in model.parameters()]
     attempts = {
-        "in_backward": lambda: flatopt.AdamW(model, in_backward=True),
-        "in_backward_allowed": lambda: flatopt.AdamW(model, in_backward=True, allow_several_ranks=True),
+        "max_grad_norm": lambda: flatopt.AdamW(model, in_backward=True, max_grad_norm=1.0),
         "flat_false": lambda: flatopt.AdamW(model, flat=False),
         "no_model": lambda: flatopt.AdamW(model.parameters()),
     }
@@ -210,6 +209,50 @@ def run_errors(rank):
         out["moved"] = None
     except Exception as e:
         out["moved"] = error_of(e)
+    return out
+
+
+def run_in_backward(rank, accumulate):
+    """in_backward=True against step mode on the same FSDP2 model and data, over STEPS steps of two micro-batches
+    when ``accumulate`` says how the first is kept from stepping ("no_step": opt.no_step(); "fsdp": FSDP2's
+    set_requires_gradient_sync(False)), of one otherwise."""
+    from contextlib import nullcontext
+
+    world = dist.get_world_size()
+    flat_cls, _, hp = OPTIMIZERS["AdamW"]
+    model, ref = sharded(world), sharded(world)
+    opt, ref_opt = flat_cls(model, in_backward=True, **hp), flat_cls(ref, **hp)
+    engine = flatopt.inspect(opt).engine
+    out = {"history": [], "freed": [], "clip_error": None}
+    micros = 1 if accumulate is None else 2
+    for step in range(STEPS):
+        for micro in range(micros):
+            x, y = (t.chunk(world)[rank] for t in batch(10 * step + micro))
+            last = micro == micros - 1
+            for m, o in ((model, opt), (ref, ref_opt)):
+                if accumulate == "fsdp":
+                    m.set_requires_gradient_sync(last)
+                    ctx = nullcontext()
+                else:
+                    ctx = nullcontext() if last else o.no_step()
+                with ctx:
+                    nn.functional.mse_loss(m(x), y).backward()
+            if not last and accumulate == "no_step":  # the gradients kept in .grad are clipped as torch clips them
+                out.setdefault("pending_norms", []).append(
+                    (float(opt.clip_grad_norm_(1e9)), float(ref_opt.clip_grad_norm_(1e9)))
+                )
+        out["freed"].append(all(p.grad is None for p in model.parameters()))
+        if step == 0:
+            try:
+                opt.clip_grad_norm_(1.0)
+            except RuntimeError as e:
+                out["clip_error"] = str(e)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+    out["launches"] = engine.launches
     return out
 
 
@@ -336,6 +379,7 @@ def match_id(opt_name, mp_policy):
 
 SCENARIOS = {
     **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH},
+    **{f"in_backward:{a}": (run_in_backward, (a,)) for a in (None, "no_step", "fsdp")},
     "errors": (run_errors, ()),
     "checkpoints": (run_checkpoints, ()),
 }
@@ -400,13 +444,29 @@ def test_matches_single_process_flatopt(runs, opt_name):
             torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, parameter {i}: {m}")
 
 
+@pytest.mark.parametrize("accumulate", [None, "no_step", "fsdp"])
+def test_in_backward_matches_step_mode(runs, accumulate):
+    """in_backward=True steps each fully_shard group once FSDP2 has reduce-scattered its gradients (one launch
+    per group and step: three groups here) and frees them; the result is bit-identical to step mode, also when
+    micro-batches accumulate under opt.no_step() or FSDP2's set_requires_gradient_sync(False). After a stepped
+    pass, clip_grad_norm_ is refused; gradients accumulated under no_step() are clipped as in step mode."""
+    for rank, result in enumerate(runs["two"](f"in_backward:{accumulate}")):
+        hist = result["history"]
+        ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}", rtol=0, atol=0)
+        assert all(result["freed"]), f"rank {rank}: sharded gradients left after a stepped pass: {result['freed']}"
+        assert result["launches"] == 3 * STEPS, result["launches"]
+        assert "stepped and freed this pass's gradients" in (result["clip_error"] or ""), result["clip_error"]
+        for ours, step_mode in result.get("pending_norms", []):  # summed in another order: the layout is grouped
+            assert ours == pytest.approx(step_mode, rel=1e-6), (ours, step_mode)
+        assert (accumulate == "no_step") == bool(result.get("pending_norms"))
+
+
 def test_what_cannot_work_is_refused_at_construction(runs):
-    """In-backward mode (several ranks, or DTensors), flat=False, FSDP2 parameters given without their model
-    and tensor-parallel DTensors are refused by the constructor, saying why, before the shards move; a model
+    """In-backward mode with max_grad_norm, flat=False, FSDP2 parameters given without their model and
+    tensor-parallel DTensors are refused by the constructor, saying why, before the shards move; a model
     whose shards FSDP2 replaced (model.double()) by the next step()."""
     expected = {
-        "in_backward": r"several distributed ranks \(2 here\).*in_backward=False with DDP or FSDP2",
-        "in_backward_allowed": r"in_backward=True\) cannot step '0.weight', a DTensor",
+        "max_grad_norm": r"in_backward=True\) over FSDP2 takes neither max_grad_norm nor accumulation_steps",
         "flat_false": r"flat=False\) cannot step '0.weight', a DTensor",
         "no_model": r"pass the model itself",
         "tensor_parallel": r"'weight' is a DTensor that fully_shard \(FSDP2\) does not manage",
@@ -418,7 +478,7 @@ def test_what_cannot_work_is_refused_at_construction(runs):
         for name, pattern in expected.items():
             err = result[name]
             assert err is not None, f"rank {rank}: {name} was accepted"
-            kind = "RuntimeError" if name in ("in_backward", "moved") else "ValueError"
+            kind = "RuntimeError" if name == "moved" else "ValueError"
             assert err["type"] == kind and re.search(pattern, err["message"]), (name, err)
         assert result["unchanged"], f"rank {rank}: a refused constructor moved the shards"
 
