@@ -203,6 +203,11 @@ def run_errors(rank):
             out[name] = error_of(e)
     out["unchanged"] = [p.to_local().data_ptr() for p in model.parameters()] == before
     opt = flatopt.AdamW(model)
+    try:
+        opt.capture(lambda: None)
+        out["capture"] = None
+    except Exception as e:
+        out["capture"] = error_of(e)
     model.double()  # FSDP2 gives every parameter a new local shard, off the flat buffer
     try:
         opt.step()
@@ -464,13 +469,14 @@ def test_in_backward_matches_step_mode(runs, accumulate):
 def test_what_cannot_work_is_refused_at_construction(runs):
     """In-backward mode with max_grad_norm, flat=False, FSDP2 parameters given without their model and
     tensor-parallel DTensors are refused by the constructor, saying why, before the shards move; a model
-    whose shards FSDP2 replaced (model.double()) by the next step()."""
+    whose shards FSDP2 replaced (model.double()) by the next step(); capture() by capture()."""
     expected = {
         "max_grad_norm": r"in_backward=True\) over FSDP2 takes neither max_grad_norm nor accumulation_steps",
         "flat_false": r"flat=False\) cannot step '0.weight', a DTensor",
         "no_model": r"pass the model itself",
         "tensor_parallel": r"'weight' is a DTensor that fully_shard \(FSDP2\) does not manage",
         "moved": r"the local shard of parameter '0.weight' no longer lives in the optimizer's flat buffer",
+        "capture": r"AdamW.capture\(\) cannot record the step of an FSDP2 model",
     }
     import re
 
@@ -478,7 +484,7 @@ def test_what_cannot_work_is_refused_at_construction(runs):
         for name, pattern in expected.items():
             err = result[name]
             assert err is not None, f"rank {rank}: {name} was accepted"
-            kind = "RuntimeError" if name == "moved" else "ValueError"
+            kind = "RuntimeError" if name in ("moved", "capture") else "ValueError"
             assert err["type"] == kind and re.search(pattern, err["message"]), (name, err)
         assert result["unchanged"], f"rank {rank}: a refused constructor moved the shards"
 
