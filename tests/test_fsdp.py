@@ -132,17 +132,19 @@ def error_of(e):
 # ------------------------------------------------------------------------------------------ scenarios (in the ranks)
 
 
-def run_match(rank, opt_name, mp_policy, hsdp=None):
+def run_match(rank, opt_name, mp_policy, backend=None, hsdp=None):
     """flatopt and torch.optim, each on its own FSDP2 model, over STEPS steps; and single-process flatopt on
-    rank 0."""
+    rank 0. ``backend="triton"``: the Triton kernels (under the interpreter), which read FSDP2's gradient shards
+    through their addresses."""
     world = dist.get_world_size()
     flat_cls, ref_cls, hp = OPTIMIZERS[opt_name]
     model, ref = sharded(world, mp_policy, hsdp), sharded(world, mp_policy, hsdp)
+    kw = {} if backend is None else {"backend": backend}
     if opt_name == "AdamW":
-        opt = flat_cls(groups_of(model, hp), model=model, **hp)
+        opt = flat_cls(groups_of(model, hp), model=model, **hp, **kw)
         ref_opt = ref_cls(groups_of(ref, hp), **hp)
     else:
-        opt, ref_opt = flat_cls(model, **hp), ref_cls(ref.parameters(), **hp)
+        opt, ref_opt = flat_cls(model, **hp, **kw), ref_cls(ref.parameters(), **hp)
     buffers = flatopt.inspect(opt).buffers
     out = {"history": [], "norms": [], "ref_norms": []}
     engine = flatopt.inspect(opt).engine
@@ -166,7 +168,7 @@ def run_match(rank, opt_name, mp_policy, hsdp=None):
         for p in model.parameters()
         if p.requires_grad
     )
-    if rank == 0 and mp_policy is None and hsdp is None:  # single-process flatopt on the whole batch
+    if rank == 0 and mp_policy is None and hsdp is None and backend is None:  # one process, the whole batch
         single = net()
         sopt = flat_cls(groups_of(single, hp), model=single, **hp) if opt_name == "AdamW" else flat_cls(single, **hp)
         out["single"] = []
@@ -375,20 +377,27 @@ def run_from_four(rank):
     return {"from_four": resume_from("four", rank)}
 
 
-MATCH = [("AdamW", None), ("SGD", None), ("Lion", None), ("AdamW", {"param_dtype": torch.bfloat16})]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton kernels run on the CPU (make test sets it)
+MATCH = [
+    ("AdamW", None, None),
+    ("SGD", None, None),
+    ("Lion", None, None),
+    ("AdamW", {"param_dtype": torch.bfloat16}, None),
+    ("AdamW", None, "triton"),
+]
 
 
-def match_id(opt_name, mp_policy):
-    return opt_name + ("-bf16" if mp_policy else "")
+def match_id(opt_name, mp_policy, backend):
+    return opt_name + ("-bf16" if mp_policy else "") + (f"-{backend}" if backend else "")
 
 
 SCENARIOS = {
-    **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH},
+    **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH if m[2] != "triton" or INTERPRETED},
     **{f"in_backward:{a}": (run_in_backward, (a,)) for a in (None, "no_step", "fsdp")},
     "errors": (run_errors, ()),
     "checkpoints": (run_checkpoints, ()),
 }
-HSDP = ("AdamW", None, (2, 2))  # two replicas of two shards
+HSDP = ("AdamW", None, None, (2, 2))  # two replicas of two shards
 FOUR = {"four": (run_four, ()), "match:hsdp": (run_match, HSDP)}
 BACK_TO_TWO = {"from_four": (run_from_four, ())}
 
@@ -421,7 +430,9 @@ def runs(tmp_path_factory):
 def test_matches_torch_optim_on_the_same_fsdp2_model(runs, scenario):
     """Parameters and every state equal torch.optim's on the same FSDP2 model at every step, on each rank; the
     clipping norms are the global ones torch computes; one launch per flat buffer per step; FSDP2's local
-    shards live in flatopt's buffer."""
+    shards live in flatopt's buffer. With the CPU backend, and with the Triton kernels (under the interpreter)."""
+    if scenario.endswith("-triton") and not INTERPRETED:
+        pytest.skip("the Triton kernels run on the CPU only under the interpreter: set TRITON_INTERPRET=1")
     for rank, result in enumerate(runs["two"](f"match:{scenario}")):
         hist = result["history"]
         ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}", **TOL)

@@ -6,7 +6,8 @@ flat buffer (per (device, dtype)) on each rank.
 * Gradients stay where FSDP2's reduce-scatter put them (``p.grad``, a DTensor): the kernel reads each local
   gradient shard through a table of their addresses (the gathering launch, ``sources=``: see
   :class:`flatopt.layout.GradSources`) and stores it into a flat gradient buffer as it steps; a shard the kernel
-  cannot read in place (not 16-byte aligned) is copied there first. ``p.grad`` is left as FSDP2 made it.
+  cannot read in place (not 16-byte aligned) is copied there first. ``p.grad`` is left as FSDP2 made it. The flat
+  gradient buffer has storage only during the launch (allocated and zeroed before it, freed after it).
 * States: flat buffers like the parameters'; ``opt.state[p]`` holds views of the local shards, and
   ``state_dict()`` exports them as DTensors with the parameter's sharding, as torch.optim on the same model
   holds them, so ``torch.distributed.checkpoint`` saves, reshards and loads them.
@@ -22,6 +23,20 @@ import torch.distributed as dist
 from flatopt.distributed import fsdp
 from flatopt.engines.base import FlatEngine, clip_coefficient
 from flatopt.layout import FlatBuffer, GradSources
+
+
+def acquire_grad(buf):
+    """The flat gradient buffer's storage, zeroed (its padding must read zero), for the launch about to read it."""
+    storage = buf.grad.untyped_storage()
+    if storage.nbytes() == 0:
+        storage.resize_(buf.grad.numel() * buf.grad.element_size())
+        buf.grad.zero_()
+
+
+def release_grad(buf):
+    """Free the flat gradient buffer's storage between launches: the gradients live in FSDP2's ``.grad``, and the
+    buffer is only where a launch stores what it read (its views stay valid objects, with no memory)."""
+    buf.grad.untyped_storage().resize_(0)
 
 
 class FSDPStepEngine(FlatEngine):
@@ -62,7 +77,8 @@ class FSDPStepEngine(FlatEngine):
                 padded.copy_(shard.fsdp_param._sharded_param_data)  # the shard and FSDP2's padding (zeros)
                 fsdp.bind(shard, padded, local)
                 self.expected[p] = (padded.data_ptr(), local.data_ptr())
-        buf.expected = [(dv.data_ptr(), gv.data_ptr()) for dv, gv in zip(buf.data_views, buf.grad_views)]
+        buf.expected = [(dv.data_ptr(), None) for dv in buf.data_views]
+        release_grad(buf)
 
     def release(self, p):
         fsdp.unbind(self.shards[p])
@@ -143,10 +159,12 @@ class FSDPStepEngine(FlatEngine):
             for b, buf in enumerate(self.buffers):
                 if b in idle:
                     continue
+                acquire_grad(buf)
                 self.launch(
                     buf, buf.grad, hparams=opt.hparams.on(buf.device), meta=buf.meta, grad_scale=grad_scale,
                     found_inf=found_inf, sources=self.sources(buf),
                 )  # fmt: skip
+                release_grad(buf)
         self.keep_padding_zero()
         return loss
 

@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from flatopt.engines.fsdp import FSDPStepEngine
+from flatopt.engines.fsdp import FSDPStepEngine, acquire_grad, release_grad
 from flatopt.engines.in_backward import Bucket
 
 
@@ -112,6 +112,7 @@ class FSDPInBackwardEngine(FSDPStepEngine):
         self.refresh_hparams()
         for bucket in self.runs[group]:
             buf = bucket.buf
+            acquire_grad(buf)
             for i in range(bucket.first, bucket.stop):
                 p, view = buf.params[i], buf.grad_views[i]
                 if p.grad is None:
@@ -123,6 +124,7 @@ class FSDPInBackwardEngine(FSDPStepEngine):
                 span=(bucket.start, bucket.end),
             )  # fmt: skip
             self.launches += 1
+            release_grad(buf)
             for p in bucket.params:
                 p.grad = None  # FSDP2's sharded gradient is freed
         self.arrived.pop(group, None)
