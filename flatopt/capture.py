@@ -50,6 +50,11 @@ def check_capturable(opt):
         raise RuntimeError(f"{cls}(flat=False) cannot be captured: capture relies on flat buffers that never move")
     if opt.in_backward:
         raise RuntimeError(f"{cls}(in_backward=True) cannot be captured; use in_backward=False with capture()")
+    if getattr(opt.engine, "shards", None):
+        raise RuntimeError(
+            f"{cls}.capture() cannot record the step of an FSDP2 model: FSDP2 all-gathers and reduce-scatters with "
+            "its own buffers and streams around it. Step it with opt.step()"
+        )
     if not torch.cuda.is_available():
         raise RuntimeError(f"{cls}.capture() records a CUDA graph and needs a CUDA GPU; this machine has none")
     if not opt.engine.buffers or any(b.device.type != "cuda" for b in opt.engine.buffers):

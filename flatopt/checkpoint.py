@@ -11,6 +11,8 @@ from copy import deepcopy
 
 import torch
 
+from flatopt.torch_compat import is_dtensor
+
 
 class CheckpointMixin:
     """state_dict() and load_state_dict() of :class:`flatopt.optimizer.FlatOptimizer`: torch.optim's format,
@@ -51,9 +53,13 @@ class CheckpointMixin:
                     if own:
                         state[index[p]] = own
                     continue
-                if steps[p] == 0:
+                if steps[p] == 0 and not self.engine.exports_unstepped:
                     continue
-                entry = {n: own[n] for n in self._exported_names(gi, group) if own.get(n) is not None}
+                entry = {
+                    n: self.engine.export_state(p, own[n])
+                    for n in self._exported_names(gi, group)
+                    if own.get(n) is not None
+                }
                 if self.rule.exported_step:
                     entry = {"step": torch.tensor(steps[p], dtype=step_dtype), **entry}
                 if entry:
@@ -145,6 +151,8 @@ class CheckpointMixin:
                 f"loaded state dict has {what} {kind}; a state is a dense real tensor with values, like the "
                 f"parameter ({p.dtype}), as torch.optim saves it"
             )
+        if is_dtensor(t):  # a state sharded like its DTensor parameter: its local shard is what gets copied
+            t = t.to_local()
         if t.numel():
             try:
                 with torch.no_grad():

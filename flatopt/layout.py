@@ -17,6 +17,9 @@ Every parameter starts on a multiple of ``ALIGN`` elements (64: 512 bytes for fl
 and the kernels find a parameter's group and step count with one table lookup. Padding elements
 are zero in every buffer; the optimizers map zeros to zeros, so stepping them changes nothing.
 
+A parameter sharded by FSDP2 takes its local shard's shape and the room of FSDP2's padded shard
+(``like`` and ``room``; see :mod:`flatopt.distributed.fsdp`), whose tail is padding like the rest.
+
 A parameter view keeps the parameter's own strides (a channels_last weight stays channels_last);
 parameters must be dense (no gaps or overlaps between elements).
 """
@@ -81,21 +84,32 @@ class FlatBuffer:
             :meth:`add_state`.
         grad (bool): allocate the flat gradient buffer and make every ``p.grad`` a view into it
             (``False`` in in-backward mode, where gradients are stepped and freed as they arrive).
+        like (list[Tensor], optional): the tensor whose shape, strides, dtype and device each parameter's views
+            take, when it is not the parameter itself (FSDP2's local shard of a DTensor parameter).
+        room (list[int], optional): the elements reserved for each parameter, at least its own (FSDP2's padded
+            shard); the elements past its own are padding. Default: its own.
     """
 
-    def __init__(self, params, groups, state_names=(), grad=True):
+    def __init__(self, params, groups, state_names=(), grad=True, like=None, room=None):
         if not params:
             raise ValueError("a FlatBuffer needs at least one parameter")
         self.params = list(params)
-        self.device = params[0].device
-        self.dtype = params[0].dtype
+        self.like = list(params) if like is None else list(like)
+        room = [t.numel() for t in self.like] if room is None else list(room)
+        if len(self.like) != len(self.params) or len(room) != len(self.params):
+            raise ValueError(f"like and room need one entry per parameter ({len(self.params)})")
+        self.device = self.like[0].device
+        self.dtype = self.like[0].dtype
         self.index = {}  # param -> (start, end)
         self.starts = []
+        self.room = room
         start = 0
-        for p in self.params:
-            self.index[p] = (start, start + p.numel())
+        for p, t, n in zip(self.params, self.like, room):
+            if n < t.numel():
+                raise ValueError(f"room for {n} elements cannot hold a tensor of {t.numel()}")
+            self.index[p] = (start, start + t.numel())
             self.starts.append(start)
-            start = align_up(start + p.numel())
+            start = align_up(start + n)
         self.numel = max(start, ALIGN)
         self.group_ids = list(groups)
         self.group_set = frozenset(self.group_ids)
@@ -105,9 +119,9 @@ class FlatBuffer:
         self.states = {}
         self.state_views = {}
         owner = torch.zeros(self.numel // ALIGN, dtype=torch.int32)
-        for i, p in enumerate(self.params):
-            s, e = self.index[p]
-            owner[s // ALIGN : align_up(e) // ALIGN] = i
+        for i, (p, n) in enumerate(zip(self.params, room)):
+            s = self.index[p][0]
+            owner[s // ALIGN : align_up(s + n) // ALIGN] = i
         self.meta = StepMeta(
             param_of_granule=owner.to(self.device),
             param_group=torch.tensor(self.group_ids, dtype=torch.int32, device=self.device),
@@ -129,17 +143,17 @@ class FlatBuffer:
         """Views of ``flat`` (one of this buffer's flat tensors) between parameters and after the last one:
         the alignment padding, which must stay zero."""
         pads, end = [], 0
-        for start, p in sorted(zip(self.starts, self.params), key=lambda t: t[0]):
+        for start, t in sorted(zip(self.starts, self.like), key=lambda t: t[0]):
             if start > end:
                 pads.append(flat[end:start])
-            end = start + p.numel()
+            end = start + t.numel()
         if flat.numel() > end:
             pads.append(flat[end:])
         return pads
 
     def view(self, flat, i):
         """The view of parameter ``i`` in ``flat``, with the parameter's shape and strides."""
-        p = self.params[i]
+        p = self.like[i]
         return flat.as_strided(p.shape, p.stride(), flat.storage_offset() + self.starts[i])
 
     def adopt(self):
@@ -257,7 +271,7 @@ class GradSources:
         reads the parameter's own view). Raises ValueError for a gradient that does not fit. Copies
         its tables to the device (not inside a CUDA graph capture: see :meth:`point_at`)."""
         src = cls.addresses(buf, grads)
-        numel = [p.numel() for p in buf.params]
+        numel = [t.numel() for t in buf.like]
 
         def table(values):
             return torch.tensor(values, dtype=torch.int64).to(buf.device)

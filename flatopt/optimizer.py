@@ -39,8 +39,6 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         cls = type(self).__name__
         self.engine = None
         self.options = FlatOptions.parse(cls, options)
-        if self.options.in_backward:
-            check_single_process(cls, self.options.allow_several_ranks)
         self.use_step_graph = True  # replay step()'s launches from a CUDA graph (see flatopt.step_graph)
         self.module = None  # weak reference to the module, when given one (capture restores its buffers)
         model = self.options.model
@@ -61,6 +59,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self.hparams = HParamTable(self.rule.row, self.rule.check, self.rule.lr_column)
         super().__init__(params, defaults)
         self.names.param_groups = self.param_groups
+        # in-backward hooks step each rank's own gradient, except under FSDP2, whose hooks run after its reduce-scatter
+        if self.options.in_backward and not any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            check_single_process(cls, self.options.allow_several_ranks)
         # the model whose covered layers write their gradients into the flat buffer (see flatopt.landing)
         self.model = weakref.ref(model) if model is not None else self.module
         self.backend = self._choose_backend(self.options.backend)
@@ -159,12 +160,17 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{cls} supports {supported} parameters, got {p.dtype}; "
                 "convert the model with model.to(torch.float32) before creating the optimizer"
             )
-        if p.requires_grad and own_dispatch(p) and (flat or is_dtensor(p)):
-            raise ValueError(  # flat buffers hold plain storage; flat=False views each tensor with as_strided
+        if p.requires_grad and is_dtensor(p) and not flat:
+            raise ValueError(
+                f"{cls}(flat=False) cannot step {self.names(p)}, a DTensor (FSDP2's fully_shard): DTensor parameters "
+                "are stepped with flat=True (the default), whose buffers hold each rank's local shards; drop "
+                "flat=False. See docs/distributed.md"
+            )
+        if p.requires_grad and own_dispatch(p) and not is_dtensor(p) and flat:
+            raise ValueError(  # flat buffers hold plain storage
                 f"{cls} steps plain tensors, and {self.names(p)} is a {type(p.data).__name__}: "
-                "tensor subclasses with their own dispatch, such as DTensor (FSDP2's fully_shard, tensor "
-                "parallelism), keep their own layout and storage, which flat buffers cannot hold (and DTensor "
-                "has no as_strided, which flat=False uses). Use torch.optim for them"
+                "tensor subclasses with their own dispatch keep their own layout and storage, which flat buffers "
+                "cannot hold. Use torch.optim for them"
             )
         if p.requires_grad and flat and p.is_meta:
             raise ValueError(

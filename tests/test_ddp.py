@@ -1,6 +1,5 @@
 """flatopt in step mode (flat=True, in_backward=False) under DistributedDataParallel: two CPU ranks
-on the gloo backend, started once for the whole module with torch.multiprocessing (spawn) and a
-FileStore in a temporary directory (no TCP port to pick).
+on the gloo backend, started once for the whole module (tests/ranks.py).
 
 * Each rank feeds different data and DDP averages the gradients in place into flatopt's ``.grad``
   views: flatopt.AdamW, SGD (momentum) and Lion match torch.optim.AdamW, SGD and the paper's Lion
@@ -17,24 +16,16 @@ FileStore in a temporary directory (no TCP port to pick).
   gradient to the rank that did not use it, which must step it as the other rank does, also with
   ``skip_unused=True`` (which decides from ``.grad`` at the step, as torch.optim does).
 
-Every rank runs every scenario in one pair of processes (a spawn costs seconds of imports); each
-scenario's results, or the traceback it raised, go to a file per rank, and the tests compare them
-here. An exception in a rank fails the scenario's tests with that rank's traceback (and stops the
-rank, so that the other never waits in a collective that will not come; the scenarios after it
-then fail saying so).
+Every rank runs every scenario in one pair of processes; an exception in a rank fails the scenario's
+tests with that rank's traceback.
 """
 
-import os
-import time
-import traceback
 import warnings
 from contextlib import nullcontext
-from datetime import timedelta
 
 import pytest
+import ranks
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import LionReference
 from torch import nn
 
@@ -43,7 +34,6 @@ import flatopt
 WORLD = 2
 STEPS = 12
 RUN_TIMEOUT_S = 240  # the whole run takes a few seconds; a hung collective is cut off by gloo's timeout first
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 # flatopt's torch backend against torch.optim's for-loop implementation (and the Lion reference), float32 on
 # the CPU, values of order 0.1 to 1. The largest differences observed over the 12 steps (parameters and states):
@@ -53,12 +43,8 @@ TOL = dict(rtol=1e-6, atol=5e-7)
 SAME = dict(rtol=0.0, atol=0.0)  # the two ranks, which run the same arithmetic on the same values
 
 
-def _gloo_available():
-    return dist.is_available() and dist.is_gloo_available()
-
-
 pytestmark = pytest.mark.skipif(
-    not _gloo_available(),
+    not ranks.gloo_available(),
     reason="needs torch.distributed with the gloo backend, which this torch build lacks",
 )
 
@@ -315,31 +301,6 @@ def run_in_backward(rank):
     return {"construct_error": error, "rebound": [p.data_ptr() for p in ddp.module.parameters()] != ptrs}
 
 
-def run_fsdp2(rank):
-    """FSDP2's fully_shard turns the parameters into DTensors: refused when the optimizer is created (flat or
-    not), before anything changes."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # FSDP2's public API arrived in torch 2.6
-        return {"skipped": f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard"}
-
-    model = mlp(seed=0)
-    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
-    before = [p.to_local().clone() for p in model.parameters()]
-    errors = {}
-    for flat in (True, False):
-        try:
-            flatopt.AdamW(model, lr=1e-2, flat=flat, backend="torch")
-            errors[flat] = None
-        except Exception as e:
-            errors[flat] = error_of(e)
-    unchanged = all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
-    types = sorted({type(p).__name__ for p in model.parameters()})
-    return {"errors": errors, "unchanged": unchanged, "types": types}
-
-
 MATCH = [(o, order, {}) for o in OPTIMIZERS for order in ORDERS] + [
     ("AdamW", "after_wrap", {"static_graph": True}),
     ("AdamW", "before_wrap", {"static_graph": True}),
@@ -358,87 +319,18 @@ SCENARIOS = {
     "unused": (run_unused, ()),
     "skip_unused": (run_skip_unused, ()),
     "in_backward": (run_in_backward, ()),
-    "fsdp2": (run_fsdp2, ()),
 }
-
-
-def worker(rank, store_file, out_dir):
-    """One rank: every scenario in order; results (or the traceback) to ``out_dir/<scenario>.rank<r>.pt``."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT
-    )
-    try:
-        for name, (fn, args) in SCENARIOS.items():
-            path = os.path.join(out_dir, f"{name}.rank{rank}.pt")
-            try:
-                result = fn(rank, *args)
-            except BaseException:
-                torch.save({"error": traceback.format_exc()}, path)
-                raise  # the other rank may be waiting in a collective of this scenario: stop both
-            torch.save(result, path)
-    finally:
-        dist.destroy_process_group()
-
-
-# ------------------------------------------------------------------------------------------- the run and its results
-
-
-class Results:
-    def __init__(self, out_dir, abort):
-        self.out_dir, self.abort = out_dir, abort
-
-    def __call__(self, name):
-        """Both ranks' results of scenario ``name``; fails the test with a rank's traceback if it raised."""
-        per_rank = []
-        for rank in range(WORLD):
-            path = os.path.join(self.out_dir, f"{name}.rank{rank}.pt")
-            if not os.path.exists(path):
-                pytest.fail(f"scenario {name!r} did not run on rank {rank}; the ranks stopped with:\n{self.abort}")
-            result = torch.load(path, weights_only=True)
-            if "error" in result:
-                pytest.fail(f"rank {rank} raised in scenario {name!r}:\n{result['error']}")
-            per_rank.append(result)
-        return per_rank
 
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ddp")
-    ctx = mp.start_processes(worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=False)
-    abort = None
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                abort = f"the ranks did not finish within {RUN_TIMEOUT_S} s and were killed"
-                break
-    except Exception as e:  # torch.multiprocessing's ProcessRaisedException carries the rank's traceback
-        abort = f"{type(e).__name__}: {e}"
-    return Results(str(tmp), abort)
+    return ranks.run("test_ddp", WORLD, str(tmp_path_factory.mktemp("ddp")), RUN_TIMEOUT_S)
 
 
 def assert_history(ours, theirs, what, **tol):
-    """Parameters and every state tensor of two histories (lists of snapshots) agree at every step."""
-    __tracebackhide__ = True  # the failure shows at the test's line, without the histories' reprs
-    assert len(ours) == len(theirs) == STEPS
-    for step, (a, b) in enumerate(zip(ours, theirs), start=1):
-        for i, (p, q) in enumerate(zip(a["params"], b["params"], strict=True)):
-            torch.testing.assert_close(p, q, **tol, msg=lambda m: f"{what}, step {step}, parameter {i}: {m}")
-        assert a["state"].keys() == b["state"].keys(), f"{what}, step {step}: stepped parameters differ"
-        for i, entry in a["state"].items():
-            assert entry.keys() == b["state"][i].keys(), f"{what}, step {step}, parameter {i}: state names"
-            for key, value in entry.items():
-                other = b["state"][i][key]
-                if key == "step":
-                    assert value == other, f"{what}, step {step}, parameter {i}: step count {value} != {other}"
-                else:
-                    torch.testing.assert_close(
-                        value, other, **tol, msg=lambda m: f"{what}, step {step}, parameter {i}, {key}: {m}"
-                    )
+    __tracebackhide__ = True
+    assert len(ours) == STEPS
+    ranks.assert_history(ours, theirs, what, **tol)
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -541,17 +433,3 @@ def test_in_backward_with_several_ranks_is_refused(ddp_results):
         assert err["type"] == "builtins.RuntimeError", err
         assert "several distributed ranks (2 here)" in err["message"] and "in_backward=False" in err["message"], err
         assert not result["rebound"], f"rank {rank}: the refused constructor rebound the parameters"
-
-
-def test_fsdp2_dtensor_parameters_are_refused(ddp_results):
-    """fully_shard (FSDP2) on two ranks: its DTensor parameters are refused by name, flat or not, with the
-    way out (torch.optim), and nothing changes."""
-    for rank, result in enumerate(ddp_results("fsdp2")):
-        if "skipped" in result:
-            pytest.skip(result["skipped"])
-        assert result["types"] == ["DTensor"], result["types"]
-        for flat, err in result["errors"].items():
-            assert err is not None, f"rank {rank}, flat={flat}: DTensor parameters were accepted"
-            assert err["type"] == "builtins.ValueError", err
-            assert "'0.weight' is a DTensor" in err["message"] and "Use torch.optim" in err["message"], err
-        assert result["unchanged"], f"rank {rank}: a refused constructor changed the parameters"

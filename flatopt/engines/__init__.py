@@ -3,21 +3,40 @@
 * :class:`FlatStepEngine` (the default): flat buffers, ``step()`` launches once per buffer;
 * :class:`InBackwardEngine` (``in_backward=True``): flat parameters and states, buckets stepped
   during backward;
-* :class:`PerParamEngine` (``flat=False``): the caller's own tensors, one launch per parameter.
+* :class:`PerParamEngine` (``flat=False``): the caller's own tensors, one launch per parameter;
+* :class:`FSDPStepEngine` (step mode, parameters sharded by FSDP2's ``fully_shard``): flat buffers of each
+  rank's local shards, ``step()`` launches once per buffer;
+* :class:`FSDPInBackwardEngine` (``in_backward=True`` over FSDP2): the same layout, each fully_shard group
+  stepped by one launch once FSDP2 has reduce-scattered its gradients.
 """
 
 from flatopt.engines.base import Engine, FlatEngine
+from flatopt.engines.fsdp import FSDPStepEngine
+from flatopt.engines.fsdp_backward import FSDPInBackwardEngine
 from flatopt.engines.in_backward import InBackwardEngine
 from flatopt.engines.per_param import PerParamEngine
 from flatopt.engines.step import FlatStepEngine
+from flatopt.torch_compat import is_dtensor
 
-__all__ = ["Engine", "FlatEngine", "FlatStepEngine", "InBackwardEngine", "PerParamEngine", "make_engine"]
+__all__ = [
+    "Engine",
+    "FSDPInBackwardEngine",
+    "FSDPStepEngine",
+    "FlatEngine",
+    "FlatStepEngine",
+    "InBackwardEngine",
+    "PerParamEngine",
+    "make_engine",
+]
 
 
 def make_engine(opt):
     """The engine for ``opt.options``, laid out."""
+    sharded = any(is_dtensor(p) for group in opt.param_groups for p in group["params"])
     if opt.options.in_backward:
-        engine = InBackwardEngine(opt)
+        engine = FSDPInBackwardEngine(opt) if sharded else InBackwardEngine(opt)
+    elif opt.options.flat and sharded:
+        engine = FSDPStepEngine(opt)
     elif opt.options.flat:
         engine = FlatStepEngine(opt)
     else:

@@ -11,6 +11,7 @@ reads the optimizer's public attributes (``param_groups``, ``state``, ``rule``, 
 import operator
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import torch
@@ -22,11 +23,14 @@ from flatopt.state import OptimizerState, ParamState, check_state_mapping, check
 from flatopt.step_graph import StepGraph
 from flatopt.torch_compat import outside_stacklevel
 
+MAX_MASKS = 8  # masks of parameters left out kept per buffer (see FlatEngine._set_masks), least recently used dropped
+
 
 class Engine:
     """The protocol: what :class:`flatopt.optimizer.FlatOptimizer` asks of its engine."""
 
     buffers = ()  # the flat buffers (FlatBuffer), for capture() and flatopt.inspect()
+    exports_unstepped = False  # state_dict() carries parameters not stepped yet (their zeros, step 0)
     devices = ()  # the devices of the trainable parameters
 
     def __init__(self, opt):
@@ -45,6 +49,14 @@ class Engine:
         """``opt.step()`` (after torch.optim's pre-hooks); returns the closure's loss."""
         raise NotImplementedError
 
+    @staticmethod
+    def run_closure(closure):
+        """``step(closure)``'s closure run with gradients enabled, as torch.optim runs it; its loss (or None)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def zero_grad(self, set_to_none):
         raise NotImplementedError
 
@@ -57,6 +69,10 @@ class Engine:
     def host_steps(self):
         """{parameter: completed steps} of every parameter the engine has stepped or laid out."""
         return {}
+
+    def export_state(self, p, t):
+        """A state tensor of ``p`` as ``state_dict()`` exports it."""
+        return t
 
     def load(self, parsed):
         """Put the checked states of a state dict in place (``parsed`` is {parameter: (step, {name: tensor})}), in a
@@ -108,6 +124,18 @@ class Reconciled:
         self.reset, self.copies, self.step = reset, copies, step
 
 
+def clip_coefficient(total, max_norm, norm_type, error_if_nonfinite):
+    """``torch.nn.utils.clip_grad_norm_``'s factor for gradients of total norm ``total`` (a device tensor), after
+    its check of a non-finite norm (a host sync, only with ``error_if_nonfinite``)."""
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
 def trainable(param_groups):
     for group in param_groups:
         for p in group["params"]:
@@ -137,6 +165,8 @@ class FlatEngine(Engine):
         self.installed = None  # the OptimizerState put in opt.state (see flatopt.state)
         self.views = {}  # parameter -> {key: tensor}: what put_state placed in its opt.state entry
         self.slots = None  # parameter -> (FlatBuffer, index), for self.slots_of
+        self.where = {}  # parameter -> (buffer index, index in the buffer)
+        self.masks = []  # per buffer: {indices of the parameters left out: uint8 mask on the device}
 
     # ------------------------------------------------------------------ layout
     def order(self, params, groups):
@@ -150,6 +180,20 @@ class FlatEngine(Engine):
         """After a layout: connect gradients to the new buffers. ``without_grad``: the parameters whose
         ``.grad`` was None before the layout (under skip_unused, they stay None); ``with_grad``: those
         that had a gradient (it was copied into the buffer)."""
+
+    def new_buffer(self, params, groups, state_names):
+        """The FlatBuffer of one (device, dtype)'s ``params`` (in their order), before they are adopted."""
+        return FlatBuffer(params, groups, state_names, grad=self.has_grad_buffer)
+
+    def adopt(self, buf):
+        """Copy the parameters of a new buffer into it and make their data views of it."""
+        buf.adopt()
+
+    def release(self, p):
+        """A parameter removed from the groups: give it storage of its own, off the buffers."""
+        p.data = p.data.clone()
+        if p.grad is not None:
+            p.grad = p.grad.clone()
 
     def build(self):
         """(Re)lay out every trainable parameter into flat buffers, keeping values, grads and state."""
@@ -175,7 +219,7 @@ class FlatEngine(Engine):
         for key in keys:
             params, groups = self.order(*members[key])
             used = [n for n in rule.state_names if any(rule.uses_state(n, opt.param_groups[g]) for g in groups)]
-            buf = FlatBuffer(params, groups, used, grad=self.has_grad_buffer)
+            buf = self.new_buffer(params, groups, used)
             with torch.no_grad():
                 for i, p in enumerate(params):
                     for name, views in buf.state_views.items():
@@ -183,7 +227,7 @@ class FlatEngine(Engine):
                         if isinstance(old, torch.Tensor):
                             views[i].copy_(old)
                     buf.meta.steps[i] = old_steps.get(p, 0.0)
-            buf.adopt()
+            self.adopt(buf)
             buffers.append(buf)
         self.buffers = buffers
         self.devices = list(dict.fromkeys(b.device for b in buffers))
@@ -196,9 +240,7 @@ class FlatEngine(Engine):
         with torch.no_grad():
             for p in placed - held:  # removed from the groups: off the old buffers, which would stay alive for it
                 self.removed.add(p)
-                p.data = p.data.clone()
-                if p.grad is not None:
-                    p.grad = p.grad.clone()
+                self.release(p)
                 self.own_state().drop(p)  # no longer the optimizer's (torch.optim's state_dict() fails on it)
                 self.views.pop(p, None)
         for buf in buffers:
@@ -207,6 +249,8 @@ class FlatEngine(Engine):
             self.refresh_uniform(buf)
         opt.hparams.invalidate()
         self.step_graph = StepGraph()  # graphs of the old layout read its freed tables: never replay them
+        self.where = {p: (b, i) for b, buf in enumerate(self.buffers) for i, p in enumerate(buf.params)}
+        self.masks = [OrderedDict() for _ in self.buffers]
         self.attach(without_grad, with_grad)
 
     def members_changed(self):
@@ -413,7 +457,7 @@ class FlatEngine(Engine):
 
     def refresh_uniform(self, buf):
         """Whether ``buf`` launches UNIFORM (one group, equal step counts); a step with a mask of parameters
-        left out launches otherwise (see FlatStepEngine._set_masks)."""
+        left out launches otherwise (see _set_masks)."""
         steps = buf.meta.steps
         buf.meta.uniform = len(set(buf.group_ids)) == 1 and bool((steps == steps[0]).all())
 
@@ -475,6 +519,52 @@ class FlatEngine(Engine):
             for i, p in enumerate(buf.params):
                 self.put_state(p, buf, i)
         return placed
+
+    def _set_masks(self, without):
+        """torch.optim's rule (``skip_unused=True``): the parameters whose ``.grad`` is None (``without``: the
+        settling plan's (parameter, view) pairs to zero) are not stepped. A buffer whose parameters all have a
+        gradient launches with no mask, as it would without the rule; one with parameters left out launches
+        with a uint8 mask that is uploaded once per pattern and kept (a few per buffer), so a loop with the
+        same unused parameters at every step replays its step graph too. Returns the indices of the buffers
+        with no parameter to step."""
+        left_out = {}
+        for p, _ in without:
+            b, i = self.where[p]
+            left_out.setdefault(b, []).append(i)
+        idle = set()
+        for b, buf in enumerate(self.buffers):
+            off = left_out.get(b)
+            if off is None:
+                buf.meta.active = None
+            elif len(off) == len(buf.params):
+                idle.add(b)
+            else:
+                buf.meta.active = self._mask(b, tuple(sorted(off)))
+                buf.meta.uniform = False  # their step counts fall behind the others' from now on
+        return idle
+
+    def _mask(self, b, off):
+        """The device mask of buffer ``b`` with the parameters at indices ``off`` left out."""
+        cache = self.masks[b]
+        mask = cache.get(off)
+        if mask is not None:
+            cache.move_to_end(off)
+            return mask
+        buf = self.buffers[b]
+        if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            names = self.opt.names.of([buf.params[i] for i in off])
+            raise RuntimeError(
+                f"{self.cls}: a captured step left out parameters whose .grad is None ({names}) in a pattern the "
+                "warm-up steps did not show, and its mask cannot be uploaded while a CUDA graph is recorded. Make "
+                "train_step give the same parameters a gradient at every call, or set requires_grad=False on those "
+                "it does not train"
+            )
+        host = torch.ones(len(buf.params), dtype=torch.uint8)
+        host[list(off)] = 0
+        cache[off] = mask = host.to(buf.device, non_blocking=True)
+        while len(cache) > MAX_MASKS:
+            cache.popitem(last=False)
+        return mask
 
     # ------------------------------------------------------------------ checks
     def ends_bound(self):

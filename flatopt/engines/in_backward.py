@@ -222,12 +222,9 @@ class InBackwardEngine(FlatEngine):
                 "infs could be checked. Train in bfloat16 without a GradScaler, or use in_backward=False (the "
                 "parameters of this step have been updated with scaled gradients: restart from a checkpoint)"
             )
-        loss = None
         self.abandon()
         self.follow_members()  # parameters unfrozen or added since: laid out, and their .grad stepped below
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.run_closure(closure)
         # Gradients in p.grad: accumulated under no_step() or by the first passes of an accumulation window (a
         # short last window: step() before its last pass), or set by hand (p.grad = g after torch.autograd.grad):
         # step them as torch.optim does. A stepped pass leaves none.

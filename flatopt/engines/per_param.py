@@ -25,10 +25,7 @@ class PerParamEngine(Engine):
 
     def step(self, closure, grad_scale, found_inf):
         """Every parameter with a gradient is checked before any is stepped."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.run_closure(closure)
         opt = self.opt
         self.sync_state()
         with torch.no_grad():

@@ -7,17 +7,14 @@ names the parameters that received no gradient.
 
 import functools
 import weakref
-from collections import OrderedDict
 from contextlib import contextmanager
 
 import torch
 
-from flatopt.engines.base import FlatEngine
+from flatopt.engines.base import FlatEngine, clip_coefficient
 from flatopt.grads import GradLanding
 from flatopt.step_graph import StepGraph
 from flatopt.torch_compat import has_step_pre_hooks
-
-MAX_MASKS = 8  # masks of parameters left out kept per buffer, the least recently used dropped first
 
 
 class FlatStepEngine(FlatEngine):
@@ -29,8 +26,6 @@ class FlatStepEngine(FlatEngine):
         self.recording = False  # inside capture(): step() leaves the hyper-parameter refresh to the replay
         self.sources = None  # capture(): {FlatBuffer: GradSources} the next step gathers its gradients from
         self.holds = 0  # captured steps alive that recorded the gradient buffers' addresses
-        self.where = {}  # parameter -> (buffer index, index in the buffer)
-        self.masks = []  # per buffer: {indices of the parameters left out: uint8 mask on the device}
 
     # ------------------------------------------------------------------ layout
     def detach(self):
@@ -51,8 +46,6 @@ class FlatStepEngine(FlatEngine):
         if self.holds > 0:  # laid out anew under a captured step: the new storage is held too
             self.landing.slots.hold(True)
         params = [p for b in self.buffers for p in b.params if p.requires_grad]  # autograd hooks need it
-        self.where = {p: (b, i) for b, buf in enumerate(self.buffers) for i, p in enumerate(buf.params)}
-        self.masks = [OrderedDict() for _ in self.buffers]
         if not self.unused_reported:
             self.seen.update(with_grad)  # a gradient from before the layout is one received
             self.hooks = [p.register_post_accumulate_grad_hook(self.seen.add) for p in params]
@@ -135,10 +128,7 @@ class FlatStepEngine(FlatEngine):
 
     def step(self, closure, grad_scale, found_inf):
         opt = self.opt
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.run_closure(closure)
         self.sync_state()  # the caller's edits of opt.state (a reset, an assigned tensor), as torch.optim reads them
         plan = self._check_bindings_at_step()
         if not self.recording:  # a captured step refreshes hyper-parameters before each replay
@@ -172,52 +162,6 @@ class FlatStepEngine(FlatEngine):
     def graph_usable(self):
         opt = self.opt
         return StepGraph.usable(opt.use_step_graph, opt.backend, self.devices)
-
-    def _set_masks(self, without):
-        """torch.optim's rule (``skip_unused=True``): the parameters whose ``.grad`` is None (``without``: the
-        settling plan's (parameter, view) pairs to zero) are not stepped. A buffer whose parameters all have a
-        gradient launches with no mask, as it would without the rule; one with parameters left out launches
-        with a uint8 mask that is uploaded once per pattern and kept (a few per buffer), so a loop with the
-        same unused parameters at every step replays its step graph too. Returns the indices of the buffers
-        with no parameter to step."""
-        left_out = {}
-        for p, _ in without:
-            b, i = self.where[p]
-            left_out.setdefault(b, []).append(i)
-        idle = set()
-        for b, buf in enumerate(self.buffers):
-            off = left_out.get(b)
-            if off is None:
-                buf.meta.active = None
-            elif len(off) == len(buf.params):
-                idle.add(b)
-            else:
-                buf.meta.active = self._mask(b, tuple(sorted(off)))
-                buf.meta.uniform = False  # their step counts fall behind the others' from now on
-        return idle
-
-    def _mask(self, b, off):
-        """The device mask of buffer ``b`` with the parameters at indices ``off`` left out."""
-        cache = self.masks[b]
-        mask = cache.get(off)
-        if mask is not None:
-            cache.move_to_end(off)
-            return mask
-        buf = self.buffers[b]
-        if buf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            names = self.opt.names.of([buf.params[i] for i in off])
-            raise RuntimeError(
-                f"{self.cls}: a captured step left out parameters whose .grad is None ({names}) in a pattern the "
-                "warm-up steps did not show, and its mask cannot be uploaded while a CUDA graph is recorded. Make "
-                "train_step give the same parameters a gradient at every call, or set requires_grad=False on those "
-                "it does not train"
-            )
-        host = torch.ones(len(buf.params), dtype=torch.uint8)
-        host[list(off)] = 0
-        cache[off] = mask = host.to(buf.device, non_blocking=True)
-        while len(cache) > MAX_MASKS:
-            cache.popitem(last=False)
-        return mask
 
     def gathers(self):
         """Whether a recorded step may read the gradients where backward left them: not when a step
@@ -255,13 +199,7 @@ class FlatStepEngine(FlatEngine):
         ]
         wide = functools.reduce(torch.promote_types, [n.dtype for n in norms])
         total = torch.linalg.vector_norm(torch.stack([n.to(first, wide) for n in norms]), norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
         for b in self.buffers:  # the views, not the padding: a nan norm must not leave nan there for good
             torch._foreach_mul_(b.grad_views, coef.to(b.device, b.grad.dtype))
         return total

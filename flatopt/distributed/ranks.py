@@ -22,7 +22,7 @@ def check_single_process(cls, allow_several_ranks=False):
         raise RuntimeError(
             f"{cls}(in_backward=True) cannot train with several distributed ranks ({ranks} here): it steps each "
             "parameter from this rank's gradient during backward, before DistributedDataParallel averages the "
-            "gradients across ranks, so the replicas would diverge. Use in_backward=False with DDP. If the ranks "
-            f"share no parameters (pipeline stages, independent runs), pass allow_several_ranks=True to {cls} to "
+            "gradients across ranks, so the replicas would diverge. Use in_backward=False with DDP or FSDP2. If the "
+            f"ranks share no parameters (pipeline stages, independent runs), pass allow_several_ranks=True to {cls} to "
             "allow it"
         )

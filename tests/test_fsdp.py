@@ -1,0 +1,524 @@
+"""flatopt in step mode over FSDP2 (``fully_shard``) models: CPU ranks on the gloo backend (tests/ranks.py).
+
+* On two ranks (and HSDP on four): flatopt.AdamW (with decay / no-decay param groups), SGD (momentum) and
+  Lion on a model with several fully_shard groups, uneven shards (7 and 3 rows over 2 and 4 ranks) and a
+  frozen parameter, each with ``opt.clip_grad_norm_`` before every step, match torch.optim (Lion: the paper's
+  reference) on the same FSDP2 model with ``torch.nn.utils.clip_grad_norm_``, parameters and every state at
+  every step, and match single-process flatopt on the whole batch; also under a MixedPrecisionPolicy
+  (bfloat16 compute). FSDP2 keeps the local shards in flatopt's flat buffer, and each step is one launch per
+  buffer.
+* What flatopt cannot step is refused at construction, before anything changes: tensor-parallel DTensors,
+  in-backward mode and ``flat=False`` over FSDP2, parameters given without the model; shards that FSDP2
+  replaced after construction, at the next step.
+* torch.distributed.checkpoint: ``get_optimizer_state_dict`` exports DTensor states (sharded) and full
+  tensors (full); a full state dict loads into torch.optim on the same model, a sharded one into a new
+  flatopt optimizer, both continuing as the original does. A DCP checkpoint saved on two ranks loads on four
+  and continues as on two; one saved on four loads on two.
+
+Three runs of processes: two ranks (everything above but the loads on other world sizes), four ranks (load
+the two-rank checkpoint; save one), two ranks (load the four-rank checkpoint).
+"""
+
+import os
+import warnings
+
+import pytest
+import ranks
+import torch
+import torch.distributed as dist
+from conftest import LionReference
+from torch import nn
+
+import flatopt
+
+STEPS = 6
+RUN_TIMEOUT_S = 240
+# flatopt's CPU backend against torch.optim's for-loop implementation, float32: differences of a few ulps (below
+# 1e-7 observed over the steps); a skipped or doubled step, or a wrong shard, is off by 1e-3 or more.
+TOL = dict(rtol=1e-6, atol=1e-6)
+CKPT_ENV = "FLATOPT_TEST_FSDP_DIR"  # where the ranks of the three runs share their checkpoints
+
+pytestmark = pytest.mark.skipif(
+    not ranks.gloo_available(), reason="needs torch.distributed with the gloo backend, which this torch build lacks"
+)
+
+OPTIMIZERS = {
+    "AdamW": (flatopt.AdamW, torch.optim.AdamW, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.1)),
+    "SGD": (flatopt.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.1)),
+    "Lion": (flatopt.Lion, LionReference, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
+}
+MAX_NORM = 0.5
+
+
+# ------------------------------------------------------------------------------------------------ models and data
+
+
+class Net(nn.Sequential):
+    """7 and 3 output rows: uneven shards over 2 and 4 ranks (an empty one on the fourth); ``skip`` is frozen."""
+
+    def __init__(self):
+        super().__init__(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+        self.skip = nn.Linear(5, 3)
+        self.skip.weight.requires_grad_(False)
+
+    def forward(self, x):
+        return self[2](self[1](self[0](x))) + self.skip(x)
+
+
+def net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def sharded(world, mp_policy=None, hsdp=None):
+    """net() with fully_shard on its two Linear layers and on the root (three groups); ``hsdp``: the (replicate,
+    shard) shape of a 2-D mesh for HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = net()
+    if hsdp is None:
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("replicate", "shard"))
+    kw = {} if mp_policy is None else {"mp_policy": MixedPrecisionPolicy(**mp_policy)}
+    fully_shard(model[0], mesh=mesh, **kw)
+    fully_shard(model[2], mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def batch(step):
+    """The global batch of a step (8 rows); each rank takes its chunk."""
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)
+
+
+def train_step(model, opt, rank, world, step, torch_clip=False):
+    x, y = (t.chunk(world)[rank] for t in batch(step))
+    nn.functional.mse_loss(model(x), y).backward()
+    if torch_clip:
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM)
+    else:
+        norm = opt.clip_grad_norm_(MAX_NORM)
+    opt.step()
+    opt.zero_grad()
+    return float(full(norm))
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def snapshot(model, opt):
+    """Full parameters and the optimizer's full states (a collective: every rank calls it)."""
+    state = {
+        i: {k: float(v) if k == "step" else full(v).detach().clone() for k, v in entry.items()}
+        for i, entry in opt.state_dict()["state"].items()
+    }
+    return {"params": [full(p).detach().clone() for p in model.parameters()], "state": state}
+
+
+def groups_of(model, hp):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def error_of(e):
+    return {"type": type(e).__name__, "message": str(e)}
+
+
+# ------------------------------------------------------------------------------------------ scenarios (in the ranks)
+
+
+def run_match(rank, opt_name, mp_policy, backend=None, hsdp=None):
+    """flatopt and torch.optim, each on its own FSDP2 model, over STEPS steps; and single-process flatopt on
+    rank 0. ``backend="triton"``: the Triton kernels (under the interpreter), which read FSDP2's gradient shards
+    through their addresses."""
+    world = dist.get_world_size()
+    flat_cls, ref_cls, hp = OPTIMIZERS[opt_name]
+    model, ref = sharded(world, mp_policy, hsdp), sharded(world, mp_policy, hsdp)
+    kw = {} if backend is None else {"backend": backend}
+    if opt_name == "AdamW":
+        opt = flat_cls(groups_of(model, hp), model=model, **hp, **kw)
+        ref_opt = ref_cls(groups_of(ref, hp), **hp)
+    else:
+        opt, ref_opt = flat_cls(model, **hp, **kw), ref_cls(ref.parameters(), **hp)
+    buffers = flatopt.inspect(opt).buffers
+    out = {"history": [], "norms": [], "ref_norms": []}
+    engine = flatopt.inspect(opt).engine
+    counted, launch = [], engine.launch
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return launch(*args, **kwargs)
+
+    engine.launch = counting
+    for step in range(STEPS):
+        out["norms"].append(train_step(model, opt, rank, world, step))
+        out["ref_norms"].append(train_step(ref, ref_opt, rank, world, step, torch_clip=True))
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+    out["launches"] = len(counted)
+    out["buffers"] = len(buffers)
+    # FSDP2 keeps every local shard in flatopt's flat buffer
+    storages = {b.data.untyped_storage().data_ptr() for b in buffers}
+    out["in_buffer"] = all(
+        p.to_local().numel() == 0 or p.to_local().untyped_storage().data_ptr() in storages
+        for p in model.parameters()
+        if p.requires_grad
+    )
+    if rank == 0 and mp_policy is None and hsdp is None and backend is None:  # one process, the whole batch
+        single = net()
+        sopt = flat_cls(groups_of(single, hp), model=single, **hp) if opt_name == "AdamW" else flat_cls(single, **hp)
+        out["single"] = []
+        for step in range(STEPS):
+            train_step(single, sopt, 0, 1, step)
+            out["single"].append([p.detach().clone() for p in single.parameters()])
+    return out
+
+
+def run_errors(rank):
+    """Refusals at construction, each leaving the parameters where they were."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    out = {}
+    model = sharded(world)
+    before = [p.to_local().data_ptr() for p in model.parameters()]
+    attempts = {
+        "max_grad_norm": lambda: flatopt.AdamW(model, in_backward=True, max_grad_norm=1.0),
+        "flat_false": lambda: flatopt.AdamW(model, flat=False),
+        "no_model": lambda: flatopt.AdamW(model.parameters()),
+    }
+    tp = nn.Linear(4, 6)  # tensor parallelism's kind of DTensor, which fully_shard does not manage
+    mesh = init_device_mesh("cpu", (world,))
+    tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), mesh, [Shard(0)]))
+    tp.bias = nn.Parameter(distribute_tensor(tp.bias.detach(), mesh, [Shard(0)]))
+    attempts["tensor_parallel"] = lambda: flatopt.AdamW(tp)
+    for name, make in attempts.items():
+        try:
+            make()
+            out[name] = None
+        except Exception as e:
+            out[name] = error_of(e)
+    out["unchanged"] = [p.to_local().data_ptr() for p in model.parameters()] == before
+    opt = flatopt.AdamW(model)
+    try:
+        opt.capture(lambda: None)
+        out["capture"] = None
+    except Exception as e:
+        out["capture"] = error_of(e)
+    model.double()  # FSDP2 gives every parameter a new local shard, off the flat buffer
+    try:
+        opt.step()
+        out["moved"] = None
+    except Exception as e:
+        out["moved"] = error_of(e)
+    return out
+
+
+def run_in_backward(rank, accumulate):
+    """in_backward=True against step mode on the same FSDP2 model and data, over STEPS steps of two micro-batches
+    when ``accumulate`` says how the first is kept from stepping ("no_step": opt.no_step(); "fsdp": FSDP2's
+    set_requires_gradient_sync(False)), of one otherwise."""
+    from contextlib import nullcontext
+
+    world = dist.get_world_size()
+    flat_cls, _, hp = OPTIMIZERS["AdamW"]
+    model, ref = sharded(world), sharded(world)
+    opt, ref_opt = flat_cls(model, in_backward=True, **hp), flat_cls(ref, **hp)
+    engine = flatopt.inspect(opt).engine
+    out = {"history": [], "freed": [], "clip_error": None}
+    micros = 1 if accumulate is None else 2
+    for step in range(STEPS):
+        for micro in range(micros):
+            x, y = (t.chunk(world)[rank] for t in batch(10 * step + micro))
+            last = micro == micros - 1
+            for m, o in ((model, opt), (ref, ref_opt)):
+                if accumulate == "fsdp":
+                    m.set_requires_gradient_sync(last)
+                    ctx = nullcontext()
+                else:
+                    ctx = nullcontext() if last else o.no_step()
+                with ctx:
+                    nn.functional.mse_loss(m(x), y).backward()
+            if not last and accumulate == "no_step":  # the gradients kept in .grad are clipped as torch clips them
+                out.setdefault("pending_norms", []).append(
+                    (float(opt.clip_grad_norm_(1e9)), float(ref_opt.clip_grad_norm_(1e9)))
+                )
+        out["freed"].append(all(p.grad is None for p in model.parameters()))
+        if step == 0:
+            try:
+                opt.clip_grad_norm_(1.0)
+            except RuntimeError as e:
+                out["clip_error"] = str(e)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+    out["launches"] = engine.launches
+    return out
+
+
+def dcp_api():
+    """torch.distributed.checkpoint and its state_dict helpers (imported where torch.distributed is available)."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict as sd
+
+    return dcp, sd
+
+
+def checkpoint_dir(name):
+    return os.path.join(os.environ[CKPT_ENV], name)
+
+
+def dcp_options(full_state):
+    return dcp_api()[1].StateDictOptions(full_state_dict=full_state)
+
+
+def trained(rank, world):
+    """A sharded model and its flatopt.AdamW after 3 steps."""
+    flat_cls, _, hp = OPTIMIZERS["AdamW"]
+    model = sharded(world)
+    opt = flat_cls(model, **hp)
+    for step in range(3):
+        train_step(model, opt, rank, world, step)
+    return model, opt
+
+
+def run_checkpoints(rank):
+    """Train 3 steps, save (DCP, sharded) and export (full), then continue 3 steps; a new flatopt optimizer
+    loading the sharded state dict and torch.optim loading the full one, on models loaded from the checkpoint,
+    continue the same 3 steps."""
+    dcp, sd = dcp_api()
+
+    world = dist.get_world_size()
+    flat_cls, ref_cls, hp = OPTIMIZERS["AdamW"]
+    model, opt = trained(rank, world)
+    sharded_osd = sd.get_optimizer_state_dict(model, opt)
+    out = {
+        "state_types": sorted({type(v).__name__ for e in sharded_osd["state"].values() for v in e.values()}),
+        "keys": sorted(sharded_osd["state"]),
+    }
+    dcp.save({"model": sd.get_model_state_dict(model), "optim": sharded_osd}, checkpoint_id=checkpoint_dir("two"))
+    full_osd = sd.get_optimizer_state_dict(model, opt, options=dcp_options(True))
+    out["full_types"] = sorted({type(v).__name__ for e in full_osd["state"].values() for v in e.values()})
+    full_msd = sd.get_model_state_dict(model, options=dcp_options(True))
+
+    def resumed(make_opt, osd, options):
+        m = sharded(world)
+        sd.set_model_state_dict(m, full_msd, options=dcp_options(True))
+        o = make_opt(m)
+        sd.set_optimizer_state_dict(m, o, osd, options=options)
+        return m, o
+
+    def full_in_torch_format(m):  # torch.optim's own format, of full tensors: each rank keeps its shard of them
+        o = flat_cls(m, **hp)
+        sd = opt.state_dict()
+        sd["state"] = {k: {n: full(v) for n, v in e.items()} for k, e in sd["state"].items()}
+        o.load_state_dict(sd)
+        return o
+
+    plain = sharded(world)
+    sd.set_model_state_dict(plain, full_msd, options=dcp_options(True))
+    runs = {
+        "original": (model, opt),
+        "flatopt_full_load_state_dict": (plain, full_in_torch_format(plain)),
+        "flatopt_sharded": resumed(lambda m: flat_cls(m, **hp), sharded_osd, dcp_options(False)),
+        "torch_full": resumed(lambda m: ref_cls(m.parameters(), **hp), full_osd, dcp_options(True)),
+    }
+    for name, (m, o) in runs.items():
+        out[name] = []
+        for step in range(3, 6):
+            train_step(m, o, rank, world, step, torch_clip=name == "torch_full")
+            out[name].append(snapshot(m, o))
+    return out
+
+
+def resume_from(name, rank):
+    """A model and flatopt optimizer on this world size, loaded from DCP checkpoint ``name``, trained 3 steps."""
+    dcp, sd = dcp_api()
+
+    world = dist.get_world_size()
+    flat_cls, _, hp = OPTIMIZERS["AdamW"]
+    model = sharded(world)
+    opt = flat_cls(model, **hp)
+    state = {"model": sd.get_model_state_dict(model), "optim": sd.get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=checkpoint_dir(name))
+    sd.set_model_state_dict(model, state["model"])
+    sd.set_optimizer_state_dict(model, opt, state["optim"])
+    history = []
+    for step in range(3, 6):
+        train_step(model, opt, rank, world, step)
+        history.append(snapshot(model, opt))
+    return history
+
+
+def run_four(rank):
+    """On four ranks: resume from the two-rank checkpoint; and train 3 steps from scratch, save, continue."""
+    dcp, sd = dcp_api()
+
+    out = {"from_two": resume_from("two", rank)}
+    world = dist.get_world_size()
+    model, opt = trained(rank, world)
+    state = {"model": sd.get_model_state_dict(model), "optim": sd.get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=checkpoint_dir("four"))
+    out["original"] = []
+    for step in range(3, 6):
+        train_step(model, opt, rank, world, step)
+        out["original"].append(snapshot(model, opt))
+    return out
+
+
+def run_from_four(rank):
+    return {"from_four": resume_from("four", rank)}
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton kernels run on the CPU (make test sets it)
+MATCH = [
+    ("AdamW", None, None),
+    ("SGD", None, None),
+    ("Lion", None, None),
+    ("AdamW", {"param_dtype": torch.bfloat16}, None),
+    ("AdamW", None, "triton"),
+]
+
+
+def match_id(opt_name, mp_policy, backend):
+    return opt_name + ("-bf16" if mp_policy else "") + (f"-{backend}" if backend else "")
+
+
+SCENARIOS = {
+    **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH if m[2] != "triton" or INTERPRETED},
+    **{f"in_backward:{a}": (run_in_backward, (a,)) for a in (None, "no_step", "fsdp")},
+    "errors": (run_errors, ()),
+    "checkpoints": (run_checkpoints, ()),
+}
+HSDP = ("AdamW", None, None, (2, 2))  # two replicas of two shards
+FOUR = {"four": (run_four, ()), "match:hsdp": (run_match, HSDP)}
+BACK_TO_TWO = {"from_four": (run_from_four, ())}
+
+
+# ------------------------------------------------------------------------------------------- the runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The three runs, in order (each later one loads a checkpoint of the one before)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    for name in ("two_ranks", "four_ranks", "back"):
+        (tmp / name).mkdir()
+    os.environ[CKPT_ENV] = str(tmp)  # inherited by the spawned ranks
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            two = ranks.run("test_fsdp", 2, str(tmp / "two_ranks"), RUN_TIMEOUT_S)
+            four = ranks.run("test_fsdp", 4, str(tmp / "four_ranks"), RUN_TIMEOUT_S, table="FOUR")
+            back = ranks.run("test_fsdp", 2, str(tmp / "back"), RUN_TIMEOUT_S, table="BACK_TO_TWO")
+    finally:
+        del os.environ[CKPT_ENV]
+    return {"two": two, "four": four, "back": back}
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("scenario", [match_id(*m) for m in MATCH])
+def test_matches_torch_optim_on_the_same_fsdp2_model(runs, scenario):
+    """Parameters and every state equal torch.optim's on the same FSDP2 model at every step, on each rank; the
+    clipping norms are the global ones torch computes; one launch per flat buffer per step; FSDP2's local
+    shards live in flatopt's buffer. With the CPU backend, and with the Triton kernels (under the interpreter)."""
+    if scenario.endswith("-triton") and not INTERPRETED:
+        pytest.skip("the Triton kernels run on the CPU only under the interpreter: set TRITON_INTERPRET=1")
+    for rank, result in enumerate(runs["two"](f"match:{scenario}")):
+        hist = result["history"]
+        ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}", **TOL)
+        torch.testing.assert_close(result["norms"], result["ref_norms"], **TOL)
+        assert result["buffers"] == 1 and result["launches"] == STEPS, result
+        assert result["in_buffer"], f"rank {rank}: FSDP2's local shards are not views of the flat buffer"
+
+
+def test_hsdp_matches_torch_optim(runs):
+    """HSDP on four ranks (a 2-D mesh: two replicas of two shards): as torch.optim on the same model; the
+    gradient norm is taken over the shards once (not once per replica)."""
+    for rank, result in enumerate(runs["four"]("match:hsdp")):
+        hist = result["history"]
+        ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}", **TOL)
+        torch.testing.assert_close(result["norms"], result["ref_norms"], **TOL)
+        assert result["in_buffer"], f"rank {rank}: FSDP2's local shards are not views of the flat buffer"
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_matches_single_process_flatopt(runs, opt_name):
+    """Two ranks of FSDP2 take the same steps as one process on the whole batch."""
+    result = runs["two"](f"match:{opt_name}")[0]
+    for step, (ours, single) in enumerate(zip(result["history"], result["single"]), start=1):
+        for i, (p, q) in enumerate(zip(ours["flat"]["params"], single)):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {step}, parameter {i}: {m}")
+
+
+@pytest.mark.parametrize("accumulate", [None, "no_step", "fsdp"])
+def test_in_backward_matches_step_mode(runs, accumulate):
+    """in_backward=True steps each fully_shard group once FSDP2 has reduce-scattered its gradients (one launch
+    per group and step: three groups here) and frees them; the result is bit-identical to step mode, also when
+    micro-batches accumulate under opt.no_step() or FSDP2's set_requires_gradient_sync(False). After a stepped
+    pass, clip_grad_norm_ is refused; gradients accumulated under no_step() are clipped as in step mode."""
+    for rank, result in enumerate(runs["two"](f"in_backward:{accumulate}")):
+        hist = result["history"]
+        ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}", rtol=0, atol=0)
+        assert all(result["freed"]), f"rank {rank}: sharded gradients left after a stepped pass: {result['freed']}"
+        assert result["launches"] == 3 * STEPS, result["launches"]
+        assert "stepped and freed this pass's gradients" in (result["clip_error"] or ""), result["clip_error"]
+        for ours, step_mode in result.get("pending_norms", []):  # summed in another order: the layout is grouped
+            assert ours == pytest.approx(step_mode, rel=1e-6), (ours, step_mode)
+        assert (accumulate == "no_step") == bool(result.get("pending_norms"))
+
+
+def test_what_cannot_work_is_refused_at_construction(runs):
+    """In-backward mode with max_grad_norm, flat=False, FSDP2 parameters given without their model and
+    tensor-parallel DTensors are refused by the constructor, saying why, before the shards move; a model
+    whose shards FSDP2 replaced (model.double()) by the next step(); capture() by capture()."""
+    expected = {
+        "max_grad_norm": r"in_backward=True\) over FSDP2 takes neither max_grad_norm nor accumulation_steps",
+        "flat_false": r"flat=False\) cannot step '0.weight', a DTensor",
+        "no_model": r"pass the model itself",
+        "tensor_parallel": r"'weight' is a DTensor that fully_shard \(FSDP2\) does not manage",
+        "moved": r"the local shard of parameter '0.weight' no longer lives in the optimizer's flat buffer",
+        "capture": r"AdamW.capture\(\) cannot record the step of an FSDP2 model",
+    }
+    import re
+
+    for rank, result in enumerate(runs["two"]("errors")):
+        for name, pattern in expected.items():
+            err = result[name]
+            assert err is not None, f"rank {rank}: {name} was accepted"
+            kind = "RuntimeError" if name in ("moved", "capture") else "ValueError"
+            assert err["type"] == kind and re.search(pattern, err["message"]), (name, err)
+        assert result["unchanged"], f"rank {rank}: a refused constructor moved the shards"
+
+
+def test_state_dicts_and_resuming(runs):
+    """Sharded state dicts hold DTensors, full ones plain tensors; flatopt resumed from the sharded one,
+    torch.optim from the full one, and flatopt from opt.load_state_dict() of full tensors in torch.optim's
+    format continue as the original optimizer does."""
+    for rank, result in enumerate(runs["two"]("checkpoints")):
+        assert result["state_types"] == ["DTensor", "Tensor"], result["state_types"]  # states, and "step"
+        assert result["full_types"] == ["Tensor"], result["full_types"]
+        assert result["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight", "skip.bias"], result["keys"]
+        for name in ("flatopt_sharded", "torch_full", "flatopt_full_load_state_dict"):
+            ranks.assert_history(result[name], result["original"], f"rank {rank}, {name}", **TOL)
+
+
+def test_checkpoint_saved_on_two_ranks_loads_on_four(runs):
+    original = runs["two"]("checkpoints")[0]["original"]
+    for rank, result in enumerate(runs["four"]("four")):
+        ranks.assert_history(result["from_two"], original, f"rank {rank} of 4", **TOL)
+
+
+def test_checkpoint_saved_on_four_ranks_loads_on_two(runs):
+    original = runs["four"]("four")[0]["original"]
+    for rank, result in enumerate(runs["back"]("from_four")):
+        ranks.assert_history(result["from_four"], original, f"rank {rank} of 2", **TOL)
