@@ -5,11 +5,22 @@ parameters are numbered across groups in order, a parameter has state once it ha
 AdamW's ``step`` is a float32 CPU tensor, SGD keeps only ``momentum_buffer`` (when momentum is
 on) and Lion only ``exp_avg``. State tensors are views of the flat buffers, live like
 torch.optim's own state tensors.
+
+With fewer bytes per parameter (:mod:`flatopt.precision`) the states are exported in the dtype they are
+stored in (float32 or bfloat16: torch.optim casts them to the parameters' dtype when it loads them), and a
+top-level ``"flatopt"`` entry, which torch.optim ignores, carries what torch.optim has no place for: the
+options, stochastic rounding's seed and each parameter's master copy (float32) or remainder (int16), so
+that flatopt resumes exactly. Loading copies every state into the optimizer's own storage: a checkpoint
+never changes the dtype the states are kept in.
 """
 
 from copy import deepcopy
 
 import torch
+
+from flatopt.precision import SEED_BOUND
+
+COMPACT_KEY = "flatopt"  # the state dict's entry for what torch.optim's format has no place for
 
 
 class CheckpointMixin:
@@ -62,11 +73,71 @@ class CheckpointMixin:
             if not isinstance(k, torch.Tensor):
                 state[k] = v
         state_dict = {"state": state, "param_groups": groups}
+        if not self.precision.default:
+            state_dict[COMPACT_KEY] = self._compact_state(index)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             hook_result = post_hook(self, state_dict)
             if hook_result is not None:
                 state_dict = hook_result
         return state_dict
+
+    def _compact_state(self, index):
+        """The ``"flatopt"`` entry of a state dict: the storage options, stochastic rounding's seed and, by
+        parameter index, each parameter's master copy (float32) or remainder (int16), as live views."""
+        precision = self.precision
+        masters = self.engine.masters_by_param() if hasattr(self.engine, "masters_by_param") else {}
+        return {
+            "precision": {
+                "master_weights": precision.master_weights,
+                "stochastic_rounding": precision.stochastic_rounding,
+                "state_dtype": None if precision.state_dtype is None else str(precision.state_dtype),
+            },
+            "rounding_seed": self.rounding_seed,
+            "master": {index[p]: view for p, view in masters.items() if p in index},
+            # stochastic rounding's stream advances with them, and torch.optim's SGD and Lion do not save them
+            "steps": {index[p]: s for p, s in self.engine.host_steps().items() if p in index},
+        }
+
+    def _parse_compact(self, compact, id_map):
+        """The master copies ({parameter: tensor}), the seed and the step counts ({parameter: count}) a state dict's
+        ``"flatopt"`` entry gives this optimizer, checked. Masters saved under another ``master_weights`` are not
+        taken (each parameter's master starts again from the parameter), nor a seed when this optimizer does not
+        round stochastically."""
+        if compact is None:
+            return {}, None, {}
+        if not isinstance(compact, dict) or not isinstance(compact.get("master", {}), dict):
+            raise ValueError(
+                f"loaded state dict has a '{COMPACT_KEY}' entry of type {type(compact).__name__}; it is the dict "
+                "flatopt's state_dict() saves (master copies, seed), or absent"
+            )
+        saved = compact.get("precision") or {}
+        seed = compact.get("rounding_seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_BOUND):
+            raise ValueError(f"loaded state dict has rounding_seed {seed!r}; a seed is an int in [0, 2**31)")
+        steps = compact.get("steps", {})
+        if not isinstance(steps, dict) or not all(
+            k in id_map and self._is_step_count(s) and float(s) >= 0 for k, s in steps.items()
+        ):
+            raise ValueError(
+                f"loaded state dict has '{COMPACT_KEY}' step counts that are not a dict of parameter index -> count "
+                ">= 0"
+            )
+        masters = {}
+        if saved.get("master_weights") == self.precision.master_weights and self.precision.master_weights:
+            want = torch.int16 if self.precision.master_weights == "remainder" else torch.float32
+            for k, t in compact.get("master", {}).items():
+                p = id_map.get(k)
+                if p is None:
+                    raise ValueError(f"loaded state dict has a master copy for parameter {k}, which it does not have")
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape) or t.dtype != want:
+                    what = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(
+                        f"loaded state dict has a master copy for parameter {k} ({self.names(p)}) that is {what}; "
+                        f"master_weights={self.precision.master_weights!r} keeps {want} of shape {tuple(p.shape)}"
+                    )
+                masters[p] = t
+        steps = {id_map[k]: float(s) for k, s in steps.items()}
+        return masters, seed if self.rounding_seed is not None else None, steps
 
     def _parse_state(self, k, p, saved, group, saved_group):
         """Check one parameter's saved state against the parameter; returns (step, {name: tensor})."""
@@ -217,6 +288,13 @@ class CheckpointMixin:
                     f"loaded state dict has state for parameter {k}, but the optimizer has {len(id_map)} parameters"
                 )
             parsed[id_map[k]] = self._parse_state(k, id_map[k], saved, *group_of[k])
+        masters, seed, steps = self._parse_compact(state_dict.get(COMPACT_KEY), id_map)
+        for k, p in id_map.items():  # the step counts torch.optim's format leaves out (SGD, Lion)
+            if p in steps and not self.rule.exported_step:
+                _, tensors = parsed.get(p, (0.0, {}))
+                group = {**group_of[k][0], **group_of[k][1]}
+                if tensors or not any(self.rule.uses_state(n, group) for n in self.rule.state_names):
+                    parsed[p] = (steps[p], tensors)
 
         # Checked: now change things.
         # flags torch.optim added after an optimizer's first release, missing from an older state dict: torch.optim
@@ -229,6 +307,10 @@ class CheckpointMixin:
             group.update({k: v for k, v in saved.items() if k != "params"})  # param_names too, as torch.optim
         self.hparams.invalidate()
         placed = self.engine.load(parsed)  # a new opt.state, holding the parameters it placed
+        if hasattr(self.engine, "load_masters"):
+            self.engine.load_masters(masters)
+        if seed is not None:
+            self.rounding_seed = seed
         for p, (step, tensors) in parsed.items():
             if p in placed or not tensors:  # no tensors: no state (saved as {}), as at the first step
                 continue

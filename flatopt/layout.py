@@ -81,9 +81,11 @@ class FlatBuffer:
             :meth:`add_state`.
         grad (bool): allocate the flat gradient buffer and make every ``p.grad`` a view into it
             (``False`` in in-backward mode, where gradients are stepped and freed as they arrive).
+        precision (flatopt.precision.BufferPrecision, optional): the states' dtype (None: the parameters')
+            and the master buffer (``master``: float32 master copy, or int16 remainders; None without one).
     """
 
-    def __init__(self, params, groups, state_names=(), grad=True):
+    def __init__(self, params, groups, state_names=(), grad=True, precision=None):
         if not params:
             raise ValueError("a FlatBuffer needs at least one parameter")
         self.params = list(params)
@@ -99,6 +101,10 @@ class FlatBuffer:
         self.numel = max(start, ALIGN)
         self.group_ids = list(groups)
         self.group_set = frozenset(self.group_ids)
+        self.ordinal = 0  # the buffer's place among its optimizer's (stochastic rounding mixes it into the seed)
+        self.state_dtype = self.dtype if precision is None else precision.state_dtype
+        self.stochastic = precision is not None and precision.stochastic
+        master = None if precision is None else precision.master_dtype
 
         self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self.grad = torch.zeros_like(self.data) if grad else None
@@ -117,12 +123,15 @@ class FlatBuffer:
         )
         self.data_views = [self.view(self.data, i) for i in range(len(self.params))]
         self.grad_views = [self.view(self.grad, i) for i in range(len(self.params))] if grad else None
+        # the master copy (float32) or the low bits the parameters drop (int16), set from the parameters at adopt()
+        self.master = None if master is None else torch.zeros(self.numel, dtype=master, device=self.device)
+        self.master_views = None if master is None else [self.view(self.master, i) for i in range(len(self.params))]
         for name in state_names:
             self.add_state(name)
 
     def add_state(self, name):
         """Allocate a zeroed flat state buffer and its per-parameter views."""
-        self.states[name] = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.states[name] = torch.zeros(self.numel, dtype=self.state_dtype, device=self.device)
         self.state_views[name] = [self.view(self.states[name], i) for i in range(len(self.params))]
 
     def padding(self, flat):
@@ -147,9 +156,12 @@ class FlatBuffer:
         ``p.data`` (and ``p.grad``, when there is a gradient buffer) to the views."""
         grad_views = self.grad_views or [None] * len(self.params)
         with torch.no_grad():
-            for p, dv, gv in zip(self.params, self.data_views, grad_views):
+            for p, dv in zip(self.params, self.data_views):
                 dv.copy_(p.data)
                 p.data = dv
+            if self.master is not None and self.master.dtype == torch.float32:
+                self.master.copy_(self.data)  # the remainders stay zero: the parameters are their master's top half
+            for p, gv in zip(self.params, grad_views):
                 if gv is not None:
                     if p.grad is not None:
                         gv.copy_(p.grad)

@@ -22,6 +22,7 @@ from flatopt.hparams import HParamTable
 from flatopt.layout import SUPPORTED_DTYPES, is_dense
 from flatopt.naming import Names
 from flatopt.options import FlatOptions
+from flatopt.precision import draw_seed
 from flatopt.torch_compat import hooked_step, is_dtensor, own_dispatch
 
 
@@ -61,6 +62,10 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self.hparams = HParamTable(self.rule.row, self.rule.check, self.rule.lr_column)
         super().__init__(params, defaults)
         self.names.param_groups = self.param_groups
+        self.precision = self.options.precision  # how parameters and states are stored (see flatopt.precision)
+        self.precision.check_params(cls, self.rule, self.param_groups)
+        # stochastic rounding's seed, from torch's default generator (state_dict() saves it)
+        self.rounding_seed = draw_seed() if self.precision.stochastic_rounding else None
         # the model whose covered layers write their gradients into the flat buffer (see flatopt.landing)
         self.model = weakref.ref(model) if model is not None else self.module
         self.backend = self._choose_backend(self.options.backend)
@@ -140,6 +145,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 group["param_names"] = list(first.values())
             group["params"] = list(dict.fromkeys(group["params"]))
         if self.engine is not None:
+            self.precision.check_params(type(self).__name__, self.rule, self.param_groups)
             self.engine.build()
 
     def check_param(self, p):

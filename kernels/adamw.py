@@ -10,7 +10,7 @@ import triton.language as tl
 
 from flatopt.rules import ADAMW
 
-from .common import begin_step, column, finish_step, launch, load_grad, one_minus_pow
+from .common import begin_step, column, finish_step, launch, load_grad, load_param, one_minus_pow, store_param
 
 # The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.ADAMW puts them.
 LR = column(ADAMW, "lr")
@@ -33,10 +33,10 @@ def adamw_kernel(
     v_ptr,  # exp_avg_sq
     # then the arguments launch() passes every kernel, in its order (common.py's docstring says what each is)
     hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr, found_inf_ptr, counter_ptr,
-    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi,
+    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi, w_ptr, seed, rng_base,
     NUM_HP: tl.constexpr, GRANULE: tl.constexpr, UNIFORM: tl.constexpr, HAS_ACTIVE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP_BLOCK: tl.constexpr,
-    GATHER: tl.constexpr,
+    GATHER: tl.constexpr, MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):  # fmt: skip
     COMPUTE = hp_ptr.dtype.element_ty  # the math's dtype, the table's: see common.py
     offsets, row, steps, active, inv_scale, skipped = begin_step(
@@ -54,7 +54,7 @@ def adamw_kernel(
     weight_decay = tl.load(row + WEIGHT_DECAY)
     grad_sign = tl.load(row + GRAD_SIGN)
 
-    p = tl.load(p_ptr + offsets, mask=active).to(COMPUTE)
+    p = load_param(p_ptr, w_ptr, offsets, active, MASTER, COMPUTE)
     g = load_grad(
         g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr,
         n_elements, GRANULE, BLOCK_SIZE, COMPUTE,
@@ -72,7 +72,7 @@ def adamw_kernel(
     denom = tl.sqrt(v) / bias_correction2_sqrt + eps
     p = p + (-step_size) * (m / denom)
 
-    tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
+    store_param(p_ptr, w_ptr, offsets, p, active, steps, seed, rng_base, MASTER, STOCHASTIC)
     tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=active)
     tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=active)
     finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)

@@ -24,8 +24,15 @@ states) every kernel takes the same arguments, which :func:`launch` passes, in t
   ``param_of_granule`` holds absolute parameter indices, so a launch over a slice of the buffer
   (in-backward mode steps one bucket of consecutive parameters at a time) passes the slice of
   ``param_of_granule`` and the whole ``param_group``/``steps``/``active`` tables.
+* ``w_ptr``, ``seed``, ``rng_base`` (see :mod:`flatopt.precision`): the master buffer (``MASTER`` 1: float32
+  master copy; 2: int16 remainders; 0: None), stochastic rounding's seed (read when ``STOCHASTIC``) and the
+  index of the launch's first element in its whole flat buffer (the random bits' counter). See
+  load_param and store_param.
 * the compile-time ``NUM_HP``, ``GRANULE``, ``UNIFORM``, ``HAS_ACTIVE``, ``HAS_GRAD_SCALE``,
-  ``HAS_FOUND_INF``, ``BLOCK_SIZE``, ``STEP_BLOCK`` and ``GATHER``, passed by name.
+  ``HAS_FOUND_INF``, ``BLOCK_SIZE``, ``STEP_BLOCK``, ``GATHER``, ``MASTER`` and ``STOCHASTIC``, passed by name.
+
+The states may have another float dtype than the parameters (``state_dtype``): each kernel loads them
+``.to(COMPUTE)`` and stores them ``.to(their dtype)``, rounded to nearest even.
 
 The update math runs in the dtype of the hyper-parameter table, ``COMPUTE = hp_ptr.dtype.element_ty`` in
 each kernel: :func:`launch` checks that it is float64 for float64 buffers and float32 for float32, bfloat16
@@ -36,9 +43,11 @@ to their dtype when stored. So the rows need no conversion, and each buffer dtyp
 per program instead of per element.
 """
 
+import torch
 import triton
 import triton.language as tl
 
+from flatopt import precision
 from flatopt.layout import ALIGN as GRANULE  # elements per param_of_granule entry: parameter starts align to it
 
 # Elements of each buffer per program, whatever the dtype: 16 KiB of float32, 8 KiB of bfloat16/float16
@@ -291,6 +300,97 @@ def finish_step(
         tl.atomic_xchg(counter_ptr, 0)
 
 
+HASH_MUL1 = tl.constexpr(precision.HASH_MUL1)
+HASH_MUL2 = tl.constexpr(precision.HASH_MUL2)
+
+
+@triton.jit
+def mix32(x):
+    """flatopt.precision.mix32 on uint32 values (products wrap modulo 2**32)."""
+    x = x ^ (x >> 16)
+    x = x * HASH_MUL1
+    x = x ^ (x >> 15)
+    x = x * HASH_MUL2
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def random16(seed, index, steps):
+    """flatopt.precision.random16: 16 random bits (uint32 below 2**16) per element from the seed, the element's int64
+    index in its flat buffer and its parameter's completed steps (float32, scalar or per element)."""
+    key = mix32(mix32(steps.to(tl.uint32) ^ seed.to(tl.uint32)))
+    lo = (index & 0xFFFFFFFF).to(tl.uint32)
+    hi = (index >> 32).to(tl.uint32)
+    return mix32(lo ^ mix32(key ^ hi)) >> 16
+
+
+@triton.jit
+def round_bf16_bits(bits):
+    """The bfloat16 bits (uint32 below 2**16) of float32 bits rounded to nearest, ties away from zero
+    (flatopt.precision.split_master)."""
+    return (bits + 0x8000) >> 16
+
+
+@triton.jit
+def bf16_from_bits(bits):
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def round_master(x, P: tl.constexpr):
+    """The float32 master ``x`` rounded to the parameters' dtype ``P`` (flatopt.precision.nearest)."""
+    if P == tl.bfloat16:
+        return bf16_from_bits(round_bf16_bits(x.to(tl.uint32, bitcast=True)))
+    else:
+        return x.to(P)
+
+
+@triton.jit
+def load_param(p_ptr, w_ptr, offsets, active, MASTER: tl.constexpr, COMPUTE: tl.constexpr):
+    """The value a step starts from, in COMPUTE (flatopt.precision.load_param): MASTER 1, the float32 master
+    unless the parameter is no longer the master rounded (written since: then the parameter); MASTER 2, the
+    bfloat16 parameter and its int16 remainder joined; MASTER 0, the parameter."""
+    p = tl.load(p_ptr + offsets, mask=active)
+    if MASTER == 1:
+        w = tl.load(w_ptr + offsets, mask=active)
+        if p_ptr.dtype.element_ty == tl.bfloat16:
+            same = round_bf16_bits(w.to(tl.uint32, bitcast=True)) == p.to(tl.uint16, bitcast=True).to(tl.uint32)
+        else:
+            same = w.to(p_ptr.dtype.element_ty) == p
+        x = tl.where(same, w, p.to(tl.float32))
+    elif MASTER == 2:
+        r = tl.load(w_ptr + offsets, mask=active)
+        bits = (p.to(tl.uint16, bitcast=True).to(tl.uint32) << 16) + r.to(tl.int32).to(tl.uint32, bitcast=True)
+        x = bits.to(tl.float32, bitcast=True)
+    else:
+        x = p.to(COMPUTE)
+    return x
+
+
+@triton.jit
+def store_param(
+    p_ptr, w_ptr, offsets, x, active, steps, seed, rng_base, MASTER: tl.constexpr, STOCHASTIC: tl.constexpr
+):  # fmt: skip
+    """Store the update ``x`` (flatopt.precision.store_param): MASTER 1, into the master and the parameter
+    rounded to nearest; MASTER 2, split into the bfloat16 parameter and its remainder; STOCHASTIC, rounded
+    to bfloat16 stochastically (the random bits of each element's index ``rng_base + offsets`` and its
+    parameter's ``steps``); otherwise rounded to nearest even."""
+    P = p_ptr.dtype.element_ty
+    if MASTER == 1:
+        tl.store(w_ptr + offsets, x, mask=active)
+        tl.store(p_ptr + offsets, round_master(x, P), mask=active)
+    elif MASTER == 2:
+        bits = x.to(tl.uint32, bitcast=True)
+        hi = round_bf16_bits(bits)
+        tl.store(p_ptr + offsets, bf16_from_bits(hi), mask=active)
+        tl.store(w_ptr + offsets, (bits - (hi << 16)).to(tl.uint16).to(tl.int16, bitcast=True), mask=active)
+    elif STOCHASTIC:
+        bits = x.to(tl.uint32, bitcast=True) + random16(seed, rng_base + offsets, steps)
+        tl.store(p_ptr + offsets, bf16_from_bits(bits >> 16), mask=active)
+    else:
+        tl.store(p_ptr + offsets, x.to(P), mask=active)
+
+
 def launch_meta(n_elements, block_size=None):
     """Grid and launch options shared by the launchers: each program steps BLOCK_SIZE elements."""
     block = block_size or BLOCK_SIZE
@@ -298,16 +398,17 @@ def launch_meta(n_elements, block_size=None):
     return grid, dict(BLOCK_SIZE=block, STEP_BLOCK=STEP_BLOCK, GRANULE=GRANULE, num_warps=NUM_WARPS)
 
 
-def check_flat(meta, *tensors):
-    """The launchers' argument checks: 1-D, contiguous, one device, equal lengths, and a length that
-    is a multiple of GRANULE when the kernel looks parameters up by granule (``meta.uniform`` is
-    False). A UNIFORM launch reads no ``param_of_granule`` and masks by ``n_elements``, so it takes
-    any length (``flat=False`` steps each parameter's own tensor that way)."""
+def check_flat(meta, *tensors, states=()):
+    """The launchers' argument checks: 1-D, contiguous, one device, equal lengths, one dtype (``states`` may have
+    another float dtype), and a length that is a multiple of GRANULE when the kernel looks parameters up by granule
+    (``meta.uniform`` is False). A UNIFORM launch reads no ``param_of_granule`` and masks by ``n_elements``, so it
+    takes any length (``flat=False`` steps each parameter's own tensor that way)."""
     first = tensors[0]
-    for t in tensors:
+    for t in (*tensors, *states):
         if t.dim() != 1 or not t.is_contiguous():
             raise ValueError(f"flat buffers must be 1-D and contiguous, got shape {tuple(t.shape)}")
-        if t.device != first.device or t.numel() != first.numel() or t.dtype != first.dtype:
+        own_dtype = t.dtype if any(t is s for s in states) and t.is_floating_point() else first.dtype
+        if t.device != first.device or t.numel() != first.numel() or t.dtype != own_dtype:
             raise ValueError(
                 "flat buffers must share device, dtype and length: "
                 f"{first.device}/{first.dtype}/{first.numel()} vs {t.device}/{t.dtype}/{t.numel()}"
@@ -318,7 +419,7 @@ def check_flat(meta, *tensors):
 
 def launch(
     kernel, rule, buffers, constexprs=None, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None,
-    sources=None,
+    sources=None, master=None, rounding_seed=None, rng_base=0,
 ):  # fmt: skip
     """Check and launch ``kernel``, the kernel of ``rule`` (a :class:`flatopt.rules.Rule`), over the flat
     ``buffers``: parameter, gradient, then the rule's states (None for a state no param group uses).
@@ -331,10 +432,14 @@ def launch(
     * ``block_size``: elements per program (None: BLOCK_SIZE).
     * ``sources``: a :class:`flatopt.layout.GradSources`, to read each parameter's gradient from where it
       lies instead (GATHER; see gather_grad), storing it into the flat gradient buffer.
+    * ``master``, ``rounding_seed``, ``rng_base``: the master buffer (float32 or int16), stochastic rounding's
+      seed (None: round to nearest) and the launch's first element's index in its whole flat buffer (see
+      :mod:`flatopt.precision`).
     """
     param = buffers[0]
     rule.check_table(hparams, param.dtype)
-    check_flat(meta, *(b for b in buffers if b is not None))
+    check_flat(meta, *buffers[:2], states=[b for b in buffers[2:] if b is not None])
+    precision.check_master(param, master, rounding_seed)
     if sources is not None:
         sources.check(meta, buffers[1])
         if (block_size or BLOCK_SIZE) % GRANULE:
@@ -346,8 +451,11 @@ def launch(
         grad_scale, found_inf, meta.counter,
         *((sources.src, sources.start, sources.numel) if sources is not None else (None, None, None)),
         param.numel(), meta.first, meta.stop,
+        master, 0 if rounding_seed is None else rounding_seed, rng_base,
         NUM_HP=rule.num_hparams, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
         HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         GATHER=0 if sources is None else sources.vec,
+        MASTER=0 if master is None else 1 if master.dtype == torch.float32 else 2,
+        STOCHASTIC=rounding_seed is not None,
         **(constexprs or {}), **opts,
     )  # fmt: skip

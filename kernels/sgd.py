@@ -10,7 +10,7 @@ import triton.language as tl
 
 from flatopt.rules import SGD
 
-from .common import as_block, begin_step, column, finish_step, launch, load_grad
+from .common import as_block, begin_step, column, finish_step, launch, load_grad, load_param, store_param
 
 # The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.SGD puts them.
 LR = column(SGD, "lr")
@@ -29,10 +29,10 @@ def sgd_kernel(
     buf_ptr,  # momentum_buffer, or None when no group uses momentum
     # then the arguments launch() passes every kernel, in its order (common.py's docstring says what each is)
     hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr, found_inf_ptr, counter_ptr,
-    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi,
+    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi, w_ptr, seed, rng_base,
     NUM_HP: tl.constexpr, GRANULE: tl.constexpr, UNIFORM: tl.constexpr, HAS_ACTIVE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP_BLOCK: tl.constexpr,
-    GATHER: tl.constexpr,
+    GATHER: tl.constexpr, MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr,  # buf_ptr is a buffer (not None)
 ):  # fmt: skip
     COMPUTE = hp_ptr.dtype.element_ty  # the math's dtype, the table's: see common.py
@@ -45,7 +45,7 @@ def sgd_kernel(
     weight_decay = tl.load(row + WEIGHT_DECAY)
     grad_sign = tl.load(row + GRAD_SIGN)
 
-    p = tl.load(p_ptr + offsets, mask=active).to(COMPUTE)
+    p = load_param(p_ptr, w_ptr, offsets, active, MASTER, COMPUTE)
     g = load_grad(
         g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr,
         n_elements, GRANULE, BLOCK_SIZE, COMPUTE,
@@ -63,7 +63,7 @@ def sgd_kernel(
         d = tl.where(momentum != 0.0, d_momentum, d)
     p = p + (-lr) * d
 
-    tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
+    store_param(p_ptr, w_ptr, offsets, p, active, steps, seed, rng_base, MASTER, STOCHASTIC)
     finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)
 
 

@@ -1,0 +1,369 @@
+"""Fewer bytes per parameter (flatopt.precision): master weights, stochastic rounding, the states' dtype.
+
+Each mode is checked against what it is defined to be, on every backend (the pure-torch reference, the CPU
+backend, which routes these modes to the reference, and the Triton kernels under the interpreter):
+
+* ``master_weights="remainder"``: bfloat16 parameter and remainder are, bit for bit, the float32 parameter of
+  a float32 model stepped by the float32 optimizer with the same gradients (AdamW, SGD, Lion);
+* ``master_weights="fp32"``: the master copy is that float32 parameter, the parameter the master rounded;
+* ``stochastic_rounding=True``: each parameter is one of the two bfloat16 neighbours of the float32 update,
+  unbiased on average, the same for the same seed;
+* ``state_dtype``: the states are stored in that dtype, the math in float32;
+
+and the Triton kernels against the reference for every mode, over several steps with two param groups and a
+parameter left out of one step. Parameters' sizes are not multiples of any block.
+"""
+
+import pytest
+import torch
+from conftest import TOL, TRITON_SKIP
+from torch import nn
+
+import flatopt
+from flatopt.precision import join_master, nearest, random16, round_stochastic, split_master
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*received no gradient.*:UserWarning")
+
+OPTIMIZERS = {
+    "adamw": (flatopt.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "sgd": (flatopt.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "lion": (flatopt.Lion, dict(lr=1e-2, weight_decay=0.1)),
+}
+BACKENDS = ["torch", "cpu", pytest.param("triton", marks=TRITON_SKIP)]
+MODES = [
+    dict(master_weights="fp32"),
+    dict(master_weights="remainder"),
+    dict(master_weights="remainder", state_dtype=torch.float32),
+    dict(stochastic_rounding=True),
+    dict(stochastic_rounding=True, state_dtype=torch.bfloat16),
+    dict(state_dtype=torch.float32),
+]
+STEPS = 4
+
+
+def model(dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Linear(5, 70))
+    return net.to(dtype)
+
+
+def groups(net):
+    params = list(net.parameters())
+    return [{"params": params[::2]}, {"params": params[1::2], "lr": 3e-3}]
+
+
+def grads(net, step, dtype=torch.bfloat16):
+    """Gradients of ``dtype`` for ``step`` (the same on every run); the last parameter gets none at step 1."""
+    gen = torch.Generator().manual_seed(100 + step)
+    out = [torch.randn(p.shape, generator=gen).to(dtype) for p in net.parameters()]
+    if step == 1:
+        out[-1] = None
+    return out
+
+
+def train(net, opt, dtype=torch.bfloat16, steps=STEPS):
+    for step in range(steps):
+        for p, g in zip(net.parameters(), grads(net, step, dtype)):
+            p.grad = None if g is None else g.to(p.dtype)
+        opt.step()
+
+
+def float32_twin(net):
+    """A float32 copy of ``net`` with the same values."""
+    twin = model(torch.float32)
+    with torch.no_grad():
+        for t, p in zip(twin.parameters(), net.parameters()):
+            t.copy_(p.float())
+    return twin
+
+
+def buffers(opt):
+    (buf,) = flatopt.inspect(opt).buffers
+    return buf
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    "dtype, kwargs, match",
+    [
+        (torch.bfloat16, dict(master_weights="bf16"), r"Invalid master_weights: 'bf16'"),
+        (torch.bfloat16, dict(master_weights=True), r"Invalid master_weights: True"),
+        (torch.bfloat16, dict(stochastic_rounding=1), r"Invalid stochastic_rounding: 1"),
+        (torch.bfloat16, dict(state_dtype=torch.float16), r"Invalid state_dtype: torch.float16"),
+        (torch.bfloat16, dict(state_dtype="int4"), r"Invalid state_dtype: 'int4'"),
+        (torch.bfloat16, dict(stochastic_rounding=True, master_weights="fp32"), r"choose one of them"),
+        (torch.float32, dict(master_weights="remainder"), r"parameters are float32: they are their own master"),
+        (torch.float32, dict(master_weights="fp32"), r"parameters are float32: they are their own master"),
+        (torch.float16, dict(master_weights="remainder"), r"use master_weights='fp32' for float16"),
+        (torch.float16, dict(stochastic_rounding=True), r"some parameters are float16"),
+        (torch.float32, dict(stochastic_rounding=True), r"parameters are float32, which the update is stored"),
+        (torch.bfloat16, dict(flat=False, state_dtype=torch.float32), r"need flat=True"),
+    ],
+)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_invalid_combinations_are_refused_at_construction(name, dtype, kwargs, match):
+    cls, hp = OPTIMIZERS[name]
+    net = model(dtype)
+    before = [p.data_ptr() for p in net.parameters()]
+    with pytest.raises(ValueError, match=match):
+        cls(net, **hp, **kwargs)
+    assert [p.data_ptr() for p in net.parameters()] == before  # nothing laid out
+
+
+def test_sgd_without_momentum_refuses_a_state_dtype():
+    with pytest.raises(ValueError, match=r"no param group has momentum, so SGD keeps no state"):
+        flatopt.SGD(model(), lr=0.1, state_dtype=torch.float32)
+    flatopt.SGD(model(), lr=0.1, momentum=0.9, state_dtype=torch.bfloat16)  # with momentum it is taken
+
+
+def test_a_mixed_model_applies_a_master_copy_to_its_bfloat16_parameters_only():
+    net = model()
+    net[0].float()
+    opt = flatopt.AdamW(net, master_weights="remainder")
+    kinds = {buf.dtype: buf.master for buf in flatopt.inspect(opt).buffers}
+    assert kinds[torch.float32] is None and kinds[torch.bfloat16].dtype == torch.int16
+
+
+# ---------------------------------------------------------------------------------------------- the bits
+
+
+def test_remainder_split_and_join_are_exact_and_round_to_nearest():
+    x = torch.randn(100_000) * torch.logspace(-30, 30, 100_000)
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), -1.0 - 2**-8])  # a tie (half an ulp of 1): away from zero
+    p, rem = split_master(x)
+    assert torch.equal(join_master(p, rem).view(torch.int32), x.view(torch.int32))
+    finite = x.isfinite()
+    err = (p.float() - x)[finite].abs()
+    assert (err <= (p.float().abs() * 2**-8)[finite]).all()  # within half a bfloat16 ulp
+    assert p[3].item() == -1.0 - 2**-7
+
+
+def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
+    n = 400_000
+    # (value, its neighbour towards zero, the one away from zero): an eighth of an ulp away from the first
+    for value, near, far in ((1.0 + 2**-10, 1.0, 1.0 + 2**-7), (-3.0 - 2**-9, -3.0, -3.0 - 2**-6)):
+        r = round_stochastic(torch.full((n,), value), 7, torch.arange(n), torch.tensor(5.0)).float()
+        assert set(r.unique().tolist()) == {near, far}
+        sigma = abs(far - near) * (1 / 8 * 7 / 8 / n) ** 0.5
+        assert abs(r.mean().item() - value) < 5 * sigma, (r.mean().item(), value)
+
+
+def test_random_bits_are_uniform_and_depend_on_seed_index_and_step():
+    index = torch.arange(1 << 16)
+    a = random16(1, index, torch.tensor(0.0))
+    assert 0 <= a.min() and a.max() < 2**16
+    assert abs(a.float().mean().item() / 2**16 - 0.5) < 0.01
+    for other in (random16(2, index, torch.tensor(0.0)), random16(1, index + 1, torch.tensor(0.0)),
+                  random16(1, index, torch.tensor(1.0))):  # fmt: skip
+        assert (a != other).float().mean() > 0.99
+
+
+# ---------------------------------------------------------------------------------------------- the modes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("state_dtype", [None, torch.float32])
+def test_remainder_is_bit_for_bit_the_float32_optimizer(name, backend, state_dtype):
+    """bfloat16 parameter + remainder == the float32 parameter of the float32 optimizer fed the same (bfloat16)
+    gradients; with float32 states, the states are the float32 optimizer's too."""
+    cls, hp = OPTIMIZERS[name]
+    net = model()
+    twin = float32_twin(net)
+    ours = cls(groups(net), **hp, master_weights="remainder", state_dtype=state_dtype, backend=backend)
+    reference_backend = "torch" if backend == "cpu" else backend  # the CPU backend routes this mode to the reference
+    theirs = cls(groups(twin), **hp, backend=reference_backend)
+    if state_dtype is None:  # bfloat16 states: the float32 optimizer's states rounded at each step differ from it
+        train(net, ours)
+        buf = buffers(ours)
+        assert buf.master.dtype == torch.int16 and buf.states[next(iter(buf.states))].dtype == torch.bfloat16
+        return
+    for step in range(STEPS):
+        for ps, g in ((net.parameters(), grads(net, step)), (twin.parameters(), grads(net, step))):
+            for p, gi in zip(ps, g):
+                p.grad = None if gi is None else gi.to(p.dtype)
+        ours.step()
+        theirs.step()
+        a, b = buffers(ours), buffers(theirs)
+        master = join_master(a.data, a.master)
+        assert torch.equal(master.view(torch.int32), b.data.view(torch.int32)), f"step {step}"
+        assert torch.equal(a.data, nearest(b.data, torch.bfloat16)), f"step {step}: the parameter is the master rounded"
+        for key in b.states:
+            assert torch.equal(a.states[key], b.states[key]), f"step {step}, {key}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_float32_master_is_the_float32_optimizer_and_the_parameter_its_rounding(name, backend):
+    cls, hp = OPTIMIZERS[name]
+    net = model()
+    twin = float32_twin(net)
+    ours = cls(groups(net), **hp, master_weights="fp32", state_dtype=torch.float32, backend=backend)
+    theirs = cls(groups(twin), **hp, backend="torch" if backend == "cpu" else backend)
+    train(net, ours)
+    train(twin, theirs)
+    a, b = buffers(ours), buffers(theirs)
+    assert a.master.dtype == torch.float32
+    assert torch.equal(a.master, b.data)
+    assert torch.equal(a.data, nearest(a.master, torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_parameter_written_in_place_takes_over_from_its_float32_master(backend):
+    """model.load_state_dict() (or any in-place write) between steps: the step starts from the written value."""
+    net = model()
+    opt = flatopt.SGD(net, lr=0.1, master_weights="fp32", backend=backend)
+    train(net, opt, steps=1)
+    with torch.no_grad():
+        net[0].weight.fill_(0.5)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert (net[0].weight == 0.5).all()
+    assert (buffers(opt).master_views[0] == 0.5).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_stochastic_rounding_rounds_the_float32_update_to_a_neighbour_reproducibly(name, backend):
+    cls, hp = OPTIMIZERS[name]
+    runs = []
+    for seed in (3, 3, 4):
+        net = model()
+        torch.manual_seed(seed)
+        opt = cls(groups(net), **hp, stochastic_rounding=True, backend=backend)
+        # one step, against the float32 update of the same bfloat16 values
+        twin = float32_twin(net)
+        ref = cls(groups(twin), **hp, backend="torch" if backend == "cpu" else backend)
+        train(net, opt, steps=1)
+        train(twin, ref, steps=1)
+        a, x = buffers(opt).data.float(), buffers(ref).data
+        down, up = x.bfloat16().float(), x.bfloat16().float()
+        below = torch.where(down > x, torch.nextafter(x.bfloat16(), torch.full_like(x, -1e30).bfloat16()).float(), down)
+        above = torch.where(up < x, torch.nextafter(x.bfloat16(), torch.full_like(x, 1e30).bfloat16()).float(), up)
+        assert ((a == below) | (a == above)).all()
+        runs.append(a)
+    assert torch.equal(runs[0], runs[1])  # the same seed: the same result
+    assert not torch.equal(runs[0], runs[2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stochastic_rounding_keeps_updates_far_below_an_ulp_on_average(backend):
+    """SGD with updates of 1/16 of a bfloat16 ulp: rounding to nearest never moves the parameters, stochastic
+    rounding moves them by the update on average."""
+    n = 1 << 14
+    start = 1.0
+    for sr in (False, True):
+        p = nn.Parameter(torch.full((n,), start, dtype=torch.bfloat16))
+        opt = flatopt.SGD([p], lr=2**-11, stochastic_rounding=sr, backend=backend)
+        for _ in range(8):
+            p.grad = torch.ones_like(p)  # each step subtracts 2**-11: an ulp below 1.0 is 2**-8
+            opt.step()
+        moved = start - p.float().mean().item()
+        if not sr:
+            if backend != "triton":  # the interpreter stores bfloat16 by truncating (see above)
+                assert moved == 0.0
+        else:
+            assert abs(moved - 8 * 2**-11) < 5 * 2**-8 / n**0.5 * 8**0.5, moved
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_state_dtype_stores_the_states_in_that_dtype(name, backend):
+    cls, hp = OPTIMIZERS[name]
+    net = model()
+    opt = cls(groups(net), **hp, state_dtype=torch.float32, backend=backend)
+    train(net, opt)
+    buf = buffers(opt)
+    assert {t.dtype for t in buf.states.values()} == {torch.float32} and buf.data.dtype == torch.bfloat16
+    for p in net.parameters():
+        for key, t in opt.state[p].items():
+            if key != "step":
+                assert t.dtype == torch.float32 and t.shape == p.shape
+
+
+@TRITON_SKIP
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_kernels_match_the_reference_in_every_mode(name, mode):
+    """The same steps through the Triton kernels and the reference, each step from the same buffers (the
+    reference's): float32 values (masters, float32 states) a few float32 roundings apart (the kernels' bias
+    corrections are computed another way), bfloat16 values an ulp apart at most (the interpreter stores bfloat16
+    by truncating where torch rounds to nearest; the modes' own roundings are exact integer arithmetic)."""
+    cls, hp = OPTIMIZERS[name]
+    nets, opts = [], []
+    for backend in ("torch", "triton"):
+        nets.append(model())
+        torch.manual_seed(11)
+        opts.append(cls(groups(nets[-1]), **hp, **mode, backend=backend))
+    ref, ker = (buffers(o) for o in opts)
+    for step in range(STEPS):
+        for net, opt in zip(nets, opts):
+            for p, g in zip(net.parameters(), grads(net, step)):
+                p.grad = g
+            opt.step()
+        pairs = [("data", ker.data, ref.data), *((k, ker.states[k], t) for k, t in ref.states.items())]
+        if ref.master is not None:
+            pairs.append(("master", ker.master, ref.master))
+        for what, a, b in pairs:
+            assert a.dtype == b.dtype, what
+            if what == "master" and a.dtype == torch.int16:  # the bits below the parameter's: compare the masters
+                a, b = join_master(ker.data, a), join_master(ref.data, b)
+            tol = TOL[torch.float32] if a.dtype == torch.float32 else dict(atol=1e-6, rtol=2**-7)
+            torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"step {step}, {what}: {m}")
+        assert torch.equal(ker.meta.steps, ref.meta.steps)
+        with torch.no_grad():  # the next step from the same buffers
+            for _, a, b in pairs:
+                a.copy_(b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_backward_mode_steps_as_step_mode(backend):
+    def run(in_backward):
+        net = model()
+        torch.manual_seed(5)
+        opt = flatopt.AdamW(
+            net,
+            lr=1e-2,
+            master_weights="remainder",
+            state_dtype=torch.float32,
+            in_backward=in_backward,
+            backend=backend,
+            **({"bucket_size": 64} if in_backward else {}),
+        )
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            x = torch.randn(4, 7, generator=gen).bfloat16()
+            net(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        masters = [buf.master.clone() for buf in flatopt.inspect(opt).buffers]
+        return [p.detach().clone() for p in net.parameters()], masters
+
+    (p1, m1), (p2, m2) = run(False), run(True)
+    for a, b in zip(p1, p2):
+        assert torch.equal(a, b)
+    assert torch.equal(torch.sort(torch.cat(m1)).values, torch.sort(torch.cat(m2)).values)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_scaler_tensors_with_a_float16_model_and_a_float32_master(backend):
+    """GradScaler's grad_scale divides the gradients and found_inf skips the step, with the master copy."""
+
+    def run(scale, found):
+        net = model(torch.float16)
+        opt = flatopt.AdamW(net, lr=1e-2, master_weights="fp32", backend=backend)
+        for p, g in zip(net.parameters(), grads(net, 0, torch.float16)):
+            p.grad = g * scale
+        opt.grad_scale = torch.tensor([float(scale)])
+        opt.found_inf = torch.tensor([float(found)])
+        opt.step()
+        return buffers(opt)
+
+    plain, scaled, skipped = run(1, 0), run(1024, 0), run(1024, 1)
+    assert torch.equal(scaled.master, plain.master) and torch.equal(scaled.data, plain.data)
+    start = buffers(flatopt.AdamW(model(torch.float16), master_weights="fp32", backend=backend))
+    assert torch.equal(skipped.master, start.master) and torch.equal(skipped.data, start.data)
+    assert not torch.equal(plain.master, start.master)
