@@ -110,6 +110,7 @@ def _compact(param, states, precision):
     return (
         precision.get("master") is not None
         or precision.get("rounding_seed") is not None
+        or precision.get("scales") is not None
         or any(t is not None and t.dtype != param.dtype for t in states)
     )
 

@@ -104,6 +104,7 @@ class FlatBuffer:
         self.ordinal = 0  # the buffer's place among its optimizer's (stochastic rounding mixes it into the seed)
         self.state_dtype = self.dtype if precision is None else precision.state_dtype
         self.stochastic = precision is not None and precision.stochastic
+        self.unsigned = () if precision is None else precision.unsigned
         master = None if precision is None else precision.master_dtype
 
         self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
@@ -129,9 +130,27 @@ class FlatBuffer:
         for name in state_names:
             self.add_state(name)
 
+    @property
+    def quantized(self):
+        """Whether the states are stored block-wise in 8 bits (see :mod:`flatopt.quantize`)."""
+        return self.state_dtype == "int8"
+
     def add_state(self, name):
-        """Allocate a zeroed flat state buffer and its per-parameter views."""
-        self.states[name] = torch.zeros(self.numel, dtype=self.state_dtype, device=self.device)
+        """Allocate a zeroed flat state buffer and its per-parameter views. 8-bit states (``state_dtype="int8"``)
+        have codes (int8, or uint8 for the ``unsigned`` ones) under ``name`` and one float32 scale per block
+        under ``name + ABSMAX``, whose views are each parameter's blocks."""
+        from flatopt.quantize import ABSMAX, QBLOCK, code_dtype  # quantize reads ALIGN from here
+
+        dtype = self.state_dtype
+        if self.quantized:
+            dtype = code_dtype(name not in self.unsigned)
+            scales = torch.zeros(self.numel // QBLOCK, dtype=torch.float32, device=self.device)
+            self.states[name + ABSMAX] = scales
+            self.state_views[name + ABSMAX] = [
+                scales[s // QBLOCK : align_up(s + p.numel(), QBLOCK) // QBLOCK]
+                for s, p in zip(self.starts, self.params)
+            ]
+        self.states[name] = torch.zeros(self.numel, dtype=dtype, device=self.device)
         self.state_views[name] = [self.view(self.states[name], i) for i in range(len(self.params))]
 
     def padding(self, flat):

@@ -15,8 +15,10 @@ Three keyword arguments of every optimizer, parsed here (:func:`parse`) and reso
   step count (:func:`random16`): the same seed gives the same result, the kernels and the torch reference
   draw the same bits, and a resumed run continues the stream where it stopped (the step counts are in the
   state dict, the seed too).
-* ``state_dtype=None | torch.float32 | torch.bfloat16``: the dtype the moments are stored in (None: the
-  parameter's, torch.optim's rule). The math runs in float32 whatever it is.
+* ``state_dtype=None | torch.float32 | torch.bfloat16 | "int8"``: the dtype the moments are stored in (None: the
+  parameter's, torch.optim's rule); ``"int8"``: one byte per element and a float32 scale per block of 64
+  (:mod:`flatopt.quantize`; parameters of fewer than 4096 elements keep float32 states). The math runs in
+  float32 whatever it is.
 
 Every mode is applied inside the one kernel launch per buffer: load, update in float32, round, store.
 """
@@ -25,8 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from flatopt.quantize import INT8_MIN_NUMEL
+
 MASTER_WEIGHTS = (None, "fp32", "remainder")
-STATE_DTYPES = (None, torch.float32, torch.bfloat16)
+STATE_DTYPES = (None, torch.float32, torch.bfloat16, "int8")
 
 # random16's hash (Chris Wellons' "lowbias32"): two multiplications and three xor-shifts of a uint32. One home for
 # its constants: the Triton kernels read them from here.
@@ -41,14 +45,16 @@ class BufferPrecision:
     """How one flat buffer stores its parameters and states.
 
     Attributes:
-        state_dtype: the dtype of its state buffers.
+        state_dtype: the dtype of its state buffers, or ``"int8"`` (codes and scales: see :mod:`flatopt.quantize`).
         master: None, ``"fp32"`` (a float32 master buffer) or ``"remainder"`` (an int16 buffer of low bits).
         stochastic: its parameters are rounded stochastically from the float32 update.
+        unsigned: with ``"int8"``, the states stored with unsigned codes (the rule's nonnegative states).
     """
 
-    state_dtype: torch.dtype
+    state_dtype: object
     master: str | None = None
     stochastic: bool = False
+    unsigned: tuple = ()
 
     @property
     def master_dtype(self):
@@ -68,13 +74,22 @@ class Precision:
     def default(self):
         return self.master_weights is None and not self.stochastic_rounding and self.state_dtype is None
 
-    def of_buffer(self, dtype):
+    def small(self, p):
+        """Whether ``p`` keeps float32 states under ``state_dtype="int8"`` (fewer than INT8_MIN_NUMEL elements): such
+        parameters are laid out in buffers of their own."""
+        return self.state_dtype == "int8" and p.numel() < INT8_MIN_NUMEL
+
+    def of_buffer(self, dtype, small=False, rule=None):
         """The precision of a flat buffer of parameters of ``dtype`` (modes that do not apply to ``dtype`` are
-        off: float32 and float64 parameters are their own master and need no rounding)."""
+        off: float32 and float64 parameters are their own master and need no rounding); ``small``: of parameters
+        that keep float32 states (see :meth:`small`); ``rule``: the optimizer's (its nonnegative states)."""
         state_dtype = dtype if self.state_dtype is None else self.state_dtype
+        if small:
+            state_dtype = torch.float32
         master = self.master_weights if dtype in _MASTER_DTYPES.get(self.master_weights, ()) else None
         stochastic = self.stochastic_rounding and dtype == torch.bfloat16
-        return BufferPrecision(state_dtype, master, stochastic)
+        unsigned = () if rule is None or state_dtype != "int8" else tuple(rule.nonnegative_states)
+        return BufferPrecision(state_dtype, master, stochastic, unsigned)
 
     def check_params(self, cls, rule, param_groups):
         """Raise ValueError for options that the parameters (trainable, of ``param_groups``) or the rule make
@@ -136,8 +151,8 @@ def parse(cls, kwargs, flat):
         raise ValueError(f"Invalid stochastic_rounding: {stochastic!r}; expected True or False")
     if state_dtype not in STATE_DTYPES:
         raise ValueError(
-            f"Invalid state_dtype: {_name(state_dtype)}; expected None (the parameter's dtype), torch.float32 or "
-            "torch.bfloat16"
+            f"Invalid state_dtype: {_name(state_dtype)}; expected None (the parameter's dtype), torch.float32, "
+            "torch.bfloat16 or 'int8' (block-wise 8-bit)"
         )
     if stochastic and master is not None:
         raise ValueError(

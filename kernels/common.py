@@ -145,17 +145,20 @@ def begin_step(
     BLOCK_SIZE: tl.constexpr,
     GATHER: tl.constexpr,
     COMPUTE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """What every kernel starts with. Returns this program's element offsets, the pointer to each
     element's row of the hyper-parameter table, its completed steps, where the step applies
     (``active``: in bounds, parameter active, no inf found), the inverse grad scale and whether
     found_inf skips the step. With GATHER (non-zero: the gradients are gathered, in loads of GATHER
-    elements; see gather_grad) the offsets are a [BLOCK_SIZE // GRANULE, GRANULE] block, one granule
-    per row; the kernels' elementwise code is the same for both."""
+    elements; see gather_grad) or QUANT (8-bit states, a scale per granule: see store_state) the offsets are a
+    [BLOCK_SIZE // GRANULE, GRANULE] block, one granule per row; the kernels' elementwise code is the same
+    for both."""
     pid = tl.program_id(0).to(tl.int64)
     if GATHER:
-        granules = pid * (BLOCK_SIZE // GRANULE) + tl.arange(0, BLOCK_SIZE // GRANULE)
-        offsets = granules[:, None] * GRANULE + tl.arange(0, GRANULE)[None, :]
+        offsets = granule_rows(pid, BLOCK_SIZE, GRANULE)
+    elif QUANT:
+        offsets = granule_rows(pid, BLOCK_SIZE, GRANULE)
     else:
         offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
@@ -168,6 +171,13 @@ def begin_step(
         active = drop_if_skipped(active, offsets, skipped)
     row = hp_ptr + group * NUM_HP  # always in bounds: masked lanes read group 0
     return offsets, row, steps, active, inv_scale, skipped
+
+
+@triton.jit
+def granule_rows(pid, BLOCK_SIZE: tl.constexpr, GRANULE: tl.constexpr):
+    """Program ``pid``'s element offsets as a [BLOCK_SIZE // GRANULE, GRANULE] block, one granule per row."""
+    granules = pid * (BLOCK_SIZE // GRANULE) + tl.arange(0, BLOCK_SIZE // GRANULE)
+    return granules[:, None] * GRANULE + tl.arange(0, GRANULE)[None, :]
 
 
 @triton.jit
@@ -391,6 +401,47 @@ def store_param(
         tl.store(p_ptr + offsets, x.to(P), mask=active)
 
 
+@triton.jit
+def load_state(s_ptr, a_ptr, offsets, active, GRANULE: tl.constexpr, QUANT: tl.constexpr, COMPUTE: tl.constexpr):
+    """A state in COMPUTE: loaded and upcast, or, with QUANT, its 8-bit codes read back with their granule's scale
+    (``a_ptr``; flatopt.quantize.dequantize): int8 codes as ``scale * y * |y|`` with ``y = q / 127``, uint8 ones as
+    ``scale * y**4`` with ``y = q / 255``."""
+    x = tl.load(s_ptr + offsets, mask=active)
+    if QUANT:
+        scale = tl.load(a_ptr + offsets // GRANULE, mask=active, other=0.0)
+        if s_ptr.dtype.element_ty == tl.int8:
+            y = x.to(tl.float32) / 127.0
+            value = scale * (y * tl.abs(y))
+        else:
+            y = x.to(tl.float32) / 255.0
+            value = scale * ((y * y) * (y * y))
+    else:
+        value = x
+    return value.to(COMPUTE)
+
+
+@triton.jit
+def store_state(s_ptr, a_ptr, offsets, x, active, GRANULE: tl.constexpr, QUANT: tl.constexpr):
+    """Store a state: rounded to its dtype, or, with QUANT (offsets one granule per row), as 8-bit codes and one
+    scale per granule, its largest magnitude (flatopt.quantize.quantize): int8 ``round(127 * sign(x) *
+    sqrt(|x| / absmax))``, uint8 ``round(255 * (x / absmax)**(1/4))`` and at least 1 where ``x > 0``."""
+    if QUANT:
+        mag = tl.where(active, tl.abs(x), 0.0)
+        absmax = tl.max(mag, axis=1)
+        ratio = tl.where(absmax[:, None] > 0.0, mag / absmax[:, None], 0.0)
+        if s_ptr.dtype.element_ty == tl.int8:
+            q = tl.floor(127.0 * tl.sqrt(ratio) + 0.5)
+            q = tl.where(x < 0.0, -q, q)
+        else:
+            q = tl.floor(255.0 * tl.sqrt(tl.sqrt(ratio)) + 0.5)
+            q = tl.where(x > 0.0, tl.maximum(q, 1.0), q)
+        tl.store(s_ptr + offsets, q.to(s_ptr.dtype.element_ty), mask=active)
+        row_active = tl.max(active.to(tl.int32), axis=1) > 0
+        tl.store(a_ptr + tl.min(offsets, axis=1) // GRANULE, absmax, mask=row_active)
+    else:
+        tl.store(s_ptr + offsets, x.to(s_ptr.dtype.element_ty), mask=active)
+
+
 def launch_meta(n_elements, block_size=None):
     """Grid and launch options shared by the launchers: each program steps BLOCK_SIZE elements."""
     block = block_size or BLOCK_SIZE
@@ -407,7 +458,7 @@ def check_flat(meta, *tensors, states=()):
     for t in (*tensors, *states):
         if t.dim() != 1 or not t.is_contiguous():
             raise ValueError(f"flat buffers must be 1-D and contiguous, got shape {tuple(t.shape)}")
-        own_dtype = t.dtype if any(t is s for s in states) and t.is_floating_point() else first.dtype
+        own_dtype = t.dtype if any(t is s for s in states) else first.dtype  # states: a float dtype, or codes
         if t.device != first.device or t.numel() != first.numel() or t.dtype != own_dtype:
             raise ValueError(
                 "flat buffers must share device, dtype and length: "
@@ -417,9 +468,33 @@ def check_flat(meta, *tensors, states=()):
         raise ValueError(f"flat buffer length {first.numel()} is not a multiple of GRANULE={GRANULE}")
 
 
+def check_scales(states, scales, n_elements):
+    """Raise ValueError unless ``scales`` (None, or one per state) fit the states: float32 ``[n_elements // GRANULE]``
+    beside int8 or uint8 codes; float states without scales."""
+    codes = [t is not None and t.dtype in (torch.int8, torch.uint8) for t in states]
+    if scales is None:
+        if any(codes):
+            raise ValueError("8-bit states (int8 or uint8 codes) need their scales: pass scales=[...], one per state")
+        return
+    if len(scales) != len(states) or n_elements % GRANULE:
+        raise ValueError(
+            f"scales: one per state ({len(states)}), over a length that is a multiple of {GRANULE}; got {len(scales)} "
+            f"over {n_elements} elements"
+        )
+    for t, a, code in zip(states, scales, codes):
+        if t is None:
+            continue
+        if not code or a is None or a.dtype != torch.float32 or a.shape != (n_elements // GRANULE,):
+            what = "None" if a is None else f"{a.dtype} of shape {tuple(a.shape)}"
+            raise ValueError(
+                f"a state of {t.dtype} with scales {what}: 8-bit states are int8 or uint8 codes with float32 scales "
+                f"of shape ({n_elements // GRANULE},), one per {GRANULE} elements"
+            )
+
+
 def launch(
     kernel, rule, buffers, constexprs=None, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None,
-    sources=None, master=None, rounding_seed=None, rng_base=0,
+    sources=None, master=None, rounding_seed=None, rng_base=0, scales=None,
 ):  # fmt: skip
     """Check and launch ``kernel``, the kernel of ``rule`` (a :class:`flatopt.rules.Rule`), over the flat
     ``buffers``: parameter, gradient, then the rule's states (None for a state no param group uses).
@@ -435,18 +510,22 @@ def launch(
     * ``master``, ``rounding_seed``, ``rng_base``: the master buffer (float32 or int16), stochastic rounding's
       seed (None: round to nearest) and the launch's first element's index in its whole flat buffer (see
       :mod:`flatopt.precision`).
+    * ``scales``: for 8-bit states (int8 or uint8 codes), one float32 scale buffer per state, a scale per GRANULE
+      elements (:mod:`flatopt.quantize`); None for float states.
     """
     param = buffers[0]
     rule.check_table(hparams, param.dtype)
     check_flat(meta, *buffers[:2], states=[b for b in buffers[2:] if b is not None])
     precision.check_master(param, master, rounding_seed)
+    states = buffers[2:]
+    check_scales(states, scales, param.numel())
     if sources is not None:
         sources.check(meta, buffers[1])
         if (block_size or BLOCK_SIZE) % GRANULE:
             raise ValueError(f"a launch that gathers its gradients needs a block size that is a multiple of {GRANULE}")
     grid, opts = launch_meta(param.numel(), block_size)
     kernel[grid](
-        *buffers, hparams,
+        *buffers, *(scales if scales is not None else [None] * len(states)), hparams,
         meta.param_of_granule, meta.param_group, meta.steps, meta.active,
         grad_scale, found_inf, meta.counter,
         *((sources.src, sources.start, sources.numel) if sources is not None else (None, None, None)),
@@ -456,6 +535,6 @@ def launch(
         HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         GATHER=0 if sources is None else sources.vec,
         MASTER=0 if master is None else 1 if master.dtype == torch.float32 else 2,
-        STOCHASTIC=rounding_seed is not None,
+        STOCHASTIC=rounding_seed is not None, QUANT=scales is not None,
         **(constexprs or {}), **opts,
     )  # fmt: skip

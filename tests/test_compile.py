@@ -44,7 +44,7 @@ def compile_for_sm90(kernel, num_hp, dtype, uniform, flags, gather=0, master=0, 
     constexprs = dict(
         NUM_HP=num_hp, GRANULE=GRANULE, UNIFORM=uniform, BLOCK_SIZE=BLOCK_SIZE, STEP_BLOCK=STEP_BLOCK,
         HAS_ACTIVE=flags, HAS_GRAD_SCALE=flags, HAS_FOUND_INF=flags, HAS_MOMENTUM=True, GATHER=gather,
-        MASTER=master, STOCHASTIC=stochastic,
+        MASTER=master, STOCHASTIC=stochastic, QUANT=state_dtype == "int8",
     )  # fmt: skip
     signature = {}
     for name in names:
@@ -56,6 +56,10 @@ def compile_for_sm90(kernel, num_hp, dtype, uniform, flags, gather=0, master=0, 
             signature[name] = "*fp32"
         elif name == "w_ptr":
             signature[name] = MASTER_POINTER[master]
+        elif name in STATE_POINTERS and state_dtype == "int8":
+            signature[name] = "*u8" if name == "v_ptr" else "*i8"  # AdamW's second moment has unsigned codes
+        elif name.endswith("_scale_ptr"):
+            signature[name] = "*fp32"
         elif name in STATE_POINTERS and state_dtype is not None:
             signature[name] = DTYPES[state_dtype]
         elif name.endswith("_ptr"):
@@ -86,7 +90,8 @@ VARIANTS = [
 PRECISION_VARIANTS = [
     ("bf16", True, False, 0, 1, False, None), ("bf16", False, True, 8, 2, False, "fp32"),
     ("bf16", False, True, 0, 0, True, "bf16"), ("fp16", True, True, 0, 1, False, "fp32"),
-    ("fp32", True, False, 0, 0, False, "bf16"),
+    ("fp32", True, False, 0, 0, False, "bf16"), ("bf16", False, True, 0, 0, True, "int8"),
+    ("bf16", True, False, 8, 2, False, "int8"), ("fp32", False, True, 0, 0, False, "int8"),
 ]  # fmt: skip
 
 

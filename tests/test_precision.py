@@ -21,8 +21,13 @@ from torch import nn
 
 import flatopt
 from flatopt.precision import join_master, nearest, random16, round_stochastic, split_master
+from flatopt.quantize import INT8_MIN_NUMEL, QBLOCK, dequantize, quantize
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*received no gradient.*:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*received no gradient.*:UserWarning"),
+    # 8-bit states: the interpreter evaluates both sides of tl.where(absmax > 0, |x| / absmax, 0), 0 / 0 included
+    pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning"),
+]
 
 OPTIMIZERS = {
     "adamw": (flatopt.AdamW, dict(lr=1e-2, weight_decay=0.1)),
@@ -37,13 +42,16 @@ MODES = [
     dict(stochastic_rounding=True),
     dict(stochastic_rounding=True, state_dtype=torch.bfloat16),
     dict(state_dtype=torch.float32),
+    dict(state_dtype="int8"),
+    dict(stochastic_rounding=True, state_dtype="int8"),
 ]
 STEPS = 4
 
 
 def model(dtype=torch.bfloat16, seed=0):
     torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Linear(5, 70))
+    # 70 x 70 = 4900 elements: 8-bit states (state_dtype="int8") from 4096 on, float32 ones for the others
+    net = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 70), nn.Linear(70, 70))
     return net.to(dtype)
 
 
@@ -78,8 +86,9 @@ def float32_twin(net):
 
 
 def buffers(opt):
-    (buf,) = flatopt.inspect(opt).buffers
-    return buf
+    """The flat buffer of ``opt`` (with 8-bit states, the one that has them)."""
+    bufs = flatopt.inspect(opt).buffers
+    return next((b for b in bufs if b.quantized), None) or bufs[0] if len(bufs) > 1 else bufs[0]
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -93,6 +102,7 @@ def buffers(opt):
         (torch.bfloat16, dict(stochastic_rounding=1), r"Invalid stochastic_rounding: 1"),
         (torch.bfloat16, dict(state_dtype=torch.float16), r"Invalid state_dtype: torch.float16"),
         (torch.bfloat16, dict(state_dtype="int4"), r"Invalid state_dtype: 'int4'"),
+        (torch.bfloat16, dict(state_dtype=torch.int8), r"Invalid state_dtype: torch.int8.* or 'int8'"),
         (torch.bfloat16, dict(stochastic_rounding=True, master_weights="fp32"), r"choose one of them"),
         (torch.float32, dict(master_weights="remainder"), r"parameters are float32: they are their own master"),
         (torch.float32, dict(master_weights="fp32"), r"parameters are float32: they are their own master"),
@@ -298,22 +308,31 @@ def test_kernels_match_the_reference_in_every_mode(name, mode):
         nets.append(model())
         torch.manual_seed(11)
         opts.append(cls(groups(nets[-1]), **hp, **mode, backend=backend))
-    ref, ker = (buffers(o) for o in opts)
     for step in range(STEPS):
         for net, opt in zip(nets, opts):
             for p, g in zip(net.parameters(), grads(net, step)):
                 p.grad = g
             opt.step()
-        pairs = [("data", ker.data, ref.data), *((k, ker.states[k], t) for k, t in ref.states.items())]
-        if ref.master is not None:
-            pairs.append(("master", ker.master, ref.master))
+        pairs = []
+        for ref, ker in zip(*(flatopt.inspect(o).buffers for o in opts)):
+            assert ref.quantized == ker.quantized
+            pairs += [("data", ker.data, ref.data), *((k, ker.states[k], t) for k, t in ref.states.items())]
+            if ref.master is not None:
+                pairs.append(("master", ker.master, ref.master))
+                if ref.master.dtype == torch.int16:  # remainders, the bits below the parameter's: the masters
+                    masters = ("master", join_master(ker.data, ker.master), join_master(ref.data, ref.master))
+        assert any(k.endswith("_absmax") for k, _, _ in pairs) == (mode.get("state_dtype") == "int8")
         for what, a, b in pairs:
             assert a.dtype == b.dtype, what
-            if what == "master" and a.dtype == torch.int16:  # the bits below the parameter's: compare the masters
-                a, b = join_master(ker.data, a), join_master(ref.data, b)
+            if a.dtype == torch.int16:
+                what, a, b = masters
+            if a.dtype in (torch.int8, torch.uint8):  # 8-bit codes: the reference's definitions, exactly
+                assert torch.equal(a, b), f"step {step}, {what}"
+                continue
             tol = TOL[torch.float32] if a.dtype == torch.float32 else dict(atol=1e-6, rtol=2**-7)
             torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"step {step}, {what}: {m}")
-        assert torch.equal(ker.meta.steps, ref.meta.steps)
+        for ref, ker in zip(*(flatopt.inspect(o).buffers for o in opts)):
+            assert torch.equal(ker.meta.steps, ref.meta.steps)
         with torch.no_grad():  # the next step from the same buffers
             for _, a, b in pairs:
                 a.copy_(b)
@@ -367,3 +386,69 @@ def test_grad_scaler_tensors_with_a_float16_model_and_a_float32_master(backend):
     start = buffers(flatopt.AdamW(model(torch.float16), master_weights="fp32", backend=backend))
     assert torch.equal(skipped.master, start.master) and torch.equal(skipped.data, start.data)
     assert not torch.equal(plain.master, start.master)
+
+
+# ---------------------------------------------------------------------------------------------- 8-bit states
+
+
+def test_8bit_codes_read_back_within_their_step_and_never_turn_a_positive_second_moment_into_zero():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64 * 50, generator=gen) * torch.logspace(-8, 2, 64 * 50)
+    for signed, values in ((True, x), (False, x.square())):
+        q, absmax = quantize(values, signed)
+        assert q.dtype == (torch.int8 if signed else torch.uint8) and absmax.shape == (50,)
+        back = dequantize(q, absmax, signed)
+        scale = absmax.repeat_interleave(QBLOCK)
+        # codes y = (v / absmax) ** (1/2 or 1/4) are spaced 1/127 or 1/255: half a step in y, mapped back
+        power, levels = (2, 127) if signed else (4, 255)
+        y = (values.abs() / scale) ** (1 / power)
+        bound = scale * ((y + 0.5 / levels) ** power - y**power) * 1.0001 + 1e-30
+        assert ((back - values).abs() <= bound).all()
+        if not signed:
+            assert (back[values > 0] > 0).all()
+    assert torch.equal(dequantize(*quantize(torch.zeros(64), False), False), torch.zeros(64))
+
+
+def test_int8_states_cost_a_byte_and_a_scale_per_64_elements_and_small_parameters_keep_float32():
+    net = model()
+    opt = flatopt.AdamW(net, state_dtype="int8", stochastic_rounding=True)
+    bufs = flatopt.inspect(opt).buffers
+    big = [b for b in bufs if b.quantized]
+    assert len(big) == 1 and [p.numel() for p in big[0].params] == [4900]
+    assert all(p.numel() < INT8_MIN_NUMEL for b in bufs if not b.quantized for p in b.params)
+    assert all(t.dtype == torch.float32 for b in bufs if not b.quantized for t in b.states.values())
+    buf = big[0]
+    stored = sum(t.numel() * t.element_size() for t in buf.states.values()) + buf.data.numel() * 2
+    assert stored / buf.numel == 2 + 2 * (1 + 4 / 64)  # 4.125 bytes per element: bf16 parameter, two states
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_state_dict_exports_float32_values_that_torch_optim_loads(backend):
+    net = model()
+    opt = flatopt.AdamW(net, lr=1e-2, state_dtype="int8", backend=backend)
+    train(net, opt)
+    sd = opt.state_dict()
+    w = net[3].weight
+    k = next(i for i, p in enumerate(net.parameters()) if p is w)  # one param group: the module's order
+    entry = sd["state"][k]
+    assert set(entry) == {"step", "exp_avg", "exp_avg_sq"} and entry["exp_avg"].dtype == torch.float32
+    own = opt.state[w]
+    assert own["exp_avg"].dtype == torch.int8 and own["exp_avg_sq"].dtype == torch.uint8
+    torch.testing.assert_close(entry["exp_avg_sq"], opt.state_dict()["state"][k]["exp_avg_sq"])
+    twin = model()
+    theirs = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    theirs.load_state_dict(sd)
+    assert torch.equal(theirs.state[twin[3].weight]["exp_avg"], entry["exp_avg"].bfloat16())
+
+
+def test_int8_states_refuse_a_tensor_assigned_into_opt_state_and_take_a_reset():
+    net = model()
+    opt = flatopt.AdamW(net, lr=1e-2, state_dtype="int8")
+    train(net, opt, steps=1)
+    w = net[3].weight
+    opt.state[w]["exp_avg"] = torch.zeros_like(w)
+    with pytest.raises(ValueError, match=r"state_dtype='int8' the entries are views of the 8-bit codes"):
+        opt.step()
+    opt.state[w] = {}
+    opt.step()
+    assert float(opt.state[w]["step"]) == 1.0

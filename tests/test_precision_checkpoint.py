@@ -22,6 +22,8 @@ MODES = [
     dict(stochastic_rounding=True, state_dtype=torch.bfloat16),
     dict(stochastic_rounding=True),
     dict(state_dtype=torch.float32),
+    dict(stochastic_rounding=True, state_dtype="int8"),
+    dict(master_weights="remainder", state_dtype="int8"),
 ]
 OPTIMIZERS = {
     "adamw": (flatopt.AdamW, dict(lr=1e-2, weight_decay=0.1)),
@@ -46,11 +48,13 @@ def saved(obj):
 
 
 def snapshot(opt):
-    buf = buffers(opt)
-    out = {"data": buf.data.clone(), "steps": buf.meta.steps.clone()}
-    out.update({k: t.clone() for k, t in buf.states.items()})
-    if buf.master is not None:
-        out["master"] = buf.master.clone()
+    """Every buffer's parameters, step counts, states and master, by name."""
+    out = {}
+    for b, buf in enumerate(flatopt.inspect(opt).buffers):
+        out.update({(b, "data"): buf.data.clone(), (b, "steps"): buf.meta.steps.clone()})
+        out.update({(b, k): t.clone() for k, t in buf.states.items()})
+        if buf.master is not None:
+            out[(b, "master")] = buf.master.clone()
     return out
 
 

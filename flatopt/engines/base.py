@@ -19,6 +19,7 @@ from flatopt.bindings import FULL_CHECK_EVERY, check_data_bindings, ends_bound
 from flatopt.distributed import world_size
 from flatopt.layout import FlatBuffer
 from flatopt.precision import SEED_BOUND
+from flatopt.quantize import ABSMAX, QBLOCK, quantize_into
 from flatopt.state import OptimizerState, ParamState, check_state_mapping, check_state_tensor, step_value
 from flatopt.step_graph import StepGraph
 from flatopt.torch_compat import outside_stacklevel
@@ -162,7 +163,7 @@ class FlatEngine(Engine):
             for p in group["params"]:
                 # trainable, given a gradient by hand (torch.optim steps any .grad), or laid out before
                 if p.requires_grad or p.grad is not None or p in placed:
-                    key = (p.device, p.dtype)
+                    key = (p.device, p.dtype, opt.precision.small(p))  # small: float32 states under "int8"
                     if key not in members:
                         keys.append(key)
                         members[key] = ([], [])
@@ -177,7 +178,7 @@ class FlatEngine(Engine):
         for key in keys:
             params, groups = self.order(*members[key])
             used = [n for n in rule.state_names if any(rule.uses_state(n, opt.param_groups[g]) for g in groups)]
-            precision = opt.precision.of_buffer(key[1])
+            precision = opt.precision.of_buffer(key[1], small=key[2], rule=rule)
             buf = FlatBuffer(params, groups, used, grad=self.has_grad_buffer, precision=precision)
             buf.ordinal = len(buffers)  # mixed into stochastic rounding's seed (see rounding_seed)
             with torch.no_grad():
@@ -401,6 +402,13 @@ class FlatEngine(Engine):
             v = entry[k]
             if v is views.get(k):
                 continue
+            if buf.quantized and k != "step":
+                raise ValueError(
+                    f"{cls}: opt.state[{opt.names(p)}][{k!r}] was replaced, and with state_dtype='int8' the entries "
+                    "are views of the 8-bit codes and scales, which a tensor cannot be copied into as it is. Load "
+                    "states with opt.load_state_dict() (it quantizes them), or restart the parameter's state with "
+                    "opt.state[p] = {}"
+                )
             if k == "step":
                 step = step_value(cls, opt.names(p), v)
             else:
@@ -488,9 +496,11 @@ class FlatEngine(Engine):
                     placed.add(p)
                     step, tensors = parsed.get(p, (0.0, {}))
                     for name, views in buf.state_views.items():
-                        if name in tensors:
+                        if name in tensors and buf.quantized:
+                            quantize_into(views[i], buf.state_views[name + ABSMAX][i], tensors[name])
+                        elif name in tensors:
                             views[i].copy_(tensors[name])
-                        else:
+                        elif not (buf.quantized and name.endswith(ABSMAX) and name[: -len(ABSMAX)] in tensors):
                             views[i].zero_()
                     steps.append(step)
                 buf.meta.steps.copy_(torch.tensor(steps, dtype=torch.float32))
@@ -567,14 +577,17 @@ class FlatEngine(Engine):
         all of them) with the gradient ``grad``."""
         opt = self.opt
         data, master, states = buf.data, buf.master, [buf.states.get(n) for n in opt.rule.state_names]
+        scales = [buf.states.get(n + ABSMAX) for n in opt.rule.state_names] if buf.quantized else None
         s = 0
         if span is not None:
             s, e = span
             data, states = data[s:e], [None if t is None else t[s:e] for t in states]
             master = None if master is None else master[s:e]
+            if scales is not None:
+                scales = [None if t is None else t[s // QBLOCK : e // QBLOCK] for t in scales]
         opt.rule.functional(
             data, grad, *states, hparams=hparams, meta=meta, backend=opt.backend,
             grad_scale=None if grad_scale is None else grad_scale.to(buf.device),
             found_inf=None if found_inf is None else found_inf.to(buf.device),
-            sources=sources, master=master, rounding_seed=self.rounding_seed(buf), rng_base=s,
+            sources=sources, master=master, rounding_seed=self.rounding_seed(buf), rng_base=s, scales=scales,
         )  # fmt: skip
