@@ -134,6 +134,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self.rule.check({**self.defaults, **param_group})
         if self.engine is not None:
             self.engine.sync_state()  # a pending edit of opt.state that cannot be honoured raises before the group
+            if isinstance(param_group, dict):  # the storage options against the new parameters, before anything
+                self.precision.check_params(type(self).__name__, self.rule, [*self.param_groups, param_group])
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if len(group["params"]) != len(set(group["params"])):  # tied parameters appear once
@@ -145,7 +147,6 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 group["param_names"] = list(first.values())
             group["params"] = list(dict.fromkeys(group["params"]))
         if self.engine is not None:
-            self.precision.check_params(type(self).__name__, self.rule, self.param_groups)
             self.engine.build()
 
     def check_param(self, p):

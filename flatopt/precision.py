@@ -95,7 +95,7 @@ class Precision:
         """Raise ValueError for options that the parameters (trainable, of ``param_groups``) or the rule make
         meaningless: a master copy or stochastic rounding that applies to no parameter, ``"remainder"`` or
         stochastic rounding with float16 parameters, a ``state_dtype`` for SGD without momentum."""
-        dtypes = {p.dtype for g in param_groups for p in g["params"] if p.requires_grad}
+        dtypes = {p.dtype for g in param_groups for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad}
         if self.master_weights is not None:
             fits = _MASTER_DTYPES[self.master_weights]
             if self.master_weights == "remainder" and torch.float16 in dtypes:

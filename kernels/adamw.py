@@ -10,18 +10,8 @@ import triton.language as tl
 
 from flatopt.rules import ADAMW
 
-from .common import (
-    begin_step,
-    column,
-    finish_step,
-    launch,
-    load_grad,
-    load_param,
-    load_state,
-    one_minus_pow,
-    store_param,
-    store_state,
-)
+from .common import begin_step, column, finish_step, launch, load_grad, one_minus_pow
+from .storage import load_param, load_state, store_param, store_state
 
 # The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.ADAMW puts them.
 LR = column(ADAMW, "lr")

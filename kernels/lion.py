@@ -8,7 +8,8 @@ import triton.language as tl
 
 from flatopt.rules import LION
 
-from .common import begin_step, column, finish_step, launch, load_grad, load_param, load_state, store_param, store_state
+from .common import begin_step, column, finish_step, launch, load_grad
+from .storage import load_param, load_state, store_param, store_state
 
 # The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.LION puts them.
 LR = column(LION, "lr")

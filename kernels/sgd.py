@@ -10,18 +10,8 @@ import triton.language as tl
 
 from flatopt.rules import SGD
 
-from .common import (
-    as_block,
-    begin_step,
-    column,
-    finish_step,
-    launch,
-    load_grad,
-    load_param,
-    load_state,
-    store_param,
-    store_state,
-)
+from .common import as_block, begin_step, column, finish_step, launch, load_grad
+from .storage import load_param, load_state, store_param, store_state
 
 # The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.SGD puts them.
 LR = column(SGD, "lr")

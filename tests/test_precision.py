@@ -128,6 +128,14 @@ def test_sgd_without_momentum_refuses_a_state_dtype():
     flatopt.SGD(model(), lr=0.1, momentum=0.9, state_dtype=torch.bfloat16)  # with momentum it is taken
 
 
+def test_a_param_group_the_options_cannot_serve_is_refused_before_it_is_added():
+    opt = flatopt.AdamW(model(), master_weights="remainder")
+    extra = nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"use master_weights='fp32' for float16 parameters"):
+        opt.add_param_group({"params": [extra]})
+    assert len(opt.param_groups) == 1 and len(flatopt.inspect(opt).buffers) == 1
+
+
 def test_a_mixed_model_applies_a_master_copy_to_its_bfloat16_parameters_only():
     net = model()
     net[0].float()
@@ -452,3 +460,43 @@ def test_int8_states_refuse_a_tensor_assigned_into_opt_state_and_take_a_reset():
     opt.state[w] = {}
     opt.step()
     assert float(opt.state[w]["step"]) == 1.0
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize(
+    "mode", [MODES[2], MODES[4], MODES[7]], ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items())
+)
+def test_captured_steps_match_eager_steps(mode):
+    """capture(): warm-up puts masters, codes and scales back as it puts the states back, and each replay steps
+    as an eager step does (10 replays, the same batches)."""
+    results = []
+    for captured in (False, True):
+        net = model().cuda()
+        torch.manual_seed(3)
+        opt = flatopt.AdamW(net, lr=1e-2, **mode)
+        gen = torch.Generator().manual_seed(0)
+        batches = [torch.randn(4, 7, generator=gen).bfloat16().cuda() for _ in range(10)]
+
+        def train_step(x):
+            loss = net(x).float().square().mean()
+            loss.backward()
+            return loss
+
+        if captured:
+            step = opt.capture(train_step, batches[0])
+            for x in batches:
+                step(x)
+        else:
+            for x in batches:
+                opt.zero_grad()
+                train_step(x)
+                opt.step()
+        torch.cuda.synchronize()
+        buffers_now = flatopt.inspect(opt).buffers
+        tensors = {(i, "data"): b.data for i, b in enumerate(buffers_now)}
+        tensors.update({(i, k): t for i, b in enumerate(buffers_now) for k, t in b.states.items()})
+        tensors.update({(i, "master"): b.master for i, b in enumerate(buffers_now) if b.master is not None})
+        results.append({k: t.clone() for k, t in tensors.items()})
+    eager, replayed = results
+    for key in eager:
+        torch.testing.assert_close(replayed[key].float(), eager[key].float(), atol=1e-6, rtol=2**-7)
