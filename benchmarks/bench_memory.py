@@ -417,18 +417,20 @@ def markdown(record):
         f"Command: `{record.get('command')}`",
         "",
     ]
-    head = ["dtype", "case", "peak GiB", "params GiB", "states GiB", "held between steps GiB", "B / param",
-            "step ms (p20-p80)", "kernels+memops / step", "adam kernels", "flatopt launches"]  # fmt: skip
+    held = any(r.get("bytes_per_param") is not None for r in record["results"])  # results before the column: none
+    head = ["dtype", "case", "peak GiB", "params GiB", "states GiB", "held between steps GiB",
+            *(["B / param"] if held else []), "step ms (p20-p80)", "kernels+memops / step", "adam kernels",
+            "flatopt launches"]  # fmt: skip
     rows = []
     for r in record["results"]:
         if r["status"] != "ok":
             rows.append([r["dtype"], r["case"], f"{r['status'].upper()}: {harness.first_line(r.get('reason'), 120)}"]
-                        + [""] * 8)  # fmt: skip
+                        + [""] * (len(head) - 3))  # fmt: skip
             continue
         launches = r["kernels"] + r["memops"] if r.get("kernels") is not None else None
         rows.append([r["dtype"], r["case"], _gib(r.get("peak_bytes")), _gib(r["params_bytes"]),
-                     _gib(r["states_bytes"]), _gib(r.get("held_bytes")), num(r.get("bytes_per_param"), ".3f"),
-                     harness.spread(r, spec=".1f"),
+                     _gib(r["states_bytes"]), _gib(r.get("held_bytes")),
+                     *([num(r.get("bytes_per_param"), ".3f")] if held else []), harness.spread(r, spec=".1f"),
                      num(launches, "d"), num(r.get("adam_kernels"), "d"),
                      num(r.get("flatopt_launches_per_step"), ".0f")])  # fmt: skip
     lines += harness.md_table(head, rows)
