@@ -269,7 +269,7 @@ def test_stochastic_rounding_rounds_the_float32_update_to_a_neighbour_reproducib
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stochastic_rounding_keeps_updates_far_below_an_ulp_on_average(backend):
-    """SGD with updates of 1/16 of a bfloat16 ulp: rounding to nearest never moves the parameters, stochastic
+    """SGD with updates of 1/8 of a bfloat16 ulp: rounding to nearest never moves the parameters, stochastic
     rounding moves them by the update on average."""
     n = 1 << 14
     start = 1.0
