@@ -135,7 +135,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if self.engine is not None:
             self.engine.sync_state()  # a pending edit of opt.state that cannot be honoured raises before the group
             if isinstance(param_group, dict):  # the storage options against the new parameters, before anything
-                self.precision.check_params(type(self).__name__, self.rule, [*self.param_groups, param_group])
+                group = {**self.defaults, **param_group}  # as torch.optim fills it in
+                self.precision.check_params(type(self).__name__, self.rule, [*self.param_groups, group])
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if len(group["params"]) != len(set(group["params"])):  # tied parameters appear once

@@ -136,6 +136,15 @@ def test_a_param_group_the_options_cannot_serve_is_refused_before_it_is_added():
     assert len(opt.param_groups) == 1 and len(flatopt.inspect(opt).buffers) == 1
 
 
+def test_a_param_group_with_the_defaults_is_added_to_an_sgd_with_a_state_dtype():
+    opt = flatopt.SGD(model(), lr=0.1, momentum=0.9, state_dtype=torch.float32)
+    extra = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    opt.add_param_group({"params": [extra]})  # momentum from the defaults
+    extra.grad = torch.ones_like(extra)
+    opt.step()
+    assert opt.state[extra]["momentum_buffer"].dtype == torch.float32
+
+
 def test_a_mixed_model_applies_a_master_copy_to_its_bfloat16_parameters_only():
     net = model()
     net[0].float()
