@@ -14,6 +14,11 @@ parameters (states in the parameter's dtype). Cases, each on a fresh model built
     flatopt                     flatopt.AdamW, step mode (flat gradient buffer)
     flatopt-in-backward         flatopt.AdamW(in_backward=True), default bucket_size (2**25 elements)
     flatopt-in-backward-small   flatopt.AdamW(in_backward=True, bucket_size=2**22)
+    flatopt-bf16-...            flatopt.AdamW in step mode in a storage mode (master_weights, stochastic_rounding,
+                                state_dtype; benchmarks/precision_modes.py), bf16 only: peak memory and bytes per
+                                parameter held (parameters, masters, states), against the issue's targets (fp32 12,
+                                bf16 + remainder + fp32 states 12, bf16 + stochastic rounding + bf16 states 6, with
+                                int8 states <= 4.2)
 
 Per case: peak memory (``torch.cuda.max_memory_allocated`` over the timed steps, reset after warm-up, which
 allocates the lazy optimizer states and compiles the kernels; the peak including warm-up is kept too), the
@@ -61,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flatopt
-from benchmarks import harness
+from benchmarks import harness, precision_modes
 from benchmarks.harness import num
 
 GIB = 2**30
@@ -140,6 +145,7 @@ class Case:
     note: str
     ours: bool = False
     bucket: str = None  # "default" or "small": flatopt in-backward
+    precision: str = None  # a storage mode of precision_modes.MODES (its parameters' dtype only)
 
 
 CASES = (
@@ -168,6 +174,16 @@ CASES = (
         ours=True,
         bucket="small",
     ),
+)
+CASES += tuple(
+    Case(
+        f"flatopt-{mode}",
+        f"flatopt.AdamW(model, {', '.join(f'{k}={v!r}' for k, v in kwargs.items())}), step mode ({dtype} only)",
+        ours=True,
+        precision=mode,
+    )
+    for mode, (dtype, kwargs) in precision_modes.MODES.items()
+    if kwargs
 )
 CASE_BY_NAME = {c.name: c for c in CASES}
 
@@ -209,7 +225,7 @@ def build(case, model, x, device, sizes):
             loss_of(model, x).backward()
 
         return step, [opts, hooks], lambda: harness.state_bytes(opts.values()), None
-    kwargs = {}
+    kwargs = dict(precision_modes.MODES[case.precision][1]) if case.precision else {}
     if case.bucket is not None:
         kwargs["in_backward"] = True
         if case.bucket == "small":
@@ -285,6 +301,10 @@ def run_case(case, dtype_name, sizes, device, args):
             launches = harness.in_backward_stats(opt)["launches"] - before["launches"]
             row["flatopt_launches_per_step"] = launches / args.warmup
         row["states_bytes"] = states() if states else 0
+        if opt is not None:  # parameters, masters and states the optimizer holds, per parameter (gradients apart)
+            row["bytes_per_param"] = precision_modes.held_bytes(opt) / sizes.numel
+            mode = case.precision or dtype_name
+            row["expected_bytes_per_param"] = precision_modes.held_bytes_per_element("adamw", mode)
         if cuda:
             row["warmup_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
             row["held_bytes"] = harness.allocated(device) - base
@@ -361,6 +381,13 @@ def derive(rows, dtypes):
                 frac = mine / theirs if mine is not None and theirs else None
                 what = f"{name} {label} / torch recipe's <= {TARGET_LAUNCH_FRACTION:g}"
                 targets.append(_target(what, dt, frac, TARGET_LAUNCH_FRACTION, "x", "needs profiler counts"))
+        for mode, limit in precision_modes.HELD_TARGETS.items():
+            name = "flatopt" if mode == dt else f"flatopt-{mode}"
+            r = idx.get((name, dt))
+            if r is None and precision_modes.MODES[mode][0] != dt:
+                continue
+            what = f"{name} bytes per parameter (parameters, masters, states) <= {limit:g}"
+            targets.append(_target(what, dt, r.get("bytes_per_param") if r else None, limit, "B"))
     return activations, targets
 
 
@@ -390,17 +417,20 @@ def markdown(record):
         f"Command: `{record.get('command')}`",
         "",
     ]
-    head = ["dtype", "case", "peak GiB", "params GiB", "states GiB", "held between steps GiB", "step ms (p20-p80)",
-            "kernels+memops / step", "adam kernels", "flatopt launches"]  # fmt: skip
+    held = any(r.get("bytes_per_param") is not None for r in record["results"])  # results before the column: none
+    head = ["dtype", "case", "peak GiB", "params GiB", "states GiB", "held between steps GiB",
+            *(["B / param"] if held else []), "step ms (p20-p80)", "kernels+memops / step", "adam kernels",
+            "flatopt launches"]  # fmt: skip
     rows = []
     for r in record["results"]:
         if r["status"] != "ok":
             rows.append([r["dtype"], r["case"], f"{r['status'].upper()}: {harness.first_line(r.get('reason'), 120)}"]
-                        + [""] * 7)  # fmt: skip
+                        + [""] * (len(head) - 3))  # fmt: skip
             continue
         launches = r["kernels"] + r["memops"] if r.get("kernels") is not None else None
         rows.append([r["dtype"], r["case"], _gib(r.get("peak_bytes")), _gib(r["params_bytes"]),
-                     _gib(r["states_bytes"]), _gib(r.get("held_bytes")), harness.spread(r, spec=".1f"),
+                     _gib(r["states_bytes"]), _gib(r.get("held_bytes")),
+                     *([num(r.get("bytes_per_param"), ".3f")] if held else []), harness.spread(r, spec=".1f"),
                      num(launches, "d"), num(r.get("adam_kernels"), "d"),
                      num(r.get("flatopt_launches_per_step"), ".0f")])  # fmt: skip
     lines += harness.md_table(head, rows)
@@ -485,6 +515,8 @@ def run(args, argv):
     for dt in args.dtypes:
         for name in args.cases:
             case = CASE_BY_NAME[name]
+            if case.precision is not None and precision_modes.MODES[case.precision][0] != dt:
+                continue  # a storage mode of another dtype's parameters
             if time.monotonic() - start > args.budget_s:
                 row = harness.budget_spent(dict(case=name, dtype=dt, ours=case.ours, seconds=0.0), args)
             else:

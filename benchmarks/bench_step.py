@@ -19,6 +19,9 @@ reads p, g, m, v and writes p, m, v: 28 B per element).
     flatopt            flatopt's opt.step() (replays its launches from an internal CUDA graph)  all three
     flatopt-launch     flatopt's opt.step() with use_step_graph=False: one Triton launch per buffer  all three
     flatopt-graph      flatopt's opt.step() captured once, replayed from a CUDA graph   all three
+    flatopt-bf16-...   flatopt's opt.step() in a storage mode (master_weights, stochastic_rounding, state_dtype;
+                       benchmarks/precision_modes.py), bf16 rows only, each against its own floor: the bytes
+                       that mode must read + write (AdamW bf16 + remainder + fp32 states: 26 B per element)
 
 ``loop``: what a training loop pays for the optimizer: ``opt.zero_grad()``, then the gradients landing, then
 ``opt.step()``. The landing is a real backward pass reduced to what every backward must do for the optimizer,
@@ -82,7 +85,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable (
 import torch
 
 import flatopt
-from benchmarks import harness
+from benchmarks import harness, precision_modes
 from benchmarks.harness import Skip, num
 
 OPTIMIZERS = ("adamw", "sgd", "lion")
@@ -196,9 +199,10 @@ def build_foreach_lion(groups, optimizer, ctx):
 FLATOPT = {"adamw": flatopt.AdamW, "sgd": flatopt.SGD, "lion": flatopt.Lion}
 
 
-def build_flatopt(groups, optimizer, ctx):
-    """flatopt over ``groups``, after its first step."""
-    opt = FLATOPT[optimizer](groups, **HPARAMS[optimizer], backend=ctx.backend)
+def build_flatopt(groups, optimizer, ctx, precision=None):
+    """flatopt over ``groups``, after its first step; ``precision``: a storage mode of precision_modes.MODES."""
+    kwargs = precision_modes.MODES[precision][1] if precision else {}
+    opt = FLATOPT[optimizer](groups, **HPARAMS[optimizer], backend=ctx.backend, **kwargs)
     with warnings.catch_warnings():
         # the gradients were set by hand, not by backward(): the first step's no-gradient warning does not apply
         warnings.filterwarnings("ignore", message=".*received no gradient.*")
@@ -217,6 +221,7 @@ class Impl:
     ours: bool = False
     host_variants: bool = False  # also time step() as a training loop calls it (see flatopt_host_variants)
     mode: str = "step"  # step: opt.step; launch: use_step_graph=False; graph: captured; keep: set_to_none=False
+    precision: str = None  # a storage mode (precision_modes.MODES): its parameters' dtype only, its own floor
 
 
 IMPLS = (
@@ -282,6 +287,19 @@ IMPLS = (
         ours=True,
         mode="graph",
     ),
+)
+IMPLS += tuple(
+    Impl(
+        f"flatopt-{mode}",
+        OPTIMIZERS,
+        functools.partial(build_flatopt, precision=mode),
+        f"flatopt opt.step() with {', '.join(f'{k}={v!r}' for k, v in kwargs.items())} ({dtype} parameters only); "
+        "floor: the bytes this mode must move (precision_modes.moved_bytes_per_element)",
+        ours=True,
+        precision=mode,
+    )
+    for mode, (dtype, kwargs) in precision_modes.MODES.items()
+    if kwargs
 )
 IMPL_BY_NAME = {i.name: i for i in IMPLS}
 # References, not implementations (not in IMPLS nor --impls): timed once per case.
@@ -355,7 +373,7 @@ def landing(params):
 
 # ------------------------------------------------------------------------------------------ one case
 def new_row(sset, dtype_name, optimizer, impl, variant="step", groups=1):
-    return dict(
+    row = dict(
         variant=variant,
         groups=groups,
         set=sset.name,
@@ -367,6 +385,9 @@ def new_row(sset, dtype_name, optimizer, impl, variant="step", groups=1):
         elements=sset.numel,
         status=None,
     )
+    if impl.precision is not None:
+        row["precision"] = impl.precision
+    return row
 
 
 def row_variant(row):
@@ -383,6 +404,8 @@ def add_derived(row, copy_gbps):
     loop = row_variant(row) == "loop"
     if row.get("impl") == GRADIENTS_ONLY.name:
         bpe = harness.element_size(row["dtype"])  # one write of every gradient
+    elif row.get("precision"):  # a storage mode: the bytes it must move
+        bpe = precision_modes.moved_bytes_per_element(row["optimizer"], row["precision"], grad_write=loop)
     else:
         bpe = harness.bytes_per_element(row["optimizer"], row["dtype"], grad_write=loop)
     row["bytes_per_element"] = bpe
@@ -403,7 +426,12 @@ def add_derived(row, copy_gbps):
 
 def with_same_bytes_copy(row, copy_row):
     """Attach the same-bytes copy's median to a row of its case (add_derived turns it into percentages)."""
-    if copy_row is not None and copy_row.get("status") == "ok" and row.get("impl") != GRADIENTS_ONLY.name:
+    if (
+        copy_row is not None
+        and copy_row.get("status") == "ok"
+        and row.get("impl") != GRADIENTS_ONLY.name
+        and not row.get("precision")  # the copy moves the default mode's bytes, not a storage mode's
+    ):
         row["same_bytes_copy_ms"] = copy_row["median_ms"]
     return row
 
@@ -427,6 +455,10 @@ def run_case(sset, dtype_name, optimizer, impl, ctx, settings, host, variant="st
     row = new_row(sset, dtype_name, optimizer, impl, variant, groups)
     if impl.needs_cuda and ctx.device.type != "cuda":
         row.update(status="skipped", reason="CUDA graphs need a CUDA device")
+        return row
+    if impl.precision is not None and precision_modes.MODES[impl.precision][0] != dtype_name:
+        row.update(status="skipped", reason=f"{impl.precision} is a mode of {precision_modes.MODES[impl.precision][0]} "
+                   "parameters")  # fmt: skip
         return row
 
     def body(row):

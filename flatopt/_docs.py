@@ -59,8 +59,19 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
         model (nn.Module, optional): the model whose covered layers write their gradients into
             the buffer when ``params`` are parameters or param groups (default: ``params`` when
             it is a module)
+        master_weights (str, optional): for bfloat16 parameters (``"fp32"``: also float16), keep
+            a float32 master copy (``"fp32"``) or the 16 bits bfloat16 drops from it
+            (``"remainder"``: parameter and remainder are the float32 master bit for bit); the
+            parameters are the master rounded to nearest. See docs/precision.md (default: None)
+        stochastic_rounding (bool, optional): round bfloat16 parameters stochastically from the
+            float32 update (no master copy), from a seeded stream saved in the state dict
+            (default: False)
+        state_dtype (torch.dtype or str, optional): the states' storage: None (the parameter's
+            dtype), ``torch.float32``, ``torch.bfloat16`` or ``"int8"`` (block-wise 8-bit, a
+            float32 scale per 64 elements; parameters under 4096 elements keep float32 states)
+            (default: None)
 
-        flatopt's own options (``flat`` to ``model``) are keyword-only; any other keyword raises
+        flatopt's own options (``flat`` to ``state_dtype``) are keyword-only; any other keyword raises
         TypeError."""
 
 # torch.optim's implementation options, taken at the values that change nothing for flatopt (see

@@ -39,7 +39,7 @@ class AdamW(FlatOptimizer):
 
 AdamW.__doc__ = rf"""Implements AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization"),
     with torch.optim.AdamW's arguments, defaults and numerics (math in float32, float64 for float64
-    parameters; states in the parameter's dtype)::
+    parameters; states in the parameter's dtype unless ``state_dtype`` says otherwise)::
 
         p   <- p * (1 - lr * weight_decay)
         m   <- beta1 * m + (1 - beta1) * g

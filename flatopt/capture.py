@@ -93,7 +93,7 @@ class Snapshot:
     def __init__(self, opt, scaler=None, module=None):
         self.pairs = []
         for buf in opt.engine.buffers:
-            self._keep(buf.data, buf.grad, *buf.states.values(), buf.meta.steps, buf.meta.counter)
+            self._keep(buf.data, buf.grad, *buf.states.values(), buf.master, buf.meta.steps, buf.meta.counter)
         if scaler is not None and getattr(scaler, "_scale", None) is not None:
             self._keep(scaler._scale, scaler._growth_tracker)
         if module is not None:

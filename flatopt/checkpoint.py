@@ -5,13 +5,25 @@ parameters are numbered across groups in order, a parameter has state once it ha
 AdamW's ``step`` is a float32 CPU tensor, SGD keeps only ``momentum_buffer`` (when momentum is
 on) and Lion only ``exp_avg``. State tensors are views of the flat buffers, live like
 torch.optim's own state tensors.
+
+With fewer bytes per parameter (:mod:`flatopt.precision`) the states are exported in the dtype they are
+stored in (float32 or bfloat16: torch.optim casts them to the parameters' dtype when it loads them), and a
+top-level ``"flatopt"`` entry, which torch.optim ignores, carries what torch.optim has no place for: the
+options, stochastic rounding's seed, the step counts, each parameter's master copy (float32) or remainder
+(int16), and 8-bit states' codes and scales (exported dequantized, as float32, in torch.optim's part), so that
+flatopt resumes exactly. Loading copies every state into the optimizer's own storage: a checkpoint
+never changes the dtype the states are kept in.
 """
 
 from copy import deepcopy
 
 import torch
 
+from flatopt.precision import SEED_BOUND
+from flatopt.quantize import ABSMAX, dequantize_param
 from flatopt.torch_compat import is_dtensor
+
+COMPACT_KEY = "flatopt"  # the state dict's entry for what torch.optim's format has no place for
 
 
 class CheckpointMixin:
@@ -56,7 +68,7 @@ class CheckpointMixin:
                 if steps[p] == 0 and not self.engine.exports_unstepped:
                     continue
                 entry = {
-                    n: self.engine.export_state(p, own[n])
+                    n: self.engine.export_state(p, self._exported(own, n, p))
                     for n in self._exported_names(gi, group)
                     if own.get(n) is not None
                 }
@@ -68,11 +80,107 @@ class CheckpointMixin:
             if not isinstance(k, torch.Tensor):
                 state[k] = v
         state_dict = {"state": state, "param_groups": groups}
+        if not self.precision.default:
+            state_dict[COMPACT_KEY] = self._compact_state(index)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             hook_result = post_hook(self, state_dict)
             if hook_result is not None:
                 state_dict = hook_result
         return state_dict
+
+    @staticmethod
+    def _exported(own, name, p):
+        """State ``name`` of ``own`` (a parameter's ``opt.state`` entry) as torch.optim keeps it: the view itself,
+        or, for 8-bit codes (``state_dtype="int8"``), their float32 values."""
+        scales = own.get(name + ABSMAX)
+        return own[name] if scales is None else dequantize_param(own[name], scales, p.shape, p.stride())
+
+    def _compact_state(self, index):
+        """The ``"flatopt"`` entry of a state dict: the storage options, stochastic rounding's seed and, by
+        parameter index, each parameter's master copy (float32) or remainder (int16), as live views."""
+        precision = self.precision
+        masters = self.engine.masters_by_param() if hasattr(self.engine, "masters_by_param") else {}
+        return {
+            "precision": {
+                "master_weights": precision.master_weights,
+                "stochastic_rounding": precision.stochastic_rounding,
+                "state_dtype": None if precision.state_dtype is None else str(precision.state_dtype),
+            },
+            "rounding_seed": self.rounding_seed,
+            "master": {index[p]: view for p, view in masters.items() if p in index},
+            "codes": {index[p]: views for p, views in self._codes().items() if p in index},
+            # stochastic rounding's stream advances with them, and torch.optim's SGD and Lion do not save them
+            "steps": {index[p]: s for p, s in self.engine.host_steps().items() if p in index},
+        }
+
+    def _codes(self):
+        """{parameter: {name: view}} of the 8-bit codes and scales of the parameters whose states have them."""
+        codes = {}
+        for p, own in self.state.items():
+            if isinstance(own, dict) and any(isinstance(k, str) and k.endswith(ABSMAX) for k in own):
+                names = [n for n in self.rule.state_names if n + ABSMAX in own]
+                codes[p] = {k: own[k] for n in names for k in (n, n + ABSMAX)}
+        return codes
+
+    def _parse_compact(self, compact, id_map):
+        """The master copies ({parameter: tensor}), the seed, the step counts ({parameter: count}) and the 8-bit
+        codes and scales ({parameter: {name: tensor}}) a state dict's ``"flatopt"`` entry gives this optimizer,
+        checked. Masters saved under another ``master_weights`` are not
+        taken (each parameter's master starts again from the parameter), nor a seed when this optimizer does not
+        round stochastically."""
+        if compact is None:
+            return {}, None, {}, {}
+        if not isinstance(compact, dict) or not isinstance(compact.get("master", {}), dict):
+            raise ValueError(
+                f"loaded state dict has a '{COMPACT_KEY}' entry of type {type(compact).__name__}; it is the dict "
+                "flatopt's state_dict() saves (master copies, seed), or absent"
+            )
+        saved = compact.get("precision") or {}
+        seed = compact.get("rounding_seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_BOUND):
+            raise ValueError(f"loaded state dict has rounding_seed {seed!r}; a seed is an int in [0, 2**31)")
+        steps = compact.get("steps", {})
+        if not isinstance(steps, dict) or not all(
+            k in id_map and self._is_step_count(s) and float(s) >= 0 for k, s in steps.items()
+        ):
+            raise ValueError(
+                f"loaded state dict has '{COMPACT_KEY}' step counts that are not a dict of parameter index -> count "
+                ">= 0"
+            )
+        masters = {}
+        if saved.get("master_weights") == self.precision.master_weights and self.precision.master_weights:
+            want = torch.int16 if self.precision.master_weights == "remainder" else torch.float32
+            for k, t in compact.get("master", {}).items():
+                p = id_map.get(k)
+                if p is None:
+                    raise ValueError(f"loaded state dict has a master copy for parameter {k}, which it does not have")
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape) or t.dtype != want:
+                    what = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(
+                        f"loaded state dict has a master copy for parameter {k} ({self.names(p)}) that is {what}; "
+                        f"master_weights={self.precision.master_weights!r} keeps {want} of shape {tuple(p.shape)}"
+                    )
+                masters[p] = t
+        steps = {id_map[k]: float(s) for k, s in steps.items()}
+        codes = {}
+        if saved.get("state_dtype") == "int8" == self.precision.state_dtype:
+            ours = self._codes()
+            for k, saved_codes in (compact.get("codes") or {}).items():
+                p = id_map.get(k)
+                want = ours.get(p)
+                if want is None or not isinstance(saved_codes, dict) or set(saved_codes) != set(want):
+                    raise ValueError(
+                        f"loaded state dict has 8-bit codes for parameter {k} that do not fit: this optimizer keeps "
+                        f"{sorted(want) if want else 'no codes'} for it; the state dict belongs to another model"
+                    )
+                for name, t in saved_codes.items():
+                    if not isinstance(t, torch.Tensor) or t.shape != want[name].shape or t.dtype != want[name].dtype:
+                        raise ValueError(
+                            f"loaded state dict has 8-bit '{name}' for parameter {k} ({self.names(p)}) that is not "
+                            f"{want[name].dtype} of shape {tuple(want[name].shape)}"
+                        )
+                codes[p] = saved_codes
+        return masters, seed if self.rounding_seed is not None else None, steps, codes
 
     def _parse_state(self, k, p, saved, group, saved_group):
         """Check one parameter's saved state against the parameter; returns (step, {name: tensor})."""
@@ -225,6 +333,13 @@ class CheckpointMixin:
                     f"loaded state dict has state for parameter {k}, but the optimizer has {len(id_map)} parameters"
                 )
             parsed[id_map[k]] = self._parse_state(k, id_map[k], saved, *group_of[k])
+        masters, seed, steps, codes = self._parse_compact(state_dict.get(COMPACT_KEY), id_map)
+        for k, p in id_map.items():  # the step counts torch.optim's format leaves out (SGD, Lion)
+            if p in steps and not self.rule.exported_step:
+                _, tensors = parsed.get(p, (0.0, {}))
+                group = {**group_of[k][0], **group_of[k][1]}
+                if tensors or not any(self.rule.uses_state(n, group) for n in self.rule.state_names):
+                    parsed[p] = (steps[p], tensors)
 
         # Checked: now change things.
         # flags torch.optim added after an optimizer's first release, missing from an older state dict: torch.optim
@@ -237,6 +352,14 @@ class CheckpointMixin:
             group.update({k: v for k, v in saved.items() if k != "params"})  # param_names too, as torch.optim
         self.hparams.invalidate()
         placed = self.engine.load(parsed)  # a new opt.state, holding the parameters it placed
+        if hasattr(self.engine, "load_masters"):
+            self.engine.load_masters(masters)
+        with torch.no_grad():  # the exact 8-bit codes over their quantized float values
+            for p, saved_codes in codes.items():
+                for name, t in saved_codes.items():
+                    self.state[p][name].copy_(t)
+        if seed is not None:
+            self.rounding_seed = seed
         for p, (step, tensors) in parsed.items():
             if p in placed or not tensors:  # no tensors: no state (saved as {}), as at the first step
                 continue

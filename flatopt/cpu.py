@@ -20,6 +20,10 @@ scratch buffers of one chunk, reused, that stay in the cache: each element is re
 once, as a fused kernel does. bfloat16 and float16 chunks are upcast into float32 scratch buffers, computed as the
 rule computes them, and rounded once when stored.
 
+Buffers stored with fewer bytes (a master buffer, stochastic rounding, states of another dtype than the parameters:
+see :mod:`flatopt.precision`) are stepped by the pure-torch reference (:mod:`flatopt.reference`), which computes
+them exactly as the kernels do: torch's fused CPU kernels take states of the parameters' dtype only.
+
 The arguments are those of the Triton launchers (:mod:`flatopt.kernels`) and of :mod:`flatopt.reference`; the math
 is the rule's (:mod:`flatopt.rules`), with the single roundings in a different order (an FMA where the reference
 rounds a product first): the results agree with the reference to the tests' tolerances, not bit for bit.
@@ -101,6 +105,17 @@ def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, f
     advance_steps(meta, ok)
 
 
+def _compact(param, states, precision):
+    """Whether a launch stores with fewer bytes (``precision``: the launchers' ``master``, ``rounding_seed`` and
+    ``rng_base``), which the reference steps (see the module docstring)."""
+    return (
+        precision.get("master") is not None
+        or precision.get("rounding_seed") is not None
+        or precision.get("scales") is not None
+        or any(t is not None and t.dtype != param.dtype for t in states)
+    )
+
+
 def _kernel_scale(grad, grad_scale):
     """The ``grad_scale`` a fused kernel reads (float32), or None after dividing ``grad`` by it here: the reference
     divides by it in the math's dtype, which float32 holds exactly but for a float64 scale of a float64 gradient."""
@@ -114,8 +129,11 @@ def _kernel_scale(grad, grad_scale):
 
 # ------------------------------------------------------------------------------------------------- AdamW
 def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None,
-               sources=None):  # fmt: skip
+               sources=None, **precision):  # fmt: skip
     """One AdamW step over flat buffers (``block_size``: the kernels', ignored here)."""
+    if _compact(param, (exp_avg, exp_avg_sq), precision):
+        return reference.adamw_step(param, grad, exp_avg, exp_avg_sq, hparams=hparams, meta=meta, grad_scale=grad_scale,
+                                    found_inf=found_inf, sources=sources, **precision)  # fmt: skip
 
     def piece(s, e, h, steps, scale):
         g = grad[s:e]
@@ -135,15 +153,19 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=No
 
 # --------------------------------------------------------------------------------------------------- SGD
 def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None,
-             sources=None):  # fmt: skip
+             sources=None, **precision):  # fmt: skip
     """One SGD step over flat buffers (``block_size``: the kernels', ignored here)."""
-    if fused_sgd_steps(param.dtype):
+    if _compact(param, (momentum_buffer,), precision):
+        kernel = None
+    elif fused_sgd_steps(param.dtype):
         kernel = _fused_sgd
     elif fused_sgd_steps(compute_dtype(param.dtype)):
         kernel = _sgd_chunked
     else:  # no torch kernel steps as the rule does, for the buffers nor for their math's dtype
+        kernel = None
+    if kernel is None:  # the reference, for compact storage too (see the module docstring)
         return reference.sgd_step(param, grad, momentum_buffer, hparams=hparams, meta=meta, grad_scale=grad_scale,
-                                  found_inf=found_inf, sources=sources)  # fmt: skip
+                                  found_inf=found_inf, sources=sources, **precision)  # fmt: skip
 
     def piece(s, e, h, steps, scale):
         # the rule leaves the buffer alone where a group has no momentum, or where no group has one (None)
@@ -206,8 +228,11 @@ def fused_sgd_steps(dtype):
 
 # -------------------------------------------------------------------------------------------------- Lion
 def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None,
-              sources=None):  # fmt: skip
+              sources=None, **precision):  # fmt: skip
     """One Lion step over flat buffers (``block_size``: the kernels', ignored here)."""
+    if _compact(param, (exp_avg,), precision):
+        return reference.lion_step(param, grad, exp_avg, hparams=hparams, meta=meta, grad_scale=grad_scale,
+                                   found_inf=found_inf, sources=sources, **precision)  # fmt: skip
 
     def piece(s, e, h, steps, scale):
         _lion_chunked(param[s:e], grad[s:e], exp_avg[s:e], h, scale)

@@ -88,9 +88,11 @@ class FlatBuffer:
             take, when it is not the parameter itself (FSDP2's local shard of a DTensor parameter).
         room (list[int], optional): the elements reserved for each parameter, at least its own (FSDP2's padded
             shard); the elements past its own are padding. Default: its own.
+        precision (flatopt.precision.BufferPrecision, optional): the states' dtype (None: the parameters')
+            and the master buffer (``master``: float32 master copy, or int16 remainders; None without one).
     """
 
-    def __init__(self, params, groups, state_names=(), grad=True, like=None, room=None):
+    def __init__(self, params, groups, state_names=(), grad=True, like=None, room=None, precision=None):
         if not params:
             raise ValueError("a FlatBuffer needs at least one parameter")
         self.params = list(params)
@@ -113,6 +115,11 @@ class FlatBuffer:
         self.numel = max(start, ALIGN)
         self.group_ids = list(groups)
         self.group_set = frozenset(self.group_ids)
+        self.ordinal = 0  # the buffer's place among its optimizer's (stochastic rounding mixes it into the seed)
+        self.state_dtype = self.dtype if precision is None else precision.state_dtype
+        self.stochastic = precision is not None and precision.stochastic
+        self.unsigned = () if precision is None else precision.unsigned
+        master = None if precision is None else precision.master_dtype
 
         self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self.grad = torch.zeros_like(self.data) if grad else None
@@ -131,12 +138,33 @@ class FlatBuffer:
         )
         self.data_views = [self.view(self.data, i) for i in range(len(self.params))]
         self.grad_views = [self.view(self.grad, i) for i in range(len(self.params))] if grad else None
+        # the master copy (float32) or the low bits the parameters drop (int16), set from the parameters at adopt()
+        self.master = None if master is None else torch.zeros(self.numel, dtype=master, device=self.device)
+        self.master_views = None if master is None else [self.view(self.master, i) for i in range(len(self.params))]
         for name in state_names:
             self.add_state(name)
 
+    @property
+    def quantized(self):
+        """Whether the states are stored block-wise in 8 bits (see :mod:`flatopt.quantize`)."""
+        return self.state_dtype == "int8"
+
     def add_state(self, name):
-        """Allocate a zeroed flat state buffer and its per-parameter views."""
-        self.states[name] = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        """Allocate a zeroed flat state buffer and its per-parameter views. 8-bit states (``state_dtype="int8"``)
+        have codes (int8, or uint8 for the ``unsigned`` ones) under ``name`` and one float32 scale per block
+        under ``name + ABSMAX``, whose views are each parameter's blocks."""
+        from flatopt.quantize import ABSMAX, QBLOCK, code_dtype  # quantize reads ALIGN from here
+
+        dtype = self.state_dtype
+        if self.quantized:
+            dtype = code_dtype(name not in self.unsigned)
+            scales = torch.zeros(self.numel // QBLOCK, dtype=torch.float32, device=self.device)
+            self.states[name + ABSMAX] = scales
+            self.state_views[name + ABSMAX] = [
+                scales[s // QBLOCK : align_up(s + p.numel(), QBLOCK) // QBLOCK]
+                for s, p in zip(self.starts, self.params)
+            ]
+        self.states[name] = torch.zeros(self.numel, dtype=dtype, device=self.device)
         self.state_views[name] = [self.view(self.states[name], i) for i in range(len(self.params))]
 
     def padding(self, flat):
@@ -161,9 +189,12 @@ class FlatBuffer:
         ``p.data`` (and ``p.grad``, when there is a gradient buffer) to the views."""
         grad_views = self.grad_views or [None] * len(self.params)
         with torch.no_grad():
-            for p, dv, gv in zip(self.params, self.data_views, grad_views):
+            for p, dv in zip(self.params, self.data_views):
                 dv.copy_(p.data)
                 p.data = dv
+            if self.master is not None and self.master.dtype == torch.float32:
+                self.master.copy_(self.data)  # the remainders stay zero: the parameters are their master's top half
+            for p, gv in zip(self.params, grad_views):
                 if gv is not None:
                     if p.grad is not None:
                         gv.copy_(p.grad)

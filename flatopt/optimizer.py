@@ -22,6 +22,7 @@ from flatopt.hparams import HParamTable
 from flatopt.layout import SUPPORTED_DTYPES, is_dense
 from flatopt.naming import Names
 from flatopt.options import FlatOptions
+from flatopt.precision import draw_seed
 from flatopt.torch_compat import hooked_step, is_dtensor, own_dispatch
 
 
@@ -62,6 +63,15 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         # in-backward hooks step each rank's own gradient, except under FSDP2, whose hooks run after its reduce-scatter
         if self.options.in_backward and not any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
             check_single_process(cls, self.options.allow_several_ranks)
+        self.precision = self.options.precision  # how parameters and states are stored (see flatopt.precision)
+        self.precision.check_params(cls, self.rule, self.param_groups)
+        if not self.precision.default and any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            raise ValueError(
+                f"{cls}: master_weights, stochastic_rounding and state_dtype are not supported on FSDP2 (DTensor) "
+                "parameters yet; leave them at their defaults with a fully_shard model"
+            )
+        # stochastic rounding's seed, from torch's default generator (state_dict() saves it)
+        self.rounding_seed = draw_seed() if self.precision.stochastic_rounding else None
         # the model whose covered layers write their gradients into the flat buffer (see flatopt.landing)
         self.model = weakref.ref(model) if model is not None else self.module
         self.backend = self._choose_backend(self.options.backend)
@@ -130,6 +140,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self.rule.check({**self.defaults, **param_group})
         if self.engine is not None:
             self.engine.sync_state()  # a pending edit of opt.state that cannot be honoured raises before the group
+            if isinstance(param_group, dict):  # the storage options against the new parameters, before anything
+                group = {**self.defaults, **param_group}  # as torch.optim fills it in
+                self.precision.check_params(type(self).__name__, self.rule, [*self.param_groups, group])
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if len(group["params"]) != len(set(group["params"])):  # tied parameters appear once

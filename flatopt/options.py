@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from flatopt import precision as precision_options
+
 DEFAULT_BUCKET_SIZE = 2**25  # elements: 128 MiB of float32 staging gradient in in-backward mode
 NORM_TYPES = (1.0, 2.0, math.inf)  # the norms in-backward clipping (max_grad_norm) takes
 
@@ -99,6 +101,8 @@ class FlatOptions:
         max_grad_norm: in in-backward mode, clip the gradients by their global norm in backward (see
             :mod:`flatopt.engines.backward_clip`); None: no clipping.
         norm_type: the norm of ``max_grad_norm``: 1.0, 2.0 or inf.
+        master_weights, stochastic_rounding, state_dtype: how parameters and states are stored (see
+            :mod:`flatopt.precision`); :attr:`precision` holds the three.
     """
 
     flat: bool = True
@@ -112,6 +116,14 @@ class FlatOptions:
     accumulation_steps: int = 1
     max_grad_norm: float | None = None
     norm_type: float = 2.0
+    master_weights: str | None = None
+    stochastic_rounding: bool = False
+    state_dtype: object = None
+
+    @property
+    def precision(self):
+        """The storage options as one :class:`flatopt.precision.Precision`."""
+        return precision_options.Precision(self.master_weights, self.stochastic_rounding, self.state_dtype)
 
     @classmethod
     def parse(cls, cls_name, kwargs):
@@ -150,6 +162,7 @@ class FlatOptions:
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"Invalid bucket_size: {bucket_size!r}; expected a positive number of elements")
         accumulation_steps, max_grad_norm, norm_type = _backward_options(cls_name, kwargs, in_backward)
+        precision = precision_options.parse(cls_name, kwargs, flat)
         return cls(
             flat=flat,
             backend=kwargs.get("backend"),
@@ -162,6 +175,9 @@ class FlatOptions:
             accumulation_steps=accumulation_steps,
             max_grad_norm=max_grad_norm,
             norm_type=norm_type,
+            master_weights=precision.master_weights,
+            stochastic_rounding=precision.stochastic_rounding,
+            state_dtype=precision.state_dtype,
         )
 
 

@@ -11,6 +11,8 @@ same arguments as the Triton launchers in ``flatopt.kernels``.
 import torch
 
 from flatopt.layout import ALIGN, compute_dtype
+from flatopt.precision import check_master, load_param, store_param
+from flatopt.quantize import QBLOCK, dequantize, quantize
 from flatopt.rules import ADAMW, LION, SGD
 
 adamw_math, sgd_math, lion_math = ADAMW.math, SGD.math, LION.math
@@ -77,7 +79,10 @@ def _run(meta, hparams, numel, found_inf, update, dtype):
     for start, end, h, steps, active in _pieces(meta, hparams, numel):
         keep = active if ok is None else (ok if active is None else active & ok)
         for dst, new in update(start, end, h, steps):
-            dst.copy_(new if keep is None else torch.where(keep, new, dst.to(dtype)))
+            rows = keep
+            if keep is not None and keep.dim() and keep.numel() != new.numel():  # a scale per QBLOCK elements
+                rows = keep.reshape(-1, QBLOCK)[:, 0]
+            dst.copy_(new if rows is None else torch.where(rows, new, dst.to(new.dtype)))
     advance_steps(meta, ok)
 
 
@@ -114,20 +119,43 @@ def _unscale(grad, grad_scale, dtype):
     return g, [(grad, g)]
 
 
-def step(rule, param, grad, states, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None):
+def step(
+    rule, param, grad, states, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None, sources=None,
+    master=None, rounding_seed=None, rng_base=0, scales=None,
+):  # fmt: skip
     """One step of ``rule`` (a :class:`flatopt.rules.Rule`) over the flat ``param``, ``grad`` and ``states`` (in
     ``rule.state_names`` order; None for a state no group uses), with flatopt.kernels.common.launch's
     arguments (``block_size`` is the kernels' and changes nothing here). The math runs in
-    ``compute_dtype(param.dtype)``, the dtype of ``hparams``."""
+    ``compute_dtype(param.dtype)``, the dtype of ``hparams``; the states may have another dtype (they are
+    upcast, and rounded to nearest when stored). ``master``, ``rounding_seed``, ``rng_base``: see
+    :mod:`flatopt.precision` (the master buffer, float32 or int16; stochastic rounding's seed, and the index in
+    the whole flat buffer of ``param``'s first element); ``scales``: for 8-bit states, their scales (see
+    :mod:`flatopt.quantize`), one per state in ``states``' order."""
     rule.check_table(hparams, param.dtype)
+    check_master(param, master, rounding_seed)
     gather(grad, sources, meta)
     dtype = compute_dtype(param.dtype)
 
     def update(s, e, h, steps):
         g, store_grad = _unscale(grad[s:e], grad_scale, dtype)
         old = [None if x is None else x[s:e].to(dtype) for x in states]
-        p, *new = rule.math(param[s:e].to(dtype), g, *old, steps=steps, **rule.named(h))
-        return [(param[s:e], p), *((x[s:e], v) for x, v in zip(states, new) if x is not None), *store_grad]
+        if scales is not None:
+            old = [None if x is None else dequantize(x[s:e], a[s // QBLOCK : e // QBLOCK], x.dtype == torch.int8)
+                   for x, a in zip(states, scales)]  # fmt: skip
+        w = None if master is None else master[s:e]
+        x = param[s:e].to(dtype) if w is None else load_param(param[s:e], w)
+        p, *new = rule.math(x, g, *old, steps=steps, **rule.named(h))
+        index = None
+        if rounding_seed is not None:
+            index = torch.arange(s + rng_base, e + rng_base, dtype=torch.int64, device=param.device)
+        stored = store_param(param[s:e], w, p, rounding_seed, index, steps)
+        if scales is not None:
+            for x, a, v in zip(states, scales, new):
+                if x is not None:
+                    q, absmax = quantize(v, x.dtype == torch.int8)
+                    stored += [(x[s:e], q), (a[s // QBLOCK : e // QBLOCK], absmax)]
+            return [*stored, *store_grad]
+        return [*stored, *((x[s:e], v) for x, v in zip(states, new) if x is not None), *store_grad]
 
     _run(meta, hparams, param.numel(), found_inf, update, dtype)
 

@@ -151,16 +151,17 @@ class OptimizerState(defaultdict):
 # ---------------------------------------------------------------------------------------------- checks
 
 
-def check_state_tensor(cls, name, key, t, p):
+def check_state_tensor(cls, name, key, t, p, dtype=None):
     """Raise ValueError unless ``t`` can stand as the state ``key`` of parameter ``p`` (named ``name``): a dense
-    tensor with ``p``'s shape, dtype and device, whose values the flat buffer can take. Nothing is changed."""
+    tensor with ``p``'s shape, dtype (or ``dtype``, the states' storage dtype) and device, whose values the flat
+    buffer can take. Nothing is changed."""
     where = f"opt.state[{name}][{key!r}]"
     if not isinstance(t, torch.Tensor):
         raise ValueError(
             f"{cls}: {where} is a {type(t).__name__}; it must be a tensor like the parameter, "
             "torch.zeros_like(p) to start it again, or delete the parameter's whole state to restart it"
         )
-    if t.layout != torch.strided or t.is_meta or tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+    if t.layout != torch.strided or t.is_meta or tuple(t.shape) != tuple(p.shape) or t.dtype not in (p.dtype, dtype):
         what = "a tensor"
         if t.is_meta:
             what = "a tensor on the meta device"

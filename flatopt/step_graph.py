@@ -60,6 +60,7 @@ class StepGraph:
                 buf.data.data_ptr(),
                 buf.grad.data_ptr(),
                 tuple((name, t.data_ptr()) for name, t in buf.states.items()),
+                None if buf.master is None else buf.master.data_ptr(),
                 buf.meta.steps.data_ptr(),
                 None if buf.meta.active is None else buf.meta.active.data_ptr(),
                 buf.meta.uniform,

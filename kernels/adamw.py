@@ -11,6 +11,7 @@ import triton.language as tl
 from flatopt.rules import ADAMW
 
 from .common import begin_step, column, finish_step, launch, load_grad, one_minus_pow
+from .storage import load_param, load_state, store_param, store_state
 
 # The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.ADAMW puts them.
 LR = column(ADAMW, "lr")
@@ -31,18 +32,20 @@ def adamw_kernel(
     g_ptr,  # gradients (unscaled in place when HAS_GRAD_SCALE, as torch's fused kernel does)
     m_ptr,  # exp_avg
     v_ptr,  # exp_avg_sq
+    m_scale_ptr,  # its scales (8-bit codes, QUANT), or None
+    v_scale_ptr,  # its scales (8-bit codes, QUANT), or None
     # then the arguments launch() passes every kernel, in its order (common.py's docstring says what each is)
     hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr, found_inf_ptr, counter_ptr,
-    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi,
+    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi, w_ptr, seed, rng_base,
     NUM_HP: tl.constexpr, GRANULE: tl.constexpr, UNIFORM: tl.constexpr, HAS_ACTIVE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP_BLOCK: tl.constexpr,
-    GATHER: tl.constexpr,
+    GATHER: tl.constexpr, MASTER: tl.constexpr, STOCHASTIC: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     COMPUTE = hp_ptr.dtype.element_ty  # the math's dtype, the table's: see common.py
     offsets, row, steps, active, inv_scale, skipped = begin_step(
         n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
         found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
-        GATHER, COMPUTE,
+        GATHER, COMPUTE, QUANT,
     )  # fmt: skip
     lr = tl.load(row + LR)
     omb1 = tl.load(row + ONE_MINUS_BETA1)
@@ -54,13 +57,13 @@ def adamw_kernel(
     weight_decay = tl.load(row + WEIGHT_DECAY)
     grad_sign = tl.load(row + GRAD_SIGN)
 
-    p = tl.load(p_ptr + offsets, mask=active).to(COMPUTE)
+    p = load_param(p_ptr, w_ptr, offsets, active, MASTER, COMPUTE)
     g = load_grad(
         g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr,
         n_elements, GRANULE, BLOCK_SIZE, COMPUTE,
     )  # fmt: skip
-    m = tl.load(m_ptr + offsets, mask=active).to(COMPUTE)
-    v = tl.load(v_ptr + offsets, mask=active).to(COMPUTE)
+    m = load_state(m_ptr, m_scale_ptr, offsets, active, GRANULE, QUANT, COMPUTE)
+    v = load_state(v_ptr, v_scale_ptr, offsets, active, GRANULE, QUANT, COMPUTE)
     g = g * grad_sign
 
     t = steps + 1.0
@@ -72,9 +75,9 @@ def adamw_kernel(
     denom = tl.sqrt(v) / bias_correction2_sqrt + eps
     p = p + (-step_size) * (m / denom)
 
-    tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
-    tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=active)
-    tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=active)
+    store_param(p_ptr, w_ptr, offsets, p, active, steps, seed, rng_base, MASTER, STOCHASTIC)
+    store_state(m_ptr, m_scale_ptr, offsets, m, active, GRANULE, QUANT)
+    store_state(v_ptr, v_scale_ptr, offsets, v, active, GRANULE, QUANT)
     finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)
 
 

@@ -24,8 +24,15 @@ states) every kernel takes the same arguments, which :func:`launch` passes, in t
   ``param_of_granule`` holds absolute parameter indices, so a launch over a slice of the buffer
   (in-backward mode steps one bucket of consecutive parameters at a time) passes the slice of
   ``param_of_granule`` and the whole ``param_group``/``steps``/``active`` tables.
+* ``w_ptr``, ``seed``, ``rng_base`` (see :mod:`flatopt.precision`): the master buffer (``MASTER`` 1: float32
+  master copy; 2: int16 remainders; 0: None), stochastic rounding's seed (read when ``STOCHASTIC``) and the
+  index of the launch's first element in its whole flat buffer (the random bits' counter). See
+  load_param and store_param.
 * the compile-time ``NUM_HP``, ``GRANULE``, ``UNIFORM``, ``HAS_ACTIVE``, ``HAS_GRAD_SCALE``,
-  ``HAS_FOUND_INF``, ``BLOCK_SIZE``, ``STEP_BLOCK`` and ``GATHER``, passed by name.
+  ``HAS_FOUND_INF``, ``BLOCK_SIZE``, ``STEP_BLOCK``, ``GATHER``, ``MASTER`` and ``STOCHASTIC``, passed by name.
+
+The states may have another float dtype than the parameters (``state_dtype``): each kernel loads them
+``.to(COMPUTE)`` and stores them ``.to(their dtype)``, rounded to nearest even.
 
 The update math runs in the dtype of the hyper-parameter table, ``COMPUTE = hp_ptr.dtype.element_ty`` in
 each kernel: :func:`launch` checks that it is float64 for float64 buffers and float32 for float32, bfloat16
@@ -36,10 +43,14 @@ to their dtype when stored. So the rows need no conversion, and each buffer dtyp
 per program instead of per element.
 """
 
+import torch
 import triton
 import triton.language as tl
 
+from flatopt import precision
 from flatopt.layout import ALIGN as GRANULE  # elements per param_of_granule entry: parameter starts align to it
+
+from .storage import check_scales
 
 # Elements of each buffer per program, whatever the dtype: 16 KiB of float32, 8 KiB of bfloat16/float16
 # (32 KiB of float64).
@@ -136,17 +147,20 @@ def begin_step(
     BLOCK_SIZE: tl.constexpr,
     GATHER: tl.constexpr,
     COMPUTE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """What every kernel starts with. Returns this program's element offsets, the pointer to each
     element's row of the hyper-parameter table, its completed steps, where the step applies
     (``active``: in bounds, parameter active, no inf found), the inverse grad scale and whether
     found_inf skips the step. With GATHER (non-zero: the gradients are gathered, in loads of GATHER
-    elements; see gather_grad) the offsets are a [BLOCK_SIZE // GRANULE, GRANULE] block, one granule
-    per row; the kernels' elementwise code is the same for both."""
+    elements; see gather_grad) or QUANT (8-bit states, a scale per granule: see store_state) the offsets are a
+    [BLOCK_SIZE // GRANULE, GRANULE] block, one granule per row; the kernels' elementwise code is the same
+    for both."""
     pid = tl.program_id(0).to(tl.int64)
     if GATHER:
-        granules = pid * (BLOCK_SIZE // GRANULE) + tl.arange(0, BLOCK_SIZE // GRANULE)
-        offsets = granules[:, None] * GRANULE + tl.arange(0, GRANULE)[None, :]
+        offsets = granule_rows(pid, BLOCK_SIZE, GRANULE)
+    elif QUANT:
+        offsets = granule_rows(pid, BLOCK_SIZE, GRANULE)
     else:
         offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n_elements
@@ -159,6 +173,13 @@ def begin_step(
         active = drop_if_skipped(active, offsets, skipped)
     row = hp_ptr + group * NUM_HP  # always in bounds: masked lanes read group 0
     return offsets, row, steps, active, inv_scale, skipped
+
+
+@triton.jit
+def granule_rows(pid, BLOCK_SIZE: tl.constexpr, GRANULE: tl.constexpr):
+    """Program ``pid``'s element offsets as a [BLOCK_SIZE // GRANULE, GRANULE] block, one granule per row."""
+    granules = pid * (BLOCK_SIZE // GRANULE) + tl.arange(0, BLOCK_SIZE // GRANULE)
+    return granules[:, None] * GRANULE + tl.arange(0, GRANULE)[None, :]
 
 
 @triton.jit
@@ -298,16 +319,17 @@ def launch_meta(n_elements, block_size=None):
     return grid, dict(BLOCK_SIZE=block, STEP_BLOCK=STEP_BLOCK, GRANULE=GRANULE, num_warps=NUM_WARPS)
 
 
-def check_flat(meta, *tensors):
-    """The launchers' argument checks: 1-D, contiguous, one device, equal lengths, and a length that
-    is a multiple of GRANULE when the kernel looks parameters up by granule (``meta.uniform`` is
-    False). A UNIFORM launch reads no ``param_of_granule`` and masks by ``n_elements``, so it takes
-    any length (``flat=False`` steps each parameter's own tensor that way)."""
+def check_flat(meta, *tensors, states=()):
+    """The launchers' argument checks: 1-D, contiguous, one device, equal lengths, one dtype (``states`` may have
+    another float dtype), and a length that is a multiple of GRANULE when the kernel looks parameters up by granule
+    (``meta.uniform`` is False). A UNIFORM launch reads no ``param_of_granule`` and masks by ``n_elements``, so it
+    takes any length (``flat=False`` steps each parameter's own tensor that way)."""
     first = tensors[0]
-    for t in tensors:
+    for t in (*tensors, *states):
         if t.dim() != 1 or not t.is_contiguous():
             raise ValueError(f"flat buffers must be 1-D and contiguous, got shape {tuple(t.shape)}")
-        if t.device != first.device or t.numel() != first.numel() or t.dtype != first.dtype:
+        own_dtype = t.dtype if any(t is s for s in states) else first.dtype  # states: a float dtype, or codes
+        if t.device != first.device or t.numel() != first.numel() or t.dtype != own_dtype:
             raise ValueError(
                 "flat buffers must share device, dtype and length: "
                 f"{first.device}/{first.dtype}/{first.numel()} vs {t.device}/{t.dtype}/{t.numel()}"
@@ -318,7 +340,7 @@ def check_flat(meta, *tensors):
 
 def launch(
     kernel, rule, buffers, constexprs=None, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None,
-    sources=None,
+    sources=None, master=None, rounding_seed=None, rng_base=0, scales=None,
 ):  # fmt: skip
     """Check and launch ``kernel``, the kernel of ``rule`` (a :class:`flatopt.rules.Rule`), over the flat
     ``buffers``: parameter, gradient, then the rule's states (None for a state no param group uses).
@@ -331,23 +353,34 @@ def launch(
     * ``block_size``: elements per program (None: BLOCK_SIZE).
     * ``sources``: a :class:`flatopt.layout.GradSources`, to read each parameter's gradient from where it
       lies instead (GATHER; see gather_grad), storing it into the flat gradient buffer.
+    * ``master``, ``rounding_seed``, ``rng_base``: the master buffer (float32 or int16), stochastic rounding's
+      seed (None: round to nearest) and the launch's first element's index in its whole flat buffer (see
+      :mod:`flatopt.precision`).
+    * ``scales``: for 8-bit states (int8 or uint8 codes), one float32 scale buffer per state, a scale per GRANULE
+      elements (:mod:`flatopt.quantize`); None for float states.
     """
     param = buffers[0]
     rule.check_table(hparams, param.dtype)
-    check_flat(meta, *(b for b in buffers if b is not None))
+    check_flat(meta, *buffers[:2], states=[b for b in buffers[2:] if b is not None])
+    precision.check_master(param, master, rounding_seed)
+    states = buffers[2:]
+    check_scales(states, scales, param.numel(), GRANULE)
     if sources is not None:
         sources.check(meta, buffers[1])
         if (block_size or BLOCK_SIZE) % GRANULE:
             raise ValueError(f"a launch that gathers its gradients needs a block size that is a multiple of {GRANULE}")
     grid, opts = launch_meta(param.numel(), block_size)
     kernel[grid](
-        *buffers, hparams,
+        *buffers, *(scales if scales is not None else [None] * len(states)), hparams,
         meta.param_of_granule, meta.param_group, meta.steps, meta.active,
         grad_scale, found_inf, meta.counter,
         *((sources.src, sources.start, sources.numel) if sources is not None else (None, None, None)),
         param.numel(), meta.first, meta.stop,
+        master, 0 if rounding_seed is None else rounding_seed, rng_base,
         NUM_HP=rule.num_hparams, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
         HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         GATHER=0 if sources is None else sources.vec,
+        MASTER=0 if master is None else 1 if master.dtype == torch.float32 else 2,
+        STOCHASTIC=rounding_seed is not None, QUANT=scales is not None,
         **(constexprs or {}), **opts,
     )  # fmt: skip

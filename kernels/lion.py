@@ -9,6 +9,7 @@ import triton.language as tl
 from flatopt.rules import LION
 
 from .common import begin_step, column, finish_step, launch, load_grad
+from .storage import load_param, load_state, store_param, store_state
 
 # The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.LION puts them.
 LR = column(LION, "lr")
@@ -25,18 +26,19 @@ def lion_kernel(
     p_ptr,  # parameters, updated in place
     g_ptr,  # gradients (unscaled in place when HAS_GRAD_SCALE)
     m_ptr,  # exp_avg
+    m_scale_ptr,  # its scales (8-bit codes, QUANT), or None
     # then the arguments launch() passes every kernel, in its order (common.py's docstring says what each is)
     hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr, found_inf_ptr, counter_ptr,
-    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi,
+    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi, w_ptr, seed, rng_base,
     NUM_HP: tl.constexpr, GRANULE: tl.constexpr, UNIFORM: tl.constexpr, HAS_ACTIVE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP_BLOCK: tl.constexpr,
-    GATHER: tl.constexpr,
+    GATHER: tl.constexpr, MASTER: tl.constexpr, STOCHASTIC: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     COMPUTE = hp_ptr.dtype.element_ty  # the math's dtype, the table's: see common.py
     offsets, row, steps, active, inv_scale, skipped = begin_step(
         n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
         found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
-        GATHER, COMPUTE,
+        GATHER, COMPUTE, QUANT,
     )  # fmt: skip
     lr = tl.load(row + LR)
     beta1 = tl.load(row + BETA1)
@@ -45,12 +47,12 @@ def lion_kernel(
     omb2 = tl.load(row + ONE_MINUS_BETA2)
     weight_decay = tl.load(row + WEIGHT_DECAY)
 
-    p = tl.load(p_ptr + offsets, mask=active).to(COMPUTE)
+    p = load_param(p_ptr, w_ptr, offsets, active, MASTER, COMPUTE)
     g = load_grad(
         g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr,
         n_elements, GRANULE, BLOCK_SIZE, COMPUTE,
     )  # fmt: skip
-    m = tl.load(m_ptr + offsets, mask=active).to(COMPUTE)
+    m = load_state(m_ptr, m_scale_ptr, offsets, active, GRANULE, QUANT, COMPUTE)
 
     p = p * (1.0 - lr * weight_decay)
     c = m * beta1 + omb1 * g
@@ -58,8 +60,8 @@ def lion_kernel(
     p = p + (-lr) * sign
     m = m * beta2 + omb2 * g
 
-    tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
-    tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=active)
+    store_param(p_ptr, w_ptr, offsets, p, active, steps, seed, rng_base, MASTER, STOCHASTIC)
+    store_state(m_ptr, m_scale_ptr, offsets, m, active, GRANULE, QUANT)
     finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)
 
 

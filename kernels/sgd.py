@@ -11,6 +11,7 @@ import triton.language as tl
 from flatopt.rules import SGD
 
 from .common import as_block, begin_step, column, finish_step, launch, load_grad
+from .storage import load_param, load_state, store_param, store_state
 
 # The columns of the hyper-parameter table that the kernel reads, where flatopt.rules.SGD puts them.
 LR = column(SGD, "lr")
@@ -27,25 +28,26 @@ def sgd_kernel(
     p_ptr,  # parameters, updated in place
     g_ptr,  # gradients (unscaled in place when HAS_GRAD_SCALE)
     buf_ptr,  # momentum_buffer, or None when no group uses momentum
+    buf_scale_ptr,  # its scales (8-bit codes, QUANT), or None
     # then the arguments launch() passes every kernel, in its order (common.py's docstring says what each is)
     hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr, found_inf_ptr, counter_ptr,
-    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi,
+    src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi, w_ptr, seed, rng_base,
     NUM_HP: tl.constexpr, GRANULE: tl.constexpr, UNIFORM: tl.constexpr, HAS_ACTIVE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP_BLOCK: tl.constexpr,
-    GATHER: tl.constexpr,
+    GATHER: tl.constexpr, MASTER: tl.constexpr, STOCHASTIC: tl.constexpr, QUANT: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr,  # buf_ptr is a buffer (not None)
 ):  # fmt: skip
     COMPUTE = hp_ptr.dtype.element_ty  # the math's dtype, the table's: see common.py
     offsets, row, steps, active, inv_scale, skipped = begin_step(
         n_elements, hp_ptr, param_of_granule_ptr, param_group_ptr, step_ptr, active_ptr, grad_scale_ptr,
         found_inf_ptr, param_lo, NUM_HP, GRANULE, UNIFORM, HAS_ACTIVE, HAS_GRAD_SCALE, HAS_FOUND_INF, BLOCK_SIZE,
-        GATHER, COMPUTE,
+        GATHER, COMPUTE, QUANT,
     )  # fmt: skip
     lr = tl.load(row + LR)
     weight_decay = tl.load(row + WEIGHT_DECAY)
     grad_sign = tl.load(row + GRAD_SIGN)
 
-    p = tl.load(p_ptr + offsets, mask=active).to(COMPUTE)
+    p = load_param(p_ptr, w_ptr, offsets, active, MASTER, COMPUTE)
     g = load_grad(
         g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr,
         n_elements, GRANULE, BLOCK_SIZE, COMPUTE,
@@ -56,14 +58,14 @@ def sgd_kernel(
         one_minus_dampening = tl.load(row + ONE_MINUS_DAMPENING)
         nesterov = tl.load(row + NESTEROV)
         uses_buf = active & (as_block(momentum, offsets) != 0.0)
-        buf = tl.load(buf_ptr + offsets, mask=uses_buf).to(COMPUTE)
+        buf = load_state(buf_ptr, buf_scale_ptr, offsets, uses_buf, GRANULE, QUANT, COMPUTE)
         buf = tl.where(steps == 0.0, d, buf * momentum + one_minus_dampening * d)
-        tl.store(buf_ptr + offsets, buf.to(buf_ptr.dtype.element_ty), mask=uses_buf)
+        store_state(buf_ptr, buf_scale_ptr, offsets, buf, uses_buf, GRANULE, QUANT)
         d_momentum = tl.where(nesterov != 0.0, d + momentum * buf, buf)
         d = tl.where(momentum != 0.0, d_momentum, d)
     p = p + (-lr) * d
 
-    tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=active)
+    store_param(p_ptr, w_ptr, offsets, p, active, steps, seed, rng_base, MASTER, STOCHASTIC)
     finish_step(counter_ptr, step_ptr, active_ptr, param_lo, param_hi, skipped, UNIFORM, HAS_ACTIVE, STEP_BLOCK)
 
 

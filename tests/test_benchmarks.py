@@ -512,7 +512,8 @@ def test_memory_smoke_run_on_cpu(memory, memory_smoke, capsys):
     assert record["kind"] == "smoke" and record["smoke"] is True and "SMOKE RUN" in record["note"]
     assert record["benchmark"] == "memory" and record["params"] == memory.SMOKE.numel
     rows = {(r["case"], r["dtype"]): r for r in record["results"]}
-    assert len(rows) == len(memory.CASES) * 2
+    modes = [c for c in memory.CASES if c.precision]  # storage modes: bf16 rows only
+    assert len(rows) == len(memory.CASES) * 2 - len(modes) and all((c.name, "bf16") in rows for c in modes)
     for r in rows.values():
         assert r["status"] == "ok", r
         assert r["median_ms"] > 0 and "torch.profiler" in r["profile_error"]
@@ -532,6 +533,14 @@ def test_memory_smoke_run_on_cpu(memory, memory_smoke, capsys):
         assert rows[("flatopt-in-backward", dt)]["bucket_graphs_recorded"] == 0
         losses = {rows[(c, dt)]["final_loss"] for c in ("flatopt", "flatopt-in-backward", "flatopt-in-backward-small")}
         assert max(losses) - min(losses) <= 1e-3 * max(losses)  # in-backward trains as step mode does
+    # bytes held per parameter (parameters, masters, states): every smoke size is a multiple of 64, no padding
+    held = {(c, dt): rows[(c, dt)]["bytes_per_param"] for c, dt in rows if c.startswith("flatopt")}
+    assert held[("flatopt", "fp32")] == 12 and held[("flatopt", "bf16")] == 6
+    assert held[("flatopt-bf16-remainder", "bf16")] == 12 and held[("flatopt-bf16-master-fp32", "bf16")] == 14
+    assert held[("flatopt-bf16-sr", "bf16")] == 6
+    assert 4.125 < held[("flatopt-bf16-sr-int8", "bf16")] <= 4.2  # the biases keep float32 states
+    met = {t["target"]: t["met"] for t in record["targets"] if "bytes per parameter" in t["target"]}
+    assert len(met) == 4 and all(met.values()), met
     assert md.read_text().startswith("> **SMOKE RUN") and "| fp32 | flatopt-in-backward |" in md.read_text()
     capsys.readouterr()
     assert memory.main(["--report", str(path)]) == 0
@@ -787,9 +796,11 @@ def test_plot_gaps_are_labelled_not_zero(plot, memory_smoke, capture_smoke):
         assert value is None and gap.startswith("skipped:\nCUDA graphs"), (impl, gap)
     record = json.loads(memory_smoke[0].read_text())
     peaks = plot.memory_slots(record, "fp32", "peak")
-    assert [s[0] for s in peaks] == list(plot.MEMORY_CASES)
-    assert all(value is None and "not a CUDA run" in gap for _, value, _, _, gap in peaks)  # CPU: no peak
-    assert all(value > 0 for _, value, _, _, _ in plot.memory_slots(record, "fp32", "time"))
+    modes = [r["case"] for r in record["results"] if r["case"] not in plot.MEMORY_CASES]  # storage modes: bf16 only
+    assert modes and [s[0] for s in peaks] == list(plot.MEMORY_CASES) + list(dict.fromkeys(modes))
+    assert all(value is None and "not a CUDA run" in gap for c, value, _, _, gap in peaks if c not in modes)  # CPU
+    assert all(value is None for c, value, _, _, _ in peaks if c in modes)  # no fp32 row of a bf16 mode
+    assert all(value > 0 for c, value, _, _, _ in plot.memory_slots(record, "fp32", "time") if c not in modes)
     record["results"][0].update(status="oom", reason="OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB")
     case, value, _, _, gap = plot.memory_slots(record, record["results"][0]["dtype"], "time")[0]
     assert case == "fwd-bwd" and value is None and gap.startswith("out of memory:\nOutOfMemoryError")

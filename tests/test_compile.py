@@ -34,12 +34,17 @@ F32_POINTERS = {"hp_ptr", "step_ptr", "grad_scale_ptr", "found_inf_ptr"}
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 
 
-def compile_for_sm90(kernel, num_hp, dtype, uniform, flags, gather=0):
+STATE_POINTERS = {"m_ptr", "v_ptr", "buf_ptr"}
+MASTER_POINTER = {0: "*fp32", 1: "*fp32", 2: "*i16"}  # w_ptr: unused (0), float32 master (1), int16 remainders (2)
+
+
+def compile_for_sm90(kernel, num_hp, dtype, uniform, flags, gather=0, master=0, stochastic=False, state_dtype=None):
     fn = getattr(kernel, "fn", kernel)  # the interpreter wraps the function
     names = list(inspect.signature(fn).parameters)
     constexprs = dict(
         NUM_HP=num_hp, GRANULE=GRANULE, UNIFORM=uniform, BLOCK_SIZE=BLOCK_SIZE, STEP_BLOCK=STEP_BLOCK,
         HAS_ACTIVE=flags, HAS_GRAD_SCALE=flags, HAS_FOUND_INF=flags, HAS_MOMENTUM=True, GATHER=gather,
+        MASTER=master, STOCHASTIC=stochastic, QUANT=state_dtype == "int8",
     )  # fmt: skip
     signature = {}
     for name in names:
@@ -49,6 +54,14 @@ def compile_for_sm90(kernel, num_hp, dtype, uniform, flags, gather=0):
             signature[name] = INT_POINTERS[name]
         elif name in F32_POINTERS:
             signature[name] = "*fp32"
+        elif name == "w_ptr":
+            signature[name] = MASTER_POINTER[master]
+        elif name in STATE_POINTERS and state_dtype == "int8":
+            signature[name] = "*u8" if name == "v_ptr" else "*i8"  # AdamW's second moment has unsigned codes
+        elif name.endswith("_scale_ptr"):
+            signature[name] = "*fp32"
+        elif name in STATE_POINTERS and state_dtype is not None:
+            signature[name] = DTYPES[state_dtype]
         elif name.endswith("_ptr"):
             signature[name] = DTYPES[dtype]
         else:
@@ -73,10 +86,19 @@ VARIANTS = [
 ]  # fmt: skip
 
 
+# storage variants (flatopt.precision): (dtype, UNIFORM, flags, GATHER, MASTER, STOCHASTIC, the states' dtype)
+PRECISION_VARIANTS = [
+    ("bf16", True, False, 0, 1, False, None), ("bf16", False, True, 8, 2, False, "fp32"),
+    ("bf16", False, True, 0, 0, True, "bf16"), ("fp16", True, True, 0, 1, False, "fp32"),
+    ("fp32", True, False, 0, 0, False, "bf16"), ("bf16", False, True, 0, 0, True, "int8"),
+    ("bf16", True, False, 8, 2, False, "int8"), ("fp32", False, True, 0, 0, False, "int8"),
+]  # fmt: skip
+
+
 def main():
     """Compile every kernel in every variant; print one JSON line per result."""
     for name, (kernel, num_hp) in KERNELS.items():
-        for variant in VARIANTS:
+        for variant in VARIANTS + PRECISION_VARIANTS:
             try:
                 ptx = compile_for_sm90(kernel, num_hp, *variant).asm["ptx"]
                 ok, detail = f".entry {name}_kernel" in ptx, f"{len(ptx)} bytes of PTX"
@@ -89,13 +111,13 @@ def main():
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
 def test_every_kernel_compiles_for_sm90():
     results, run = json_lines_without_interpreter("test_compile", "main")
-    assert len(results) == len(KERNELS) * len(VARIANTS), run.stdout + run.stderr[-4000:]
+    assert len(results) == len(KERNELS) * (len(VARIANTS) + len(PRECISION_VARIANTS)), run.stdout + run.stderr[-4000:]
     failed = [r for r in results if not r["ok"]]
     assert not failed, "\n".join(f"{r['name']} {r['variant']}: {r['detail']}" for r in failed)
     # a launch that gathers its gradients, when their sizes allow (GATHER > 1), loads them 16 bytes at a time, as
     # the flat buffer's gradient is loaded: as many 16-byte loads as the same variant without GATHER
     wide = {(r["name"], *r["variant"]): r["wide_loads"] for r in results}
-    for name, dtype, uniform, flags, gather in wide:
-        if gather > 1:
+    for name, dtype, uniform, flags, gather, *precision in wide:
+        if gather > 1 and not precision:
             plain = wide[(name, dtype, uniform, flags, 0)]
             assert plain > 0 and wide[(name, dtype, uniform, flags, gather)] == plain, (name, dtype, gather, wide)

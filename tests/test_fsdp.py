@@ -191,6 +191,7 @@ def run_errors(rank):
         "max_grad_norm": lambda: flatopt.AdamW(model, in_backward=True, max_grad_norm=1.0),
         "flat_false": lambda: flatopt.AdamW(model, flat=False),
         "no_model": lambda: flatopt.AdamW(model.parameters()),
+        "precision": lambda: flatopt.AdamW(model, state_dtype=torch.bfloat16),
     }
     tp = nn.Linear(4, 6)  # tensor parallelism's kind of DTensor, which fully_shard does not manage
     mesh = init_device_mesh("cpu", (world,))
@@ -478,13 +479,15 @@ def test_in_backward_matches_step_mode(runs, accumulate):
 
 
 def test_what_cannot_work_is_refused_at_construction(runs):
-    """In-backward mode with max_grad_norm, flat=False, FSDP2 parameters given without their model and
-    tensor-parallel DTensors are refused by the constructor, saying why, before the shards move; a model
+    """In-backward mode with max_grad_norm, flat=False, FSDP2 parameters given without their model, the storage
+    options (master_weights, stochastic_rounding, state_dtype) and tensor-parallel DTensors are refused by the
+    constructor, saying why, before the shards move; a model
     whose shards FSDP2 replaced (model.double()) by the next step(); capture() by capture()."""
     expected = {
         "max_grad_norm": r"in_backward=True\) over FSDP2 takes neither max_grad_norm nor accumulation_steps",
         "flat_false": r"flat=False\) cannot step '0.weight', a DTensor",
         "no_model": r"pass the model itself",
+        "precision": r"state_dtype are not supported on FSDP2 \(DTensor\) parameters yet",
         "tensor_parallel": r"'weight' is a DTensor that fully_shard \(FSDP2\) does not manage",
         "moved": r"the local shard of parameter '0.weight' no longer lives in the optimizer's flat buffer",
         "capture": r"AdamW.capture\(\) cannot record the step of an FSDP2 model",

@@ -550,6 +550,7 @@ def sm90_float_ops(kernel, num_hp, dtype, uniform):
     constexprs = dict(
         NUM_HP=num_hp, GRANULE=64, UNIFORM=uniform, BLOCK_SIZE=kernels.common.BLOCK_SIZE, STEP_BLOCK=STEP_BLOCK,
         HAS_ACTIVE=not uniform, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, HAS_MOMENTUM=True, GATHER=0,
+        MASTER=0, STOCHASTIC=False, QUANT=False,
     )  # fmt: skip
     ints = {"param_of_granule_ptr": "*i32", "param_group_ptr": "*i32", "counter_ptr": "*i32", "active_ptr": "*u8",
             "src_ptr": "*i64", "start_ptr": "*i64", "numel_ptr": "*i64"}  # fmt: skip

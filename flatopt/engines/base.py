@@ -19,6 +19,8 @@ import torch
 from flatopt.bindings import FULL_CHECK_EVERY, check_data_bindings, ends_bound
 from flatopt.distributed import world_size
 from flatopt.layout import FlatBuffer
+from flatopt.precision import SEED_BOUND
+from flatopt.quantize import ABSMAX, QBLOCK, quantize_into
 from flatopt.state import OptimizerState, ParamState, check_state_mapping, check_state_tensor, step_value
 from flatopt.step_graph import StepGraph
 from flatopt.torch_compat import outside_stacklevel
@@ -181,9 +183,10 @@ class FlatEngine(Engine):
         ``.grad`` was None before the layout (under skip_unused, they stay None); ``with_grad``: those
         that had a gradient (it was copied into the buffer)."""
 
-    def new_buffer(self, params, groups, state_names):
-        """The FlatBuffer of one (device, dtype)'s ``params`` (in their order), before they are adopted."""
-        return FlatBuffer(params, groups, state_names, grad=self.has_grad_buffer)
+    def new_buffer(self, params, groups, state_names, precision=None):
+        """The FlatBuffer of one (device, dtype)'s ``params`` (in their order), before they are adopted
+        (``precision``: how its states and master copy are stored, see :mod:`flatopt.precision`)."""
+        return FlatBuffer(params, groups, state_names, grad=self.has_grad_buffer, precision=precision)
 
     def adopt(self, buf):
         """Copy the parameters of a new buffer into it and make their data views of it."""
@@ -205,13 +208,14 @@ class FlatEngine(Engine):
             for p in group["params"]:
                 # trainable, given a gradient by hand (torch.optim steps any .grad), or laid out before
                 if p.requires_grad or p.grad is not None or p in placed:
-                    key = (p.device, p.dtype)
+                    key = (p.device, p.dtype, opt.precision.small(p))  # small: float32 states under "int8"
                     if key not in members:
                         keys.append(key)
                         members[key] = ([], [])
                     members[key][0].append(p)
                     members[key][1].append(gi)
         old_steps = {p: float(s) for p, s in self.steps_by_param().items()}
+        old_masters = self.masters_by_param()
         self.detach()
         with_grad = [p for ps, _ in members.values() for p in ps if p.grad is not None]
         without_grad = [p for ps, _ in members.values() for p in ps if p.grad is None] if opt.skip_unused else []
@@ -219,7 +223,9 @@ class FlatEngine(Engine):
         for key in keys:
             params, groups = self.order(*members[key])
             used = [n for n in rule.state_names if any(rule.uses_state(n, opt.param_groups[g]) for g in groups)]
-            buf = self.new_buffer(params, groups, used)
+            precision = opt.precision.of_buffer(key[1], small=key[2], rule=rule)
+            buf = self.new_buffer(params, groups, used, precision)
+            buf.ordinal = len(buffers)  # mixed into stochastic rounding's seed (see rounding_seed)
             with torch.no_grad():
                 for i, p in enumerate(params):
                     for name, views in buf.state_views.items():
@@ -228,10 +234,17 @@ class FlatEngine(Engine):
                             views[i].copy_(old)
                     buf.meta.steps[i] = old_steps.get(p, 0.0)
             self.adopt(buf)
+            with torch.no_grad():  # a parameter laid out before keeps its master copy (or remainder)
+                for i, p in enumerate(params):
+                    old = old_masters.get(p)
+                    if old is not None and buf.master is not None and old.dtype == buf.master.dtype:
+                        buf.master_views[i].copy_(old)
             buffers.append(buf)
         self.buffers = buffers
         self.devices = list(dict.fromkeys(b.device for b in buffers))
-        self.data_padding = [pad for buf in buffers for pad in buf.padding(buf.data)]
+        self.data_padding = [
+            pad for buf in buffers for flat in (buf.data, buf.master) if flat is not None for pad in buf.padding(flat)
+        ]
         held = {p for buf in buffers for p in buf.params}
         # frozen at this layout (laid out or not): one that requires grad again is laid out anew, with its hooks
         self.frozen = [p for group in opt.param_groups for p in group["params"] if not p.requires_grad]
@@ -434,14 +447,35 @@ class FlatEngine(Engine):
             v = entry[k]
             if v is views.get(k):
                 continue
+            if buf.quantized and k != "step":
+                raise ValueError(
+                    f"{cls}: opt.state[{opt.names(p)}][{k!r}] was replaced, and with state_dtype='int8' the entries "
+                    "are views of the 8-bit codes and scales, which a tensor cannot be copied into as it is. Load "
+                    "states with opt.load_state_dict() (it quantizes them), or restart the parameter's state with "
+                    "opt.state[p] = {}"
+                )
             if k == "step":
                 step = step_value(cls, opt.names(p), v)
             else:
-                check_state_tensor(cls, opt.names(p), k, v, p)
+                check_state_tensor(cls, opt.names(p), k, v, p, buf.state_dtype)
                 copies.append((buf.state_views[k][i], v))
         if copies and not opt.rule.exported_step:
             step = SET  # a state given is set (SGD's momentum buffer: not taken from the next gradient)
         return Reconciled(p, buf, i, extra, copies=copies, step=step)
+
+    def masters_by_param(self):
+        """{parameter: its view of the master buffer} of the laid-out parameters of buffers that have one."""
+        return {
+            p: buf.master_views[i] for buf in self.buffers if buf.master is not None for i, p in enumerate(buf.params)
+        }
+
+    def rounding_seed(self, buf):
+        """Stochastic rounding's seed for ``buf`` (None: it rounds to nearest): the optimizer's, mixed with the
+        buffer's place so that two buffers draw different bits."""
+        seed = self.opt.rounding_seed
+        if not buf.stochastic or seed is None:
+            return None
+        return (seed + 0x9E3779B9 * buf.ordinal) % SEED_BOUND
 
     def steps_by_param(self):
         """Each laid-out parameter's step count, after the edits made to ``opt.state`` (see :meth:`sync_state`)."""
@@ -507,9 +541,11 @@ class FlatEngine(Engine):
                     placed.add(p)
                     step, tensors = parsed.get(p, (0.0, {}))
                     for name, views in buf.state_views.items():
-                        if name in tensors:
+                        if name in tensors and buf.quantized:
+                            quantize_into(views[i], buf.state_views[name + ABSMAX][i], tensors[name])
+                        elif name in tensors:
                             views[i].copy_(tensors[name])
-                        else:
+                        elif not (buf.quantized and name.endswith(ABSMAX) and name[: -len(ABSMAX)] in tensors):
                             views[i].zero_()
                     steps.append(step)
                 buf.meta.steps.copy_(torch.tensor(steps, dtype=torch.float32))
@@ -566,6 +602,22 @@ class FlatEngine(Engine):
             cache.popitem(last=False)
         return mask
 
+    def load_masters(self, masters):
+        """After a load: each parameter's master copy (or remainder) from ``masters`` ({parameter: tensor}), or,
+        for a parameter it does not hold, started again from the parameter (float32 copy, zero remainder)."""
+        with torch.no_grad():
+            for buf in self.buffers:
+                if buf.master is None:
+                    continue
+                for i, p in enumerate(buf.params):
+                    view, saved = buf.master_views[i], masters.get(p)
+                    if saved is not None:
+                        view.copy_(saved)
+                    elif buf.master.dtype == torch.float32:
+                        view.copy_(buf.data_views[i])
+                    else:
+                        view.zero_()
+
     # ------------------------------------------------------------------ checks
     def ends_bound(self):
         return ends_bound(self.buffers)
@@ -615,13 +667,18 @@ class FlatEngine(Engine):
         """One kernel launch of the optimizer's rule over ``buf`` (its elements ``span`` = (start, end), or
         all of them) with the gradient ``grad``."""
         opt = self.opt
-        data, states = buf.data, [buf.states.get(n) for n in opt.rule.state_names]
+        data, master, states = buf.data, buf.master, [buf.states.get(n) for n in opt.rule.state_names]
+        scales = [buf.states.get(n + ABSMAX) for n in opt.rule.state_names] if buf.quantized else None
+        s = 0
         if span is not None:
             s, e = span
             data, states = data[s:e], [None if t is None else t[s:e] for t in states]
+            master = None if master is None else master[s:e]
+            if scales is not None:
+                scales = [None if t is None else t[s // QBLOCK : e // QBLOCK] for t in scales]
         opt.rule.functional(
             data, grad, *states, hparams=hparams, meta=meta, backend=opt.backend,
             grad_scale=None if grad_scale is None else grad_scale.to(buf.device),
             found_inf=None if found_inf is None else found_inf.to(buf.device),
-            sources=sources,
+            sources=sources, master=master, rounding_seed=self.rounding_seed(buf), rng_base=s, scales=scales,
         )  # fmt: skip

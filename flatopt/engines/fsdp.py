@@ -61,11 +61,12 @@ class FSDPStepEngine(FlatEngine):
         for p in placed - {p for buf in self.buffers for p in buf.params}:
             self.shards.pop(p, None)
 
-    def new_buffer(self, params, groups, state_names):
+    def new_buffer(self, params, groups, state_names, precision=None):
         shards = [self.shards[p] for p in params]
         return FlatBuffer(
-            params, groups, state_names, grad=True, like=[s.local for s in shards], room=[s.room for s in shards]
-        )
+            params, groups, state_names, grad=True, like=[s.local for s in shards], room=[s.room for s in shards],
+            precision=precision,
+        )  # fmt: skip
 
     def adopt(self, buf):
         with torch.no_grad():

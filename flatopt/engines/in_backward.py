@@ -652,7 +652,7 @@ class InBackwardEngine(FlatEngine):
 
         if meta.active is None and self.graph_usable():
             key = (grad.data_ptr(), meta.uniform, hparams.data_ptr(), meta.steps.data_ptr())
-            key += (None if divisor is None else divisor.data_ptr(),)
+            key += (None if divisor is None else divisor.data_ptr(), opt.rounding_seed)
             bucket.graph.run_keyed(key + tuple(None if t is None else t.data_ptr() for t in states), launch)
         else:
             launch()

@@ -153,6 +153,7 @@ class FlatStepEngine(FlatEngine):
 
         if self.graph_usable() and not sources:  # the step graph's key does not cover sources
             key = StepGraph.key_of(self.buffers, opt.hparams.on(self.buffers[0].device), grad_scale, found_inf)
+            key += (opt.rounding_seed,)  # baked into the launches (a load_state_dict may change it)
             self.step_graph.run_keyed((key, tuple(sorted(idle))) if idle else key, launch)  # idle: not launched
         else:
             launch()

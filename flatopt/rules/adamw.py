@@ -92,5 +92,6 @@ ADAMW = Rule(
         ("amsgrad", False),
         ("decoupled_weight_decay", True),
     ),  # fmt: skip
+    nonnegative_states=("exp_avg_sq",),
     zeros_stay_zero=lambda group: group["eps"] > 0,  # with eps=0 the padding's update is 0 / 0
 )

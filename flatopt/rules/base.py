@@ -40,6 +40,8 @@ class Rule:
             group (``foreach``, ``fused``, ...), with torch's defaults: carried in flatopt's groups so that code
             reading them works, and neutral for a torch.optim optimizer that loads flatopt's state dict. flatopt
             steps the same whatever they say.
+        nonnegative_states (tuple[str, ...]): the states that are never negative (AdamW's second moment): 8-bit
+            storage (``state_dtype="int8"``) gives them unsigned codes (see :mod:`flatopt.quantize`).
         zeros_stay_zero (Callable[[dict], bool] or None): whether a param group's update keeps a zero parameter
             with a zero gradient and zero states at zero (None: always); where it does not (AdamW with
             ``eps=0``: 0/0), the engines zero the buffers' alignment padding after the step.
@@ -56,6 +58,7 @@ class Rule:
     state_used: Callable | None = None
     check_args: Callable | None = None
     torch_keys: tuple = ()
+    nonnegative_states: tuple = ()
     zeros_stay_zero: Callable | None = None
 
     def __post_init__(self):

@@ -1,0 +1,154 @@
+"""state_dict() and load_state_dict() with fewer bytes per parameter (flatopt.precision): a flatopt checkpoint
+resumes exactly (masters, remainders and stochastic rounding's stream included), loads into torch.optim and
+back, and loading never changes the dtype the states are kept in."""
+
+import copy
+import io
+
+import pytest
+import torch
+from conftest import TRITON_SKIP
+from test_precision import buffers, grads, groups, model
+
+import flatopt
+from flatopt.precision import join_master
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*received no gradient.*:UserWarning"),
+    # 8-bit states: the interpreter evaluates both sides of tl.where(absmax > 0, |x| / absmax, 0), 0 / 0 included
+    pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning"),
+]
+
+BACKENDS = ["torch", pytest.param("triton", marks=TRITON_SKIP)]
+MODES = [
+    dict(master_weights="remainder", state_dtype=torch.float32),
+    dict(master_weights="fp32"),
+    dict(stochastic_rounding=True, state_dtype=torch.bfloat16),
+    dict(stochastic_rounding=True),
+    dict(state_dtype=torch.float32),
+    dict(stochastic_rounding=True, state_dtype="int8"),
+    dict(master_weights="remainder", state_dtype="int8"),
+]
+OPTIMIZERS = {
+    "adamw": (flatopt.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "sgd": (flatopt.SGD, dict(lr=0.1, momentum=0.9)),
+    "lion": (flatopt.Lion, dict(lr=1e-2, weight_decay=0.1)),
+}
+
+
+def run(net, opt, steps, first=0):
+    for step in range(first, first + steps):
+        for p, g in zip(net.parameters(), grads(net, step)):
+            p.grad = g
+        opt.step()
+
+
+def saved(obj):
+    """``obj`` through torch.save and torch.load (weights_only, torch's default)."""
+    f = io.BytesIO()
+    torch.save(obj, f)
+    f.seek(0)
+    return torch.load(f)
+
+
+def snapshot(opt):
+    """Every buffer's parameters, step counts, states and master, by name."""
+    out = {}
+    for b, buf in enumerate(flatopt.inspect(opt).buffers):
+        out.update({(b, "data"): buf.data.clone(), (b, "steps"): buf.meta.steps.clone()})
+        out.update({(b, k): t.clone() for k, t in buf.states.items()})
+        if buf.master is not None:
+            out[(b, "master")] = buf.master.clone()
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_flatopt_checkpoint_resumes_exactly(name, mode, backend):
+    cls, hp = OPTIMIZERS[name]
+    net = model()
+    torch.manual_seed(1)
+    straight = cls(groups(net), **hp, **mode, backend=backend)
+    run(net, straight, 6)
+
+    first = model()
+    torch.manual_seed(1)
+    opt = cls(groups(first), **hp, **mode, backend=backend)
+    run(first, opt, 3)
+    model_sd, opt_sd = saved(first.state_dict()), saved(opt.state_dict())
+
+    resumed = model(seed=7)  # other values, and another seed for stochastic rounding: both come from the checkpoint
+    torch.manual_seed(2)
+    again = cls(groups(resumed), **hp, **mode, backend=backend)
+    resumed.load_state_dict(model_sd)
+    again.load_state_dict(opt_sd)
+    run(resumed, again, 3, first=3)
+    want, got = snapshot(straight), snapshot(again)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_checkpoint_loads_into_torch_optim_and_back_keeping_the_states_dtype(backend):
+    net = model()
+    opt = flatopt.AdamW(groups(net), lr=1e-2, master_weights="remainder", state_dtype=torch.float32, backend=backend)
+    run(net, opt, 3)
+    sd = saved(opt.state_dict())
+    assert "flatopt" in sd and {t.dtype for e in sd["state"].values() for k, t in e.items() if k != "step"} == {
+        torch.float32
+    }
+
+    twin = copy.deepcopy(net)
+    theirs = torch.optim.AdamW(groups(twin), lr=1e-2)
+    theirs.load_state_dict(sd)  # the "flatopt" entry is ignored; torch casts the states to bfloat16
+    for i, (p, q) in enumerate(zip(net.parameters(), twin.parameters())):
+        assert theirs.state[q]["exp_avg"].dtype == torch.bfloat16
+        torch.testing.assert_close(theirs.state[q]["exp_avg"].float(), opt.state[p]["exp_avg"], atol=0, rtol=2**-8)
+        assert float(theirs.state[q]["step"]) == (2.0 if i == 5 else 3.0)  # the last parameter missed one step
+    run(twin, theirs, 1, first=3)
+
+    back = flatopt.AdamW(groups(twin), lr=1e-2, master_weights="remainder", state_dtype=torch.float32, backend=backend)
+    back.load_state_dict(theirs.state_dict())
+    buf = buffers(back)
+    assert {t.dtype for t in buf.states.values()} == {torch.float32}  # kept, whatever the checkpoint's dtype
+    for p in twin.parameters():
+        assert torch.equal(back.state[p]["exp_avg_sq"], theirs.state[p]["exp_avg_sq"].float())
+    # no master in torch's checkpoint: each starts again from its parameter
+    assert torch.equal(join_master(buf.data, buf.master), buf.data.float())
+
+
+def test_the_default_state_dict_is_torch_optim_s_format_only():
+    assert set(flatopt.AdamW(model()).state_dict()) == {"state", "param_groups"}
+
+
+def test_masters_saved_under_another_mode_are_not_taken():
+    net = model()
+    opt = flatopt.AdamW(net, lr=1e-2, master_weights="fp32")
+    run(net, opt, 2)
+    other = flatopt.AdamW(copy.deepcopy(net), lr=1e-2, master_weights="remainder")
+    other.load_state_dict(opt.state_dict())
+    buf = buffers(other)
+    assert not buf.master.any()  # the remainders start again at zero
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: c.update(rounding_seed=-1), r"rounding_seed -1"),
+        (lambda c: c["master"].update({0: torch.zeros(3)}), r"parameter 0 .*float32 of shape \(3,\); master_weights"),
+        (lambda c: c["master"].update({99: torch.zeros(3)}), r"master copy for parameter 99"),
+    ],
+)
+def test_a_bad_flatopt_entry_is_refused_before_anything_changes(edit, match):
+    net = model()
+    opt = flatopt.AdamW(net, lr=1e-2, master_weights="fp32")
+    run(net, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    edit(sd["flatopt"])
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    after = snapshot(opt)
+    assert all(torch.equal(before[k], after[k]) for k in before)
