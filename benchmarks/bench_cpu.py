@@ -46,7 +46,6 @@ import platform
 import sys
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable (after any installed flatopt)
@@ -277,16 +276,6 @@ def cpu_model():
     return platform.processor() or platform.machine()
 
 
-@contextmanager
-def threads(n):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
-
-
 # -------------------------------------------------------------------------------------------- markdown
 def _cell(row):
     if row is None:
@@ -375,7 +364,7 @@ def main(argv=None):
 
 def run(args, argv):
     start = time.monotonic()
-    with threads(args.threads):
+    with harness.cpu_threads("cpu", args.threads):
         return _run(args, argv, start)
 
 

@@ -15,24 +15,12 @@ import math
 import pytest
 import torch
 from conftest import device_for
+from test_in_backward_semantics import PAIRS, TORCH_TOL  # the same optimizers and tolerance
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import flatopt
 from flatopt import clip_patch
-
-TORCH_TOL = dict(atol=2e-6, rtol=2e-5)  # float32: flatopt's kernels against torch.optim's for-loop
-
-PAIRS = {
-    "adamw": (
-        lambda ps, **k: flatopt.AdamW(ps, lr=1e-2, weight_decay=0.1, **k),
-        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-    ),
-    "sgd": (
-        lambda ps, **k: flatopt.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True, **k),
-        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True),
-    ),
-}
 
 
 class MLP(nn.Module):
