@@ -636,22 +636,26 @@ def test_goes_right_direction(optim, case, backend, with_lrsched):
 
 @pytest.mark.parametrize("optim", OPTIMS.values(), ids=lambda o: o.name)
 def test_non_contiguous_parameters(optim, backend):
-    """torch's test_forloop_goes_right_direction with contiguous=False: flatopt needs dense parameters and says so,
-    with flat=True at construction, with flat=False (the caller's tensors, one launch each) at the step, changing
-    nothing; parameters made contiguous as the message says then step as torch.optim steps the non-contiguous
-    ones."""
+    """torch's test_forloop_goes_right_direction with contiguous=False: flatopt needs dense parameters and says so
+    at construction, with flat=True and with flat=False (the caller's tensors, one launch each), changing nothing;
+    with flat=False a parameter that stops being dense after construction is refused at the step. Parameters made
+    contiguous as the message says then step as torch.optim steps the non-contiguous ones."""
     w, b, x = weight_bias(device_for(backend), contiguous=False)
     w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
     before = snapshot(w, b)
-    with pytest.raises(ValueError, match=r"needs dense parameters.*make it contiguous before creating the optimizer"):
-        optim.ours([w, b], backend=backend, skip_unused=True)
-    assert_unchanged(before)
-    opt = optim.ours([w, b], backend=backend, skip_unused=True, flat=False)
+    for flat in (True, False):
+        with pytest.raises(ValueError, match=r"needs dense parameters.*make it contiguous before creating the optim"):
+            optim.ours([w, b], backend=backend, skip_unused=True, flat=flat)
+        assert_unchanged(before)
+    dense_w = nn.Parameter(w.detach().contiguous())
+    dense_w.grad = torch.ones_like(dense_w)
+    opt = optim.ours([dense_w, b.detach().contiguous().requires_grad_()], backend=backend, flat=False)
+    dense_w.data = w.detach()  # no longer dense
     with pytest.raises(
         RuntimeError, match=r"needs dense parameters.*make it contiguous \(p\.data = p\.data\.contiguous"
     ):
         opt.step()
-    assert_unchanged(before)
+    assert torch.equal(dense_w, w)
     for case in optim.supported():
         if backend != "triton" or on_triton(optim, case):
             initial, *finals = run_weight_bias(optim, backend, one_group(case), contiguous=False)
