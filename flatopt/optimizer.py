@@ -191,9 +191,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 "meta device has no data; materialise the model first (model.to_empty(device=...), then initialise "
                 "the parameters) and create the optimizer after"
             )
-        if p.requires_grad and flat and not is_dense(p):
+        if p.requires_grad and not is_dense(p):  # flat=False: its step launches over the parameter's own storage
             raise ValueError(
-                f"{cls}(flat=True) needs dense parameters (no gaps or overlaps), got shape "
+                f"{cls}(flat={flat}) needs dense parameters (no gaps or overlaps), got shape "
                 f"{tuple(p.shape)} with strides {p.stride()}; make it contiguous before creating the optimizer"
             )
 

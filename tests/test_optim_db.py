@@ -656,6 +656,9 @@ def test_non_contiguous_parameters(optim, backend):
     ):
         opt.step()
     assert torch.equal(dense_w, w)
+    with pytest.raises(ValueError, match=r"needs dense parameters.*make it contiguous before creating the optim"):
+        opt.add_param_group({"params": [w]})
+    assert len(opt.param_groups) == 1
     for case in optim.supported():
         if backend != "triton" or on_triton(optim, case):
             initial, *finals = run_weight_bias(optim, backend, one_group(case), contiguous=False)

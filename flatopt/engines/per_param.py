@@ -21,17 +21,7 @@ class PerParamEngine(Engine):
         self.build()
 
     def build(self):
-        params = list(trainable(self.opt.param_groups))
-        for p in params:  # refused now, before anything is stepped; step() checks again (p.data may change)
-            if not is_dense(p):
-                raise ValueError(self._not_dense(p) + " before creating the optimizer (p.data = p.data.contiguous())")
-        self.devices = list(dict.fromkeys(p.device for p in params))
-
-    def _not_dense(self, p):
-        return (
-            f"{self.cls}(flat=False) needs dense parameters (no gaps or overlaps); {self.opt.names(p)} has strides "
-            f"{p.stride()}: make it contiguous"
-        )
+        self.devices = list(dict.fromkeys(p.device for p in trainable(self.opt.param_groups)))
 
     def step(self, closure, grad_scale, found_inf):
         """Every parameter with a gradient is checked before any is stepped."""
@@ -61,7 +51,10 @@ class PerParamEngine(Engine):
                 "sparse=False on the embedding (nn.Embedding(..., sparse=False)) that produces it"
             )
         if not is_dense(p):
-            raise RuntimeError(self._not_dense(p) + " (p.data = p.data.contiguous())")
+            raise RuntimeError(  # refused at construction too (FlatOptimizer.check_param); p.data changed since
+                f"{cls}(flat=False) needs dense parameters (no gaps or overlaps); {opt.names(p)} has strides "
+                f"{p.stride()}: make it contiguous (p.data = p.data.contiguous())"
+            )
         if g.stride() != p.stride() or g.dtype != p.dtype:
             raise RuntimeError(
                 f"{cls}(flat=False): the .grad of {opt.names(p)} has strides {g.stride()} and dtype {g.dtype}, the "
