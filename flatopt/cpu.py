@@ -11,8 +11,11 @@ nothing. Each piece is stepped by:
   flatopt's rule does, and computes float64 in float64).
 * SGD: ``torch._fused_sgd_`` where it steps the buffer's dtype right (:func:`fused_sgd_steps`, checked once per
   dtype: float32 and float64). torch 2.13's CPU kernel for bfloat16 and float16 stores no parameter in its
-  vectorised loop, so most parameters would not move: those buffers are stepped a chunk at a time by the float32
-  kernel over float32 copies (the chunked path below), which rounds once as the rule does.
+  vectorised loop, so most parameters would not move. Those buffers are stepped by two or three in-place
+  ``addcmul`` passes (:func:`_sgd_low_precision`: each computes in float32 with its scalar in float32 and rounds
+  once) where the group has no dampening, no Nesterov momentum, no ``maximize`` and no ``grad_scale``; otherwise a
+  chunk at a time by the float32 kernel over float32 copies (the chunked path below), which rounds once as the
+  rule does.
 * Lion: the chunked path (torch has no Lion kernel).
 
 The chunked path steps ``CHUNK`` elements at a time with torch's in-place operations, the temporaries being
@@ -171,7 +174,11 @@ def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, fo
         # the rule leaves the buffer alone where a group has no momentum, or where no group has one (None)
         momentum = h["momentum"] if momentum_buffer is not None else 0.0
         buf = momentum_buffer[s:e] if momentum != 0.0 else None
-        kernel(param[s:e], grad[s:e], buf, h, momentum, steps == 0, scale)
+        first = steps == 0
+        if kernel is _sgd_chunked and _low_precision_steps(h, momentum, first, scale):
+            _sgd_low_precision(param[s:e], grad[s:e], buf, h, momentum, first)
+        else:
+            kernel(param[s:e], grad[s:e], buf, h, momentum, first, scale)
 
     _step(SGD, piece, param, grad, (momentum_buffer,), hparams=hparams, meta=meta, grad_scale=grad_scale,
           found_inf=found_inf, sources=sources)  # fmt: skip
@@ -204,6 +211,45 @@ def _sgd_chunked(param, grad, buf, h, momentum, first, scale):
             b.copy_(bf)
         if scale is not None:
             g.copy_(gf)  # the unscaled gradient stays in .grad, as torch's fused kernels leave it
+
+
+def _low_precision_steps(h, momentum, first, scale):
+    """Whether :func:`_sgd_low_precision` steps a piece: momentum without dampening (but on the first step, which
+    ignores it) nor Nesterov, or no momentum nor weight decay; no ``maximize``, no ``grad_scale``."""
+    if momentum == 0.0:
+        plain = h["weight_decay"] == 0.0
+    else:
+        plain = h["nesterov"] == 0 and (first or h["one_minus_dampening"] == 1.0)
+    return plain and scale is None and h["grad_sign"] > 0
+
+
+@functools.cache
+def _one(dtype):
+    return torch.ones(1, dtype=dtype)
+
+
+def _sgd_low_precision(param, grad, buf, h, momentum, first):
+    """SGD over bfloat16 or float16 slices (see :func:`_low_precision_steps` for the groups it takes), in place, with
+    ``addcmul``: ``torch.addcmul(x, y, one, value=v)`` computes ``x + v * y`` in float32 with ``v`` in float32
+    and rounds once (``add``'s ``alpha`` would be rounded to the tensors' dtype first: momentum 0.9 would be
+    0.8984 in bfloat16). The momentum buffer is ``g + momentum * buf`` (``g`` itself on the first step), then
+    with weight decay ``+ weight_decay * p``, rounded after each; the parameters take ``-lr`` times the stored
+    buffer. So two roundings where the rule rounds once (with weight decay: three, where torch's foreach SGD
+    rounds four times), and two passes over the buffers (three with weight decay) where the float32 copies take
+    six: within a rounding of the rule's values, the tests' tolerance. Without momentum: ``p - lr * g``, rounded
+    once."""
+    one = _one(param.dtype)
+    lr, wd = h["lr"], h["weight_decay"]
+    if buf is None:  # no momentum (nor weight decay): p - lr * g, rounded once
+        param.addcmul_(grad, one, value=-lr)
+        return
+    if first:
+        buf.copy_(grad)
+    else:
+        torch.addcmul(grad, buf, one, value=momentum, out=buf)
+    if wd != 0.0:
+        buf.addcmul_(param, one, value=wd)
+    param.addcmul_(buf, one, value=-lr)
 
 
 @functools.cache

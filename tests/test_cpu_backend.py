@@ -56,6 +56,16 @@ OPTS = {
             dict(lr=0.02, momentum=0.5, dampening=0.3, weight_decay=0.0, nesterov=False, maximize=False),
         ],
     ),
+    # the groups bfloat16 and float16 SGD steps with addcmul (flatopt.cpu._sgd_low_precision): momentum with and
+    # without weight decay, dampening (taken on first steps only), no momentum
+    "sgd-momentum": (
+        SGD,
+        [
+            dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, maximize=False),
+            dict(lr=0.05, momentum=0.8, dampening=0.5, weight_decay=0.0, nesterov=False, maximize=False),
+            dict(lr=0.02, momentum=0.0, dampening=0.0, weight_decay=0.1, nesterov=False, maximize=False),
+        ],
+    ),
     "lion": (
         LION,
         [
@@ -71,6 +81,11 @@ VARIANTS = ["uniform", "groups-and-steps", "active", "grad_scale", "slice", "sou
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     monkeypatch.setattr(cpu, "CHUNK", 256)
+
+
+def rule_name(opt):
+    """The launcher of an OPTS entry: ``sgd-momentum`` is SGD's."""
+    return opt.split("-")[0]
 
 
 def close(actual, expected, what, **tol):
@@ -128,7 +143,7 @@ class Case:
         return dict(zip(["param", "grad", *self.rule.state_names], self.tensors()))
 
     def launch(self, backend, **kw):
-        fn = getattr(functional, self.opt)
+        fn = getattr(functional, rule_name(self.opt))
         args = dict(hparams=self.hparams, meta=self.meta, grad_scale=self.grad_scale, found_inf=self.found_inf)
         fn(*self.tensors(), **{**args, **kw}, backend=backend, sources=self.sources)
 
@@ -160,8 +175,21 @@ class Case:
                     mine.copy_(theirs)
 
 
+# bfloat16 and float16 SGD through addcmul (flatopt.cpu._sgd_low_precision) rounds the momentum buffer before the
+# parameters take it, as torch.optim's SGD does, where the reference rounds once: half a unit in the last place more,
+# of values of magnitude up to about 2 here (absolute), which near a cancellation is any relative difference
+LOW_PRECISION_SGD_TOL = {torch.bfloat16: dict(atol=2**-7, rtol=1.6e-2), torch.float16: dict(atol=2**-10, rtol=2e-3)}
+
+
+def tolerance(opt, dtype):
+    """The tolerance of a launch of ``opt`` (an OPTS key) over ``dtype`` buffers against the reference."""
+    if opt == "sgd-momentum" and dtype in LOW_PRECISION_SGD_TOL:
+        return LOW_PRECISION_SGD_TOL[dtype]
+    return TOLS[dtype]
+
+
 def compare(ours, ref, what):
-    tol = TOLS[ours.dtype]
+    tol = tolerance(ours.opt, ours.dtype)
     for name, t in ours.named().items():
         if t is not None:
             close(t, ref.named()[name], f"{what}, {name}", **tol)
@@ -233,10 +261,10 @@ def test_real_chunk_size(opt, dtype, monkeypatch):
     ref = [t.clone() for t in ours]
     ref_meta = StepMeta(buf.meta.param_of_granule, buf.meta.param_group, buf.meta.steps.clone(), buf.meta.counter)
     for launch in (1, 2):
-        getattr(functional, opt)(*ours, hparams=hparams, meta=buf.meta, backend="cpu")
-        getattr(functional, opt)(*ref, hparams=hparams, meta=ref_meta, backend="torch")
+        getattr(functional, rule_name(opt))(*ours, hparams=hparams, meta=buf.meta, backend="cpu")
+        getattr(functional, rule_name(opt))(*ref, hparams=hparams, meta=ref_meta, backend="torch")
         for i, (a, b) in enumerate(zip(ours, ref)):
-            close(a, b, f"launch {launch}, tensor {i}", **TOLS[dtype])
+            close(a, b, f"launch {launch}, tensor {i}", **tolerance(opt, dtype))
             b.copy_(a)
 
 
@@ -336,6 +364,8 @@ CONFIGS = {
     "sgd-dampening": (flatopt.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.3, maximize=True),
                       dict(momentum=0.0)),
     "sgd-plain": (flatopt.SGD, torch.optim.SGD, dict(lr=0.05, weight_decay=0.1), dict(lr=0.02)),
+    "sgd-momentum": (flatopt.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01),
+                     dict(weight_decay=0.0)),
     "lion": (flatopt.Lion, LionReference, dict(lr=1e-3, weight_decay=0.1), dict(lr=3e-3, weight_decay=0.0)),
 }  # fmt: skip
 
@@ -423,6 +453,53 @@ def test_in_backward_mode_steps_as_step_mode():
 
 
 # ------------------------------------------------------------------------------------------ torch's SGD
+@pytest.mark.parametrize("first", [False, True], ids=["later", "first-step"])
+@pytest.mark.parametrize("wd", [0.0, 0.01], ids=["no-decay", "decay"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_sgd_rounds_as_documented(dtype, wd, first):
+    """_sgd_low_precision's roundings, element by element: the buffer ``g + momentum * buf`` (``g`` on a first
+    step) rounded, then ``+ weight_decay * p`` rounded, then ``p - lr * buf`` rounded, each computed in float32 with
+    float32 scalars (a momentum of 0.9 rounded to bfloat16 would be 0.8984 and miss almost every element)."""
+    gen = torch.Generator().manual_seed(5)
+    p, g, b = (torch.randn(4099, generator=gen).to(dtype) for _ in range(3))
+    lr, momentum = 0.01, 0.9
+    b1 = g.float() if first else g.float() + momentum * b.float()
+    b1 = b1.to(dtype)
+    b2 = (b1.float() + wd * p.float()).to(dtype) if wd else b1
+    p2 = (p.float() + (-lr) * b2.float()).to(dtype)
+    h = dict(lr=lr, weight_decay=wd, one_minus_dampening=1.0, nesterov=0.0, grad_sign=1.0, momentum=momentum)
+    assert cpu._low_precision_steps(h, momentum, first, None)
+    cpu._sgd_low_precision(p, g, b, h, momentum, first)
+    assert torch.equal(b, b2)
+    assert torch.equal(p, p2)
+
+
+def test_low_precision_sgd_takes_the_groups_it_can(monkeypatch):
+    """bfloat16 SGD with momentum (with or without weight decay), or with neither momentum nor weight decay, steps
+    through addcmul; dampening after the first step, Nesterov momentum, maximize, grad_scale and weight decay without
+    momentum go through the float32 copies, which round once."""
+    taken = []
+    real = cpu._sgd_low_precision
+    monkeypatch.setattr(cpu, "_sgd_low_precision", lambda *a: taken.append(round(a[3]["lr"], 3)) or real(*a))
+    params = [nn.Parameter(torch.randn(70).bfloat16()) for _ in range(7)]
+    groups = [
+        dict(lr=0.1, momentum=0.9),
+        dict(lr=0.2, momentum=0.9, weight_decay=0.01),
+        dict(lr=0.3),
+        dict(lr=0.4, momentum=0.9, dampening=0.5),  # taken on the first step only
+        dict(lr=0.5, momentum=0.9, nesterov=True),
+        dict(lr=0.6, momentum=0.9, maximize=True),
+        dict(lr=0.7, weight_decay=0.01),
+    ]
+    opt = flatopt.SGD([{"params": [p], **kw} for p, kw in zip(params, groups)], lr=1.0)
+    for step in range(2):
+        for p in params:
+            p.grad = torch.randn(70).bfloat16()
+        taken.clear()
+        opt.step()
+        assert sorted(taken) == ([0.1, 0.2, 0.3, 0.4] if step == 0 else [0.1, 0.2, 0.3]), step
+
+
 def test_fused_sgd_check_recognises_a_kernel_that_leaves_the_parameters(monkeypatch):
     """fused_sgd_steps compares torch's kernel with the rule's math: a kernel that stores nothing is refused, one that
     computes the rule is taken; where none is taken for the buffers nor for float32, the launch is the reference's."""
@@ -495,7 +572,7 @@ def test_a_buffer_it_cannot_step_in_place_is_refused_before_anything_changes(opt
     before = [t.clone() for t in tensors] + [case.meta.steps.clone()]
     bad = spoil(tensors[1])
     with pytest.raises(ValueError, match=message):
-        getattr(cpu, f"{opt}_step")(tensors[0], bad, *tensors[2:], hparams=case.hparams, meta=case.meta)
+        getattr(cpu, f"{rule_name(opt)}_step")(tensors[0], bad, *tensors[2:], hparams=case.hparams, meta=case.meta)
     for old, new in zip(before, tensors + [case.meta.steps]):
         assert torch.equal(old, new)
 
