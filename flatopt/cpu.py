@@ -34,6 +34,7 @@ GradScaler's ``found_inf`` skips the whole launch (read on the host), ``grad_sca
 gradients in ``grad`` as torch's fused kernels do; the step counts advance as the reference advances them.
 """
 
+import bisect
 import functools
 import math
 import threading
@@ -92,11 +93,13 @@ def _check(rule, param, grad, states, hparams):
 
 
 def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, found_inf, sources):
-    """Check, gather the gradients from ``sources`` (as the reference does), then call ``piece_step(start, end, h,
-    steps, grad_scale)`` (``h``: the piece's row by column name, floats; ``steps``: its completed steps) for each
-    active piece unless ``found_inf`` skips the launch, and advance the step counts."""
+    """Check, gather the gradients from ``sources`` (as the reference does; with ``sources.store`` False, only
+    those :func:`_in_place` leaves where they lie), then call ``piece_step(segments, h, steps, grad_scale)`` for
+    each active piece unless ``found_inf`` skips the launch, and advance the step counts. ``segments``: the piece as
+    ``(start, end, gradient)`` runs, the gradient a slice of ``grad`` or a gradient read in place; ``h``: the
+    piece's row by column name, floats; ``steps``: its completed steps."""
     _check(rule, param, grad, states, hparams)
-    gather(grad, sources, meta)
+    own = _in_place(grad, sources, meta)
     ok = None if found_inf is None else found_inf.reshape(()) == 0
     if ok is None or bool(ok):
         if grad_scale is not None:
@@ -104,8 +107,41 @@ def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, f
         rows = hparams.tolist()
         for start, end, group, steps in runs(meta, param.numel()):
             if end > start:
-                piece_step(start, end, rule.named(rows[group]), steps, grad_scale)
+                piece_step(_segments(start, end, grad, own), rule.named(rows[group]), steps, grad_scale)
     advance_steps(meta, ok)
+
+
+def _in_place(grad, sources, meta):
+    """The gradients read where they lie, ``[(start, end, 1-D tensor)]`` in buffer order: with ``sources.store``
+    False, every source tensor (checked as the reference checks them); otherwise none, the sources gathered into
+    ``grad`` first, as the reference and the kernels store them."""
+    if sources is None or sources.store:
+        gather(grad, sources, meta)
+        return []
+    sources.check(meta, grad)
+    return [
+        (start, start + n, g.as_strided((n,), (1,)))  # memory order, as the kernels read it
+        for start, n, g in zip(sources.start.tolist(), sources.numel.tolist(), sources.tensors)
+        if g is not None and n > 0
+    ]
+
+
+def _segments(start, end, grad, own):
+    """Elements ``[start, end)`` as ``(s, e, gradient)`` runs: the gradients of ``own`` (sorted, each within one
+    piece: a piece is whole parameters) and the slices of ``grad`` between them."""
+    if not own:
+        return [(start, end, grad[start:end])]
+    out, at = [], start
+    for s, e, g in own[bisect.bisect_left(own, (start,)) :]:
+        if s >= end:
+            break
+        if s > at:
+            out.append((at, s, grad[at:s]))
+        out.append((s, e, g))
+        at = e
+    if at < end:
+        out.append((at, end, grad[at:end]))
+    return out
 
 
 def _compact(param, states, precision):
@@ -119,13 +155,26 @@ def _compact(param, states, precision):
     )
 
 
-def _kernel_scale(grad, grad_scale):
-    """The ``grad_scale`` a fused kernel reads (float32), or None after dividing ``grad`` by it here: the reference
-    divides by it in the math's dtype, which float32 holds exactly but for a float64 scale of a float64 gradient."""
+def _unscaled_back(grad, sources, grad_scale, found_inf):
+    """After the reference stepped gradients gathered from ``sources`` that are not stored (``store=False``:
+    their ``.grad`` is where they lie): the unscaled gradients it left in ``grad`` go back there, as torch's fused
+    kernels leave them in ``.grad``."""
+    if sources is None or sources.store or grad_scale is None:
+        return
+    if found_inf is not None and bool(found_inf.reshape(()) != 0):
+        return  # skipped: nothing was unscaled
+    for start, n, g in zip(sources.start.tolist(), sources.numel.tolist(), sources.tensors):
+        if g is not None:
+            g.as_strided((n,), (1,)).copy_(grad[start : start + n])
+
+
+def _kernel_scale(grads, grad_scale):
+    """The ``grad_scale`` a fused kernel reads (float32), or None after dividing ``grads`` by it here: the reference
+    divides by it in the math's dtype, which float32 holds exactly but for a float64 scale of float64 gradients."""
     if grad_scale is None or grad_scale.dtype == torch.float32:
         return grad_scale
-    if grad.dtype == torch.float64 and grad_scale.dtype == torch.float64:
-        grad.div_(grad_scale)
+    if grads[0].dtype == torch.float64 and grad_scale.dtype == torch.float64:
+        torch._foreach_div_(grads, grad_scale)
         return None
     return grad_scale.float()
 
@@ -135,19 +184,21 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=No
                sources=None, **precision):  # fmt: skip
     """One AdamW step over flat buffers (``block_size``: the kernels', ignored here)."""
     if _compact(param, (exp_avg, exp_avg_sq), precision):
-        return reference.adamw_step(param, grad, exp_avg, exp_avg_sq, hparams=hparams, meta=meta, grad_scale=grad_scale,
+        reference.adamw_step(param, grad, exp_avg, exp_avg_sq, hparams=hparams, meta=meta, grad_scale=grad_scale,
                                     found_inf=found_inf, sources=sources, **precision)  # fmt: skip
+        return _unscaled_back(grad, sources, grad_scale, found_inf)
 
-    def piece(s, e, h, steps, scale):
-        g = grad[s:e]
+    def piece(segments, h, steps, scale):
+        grads = [g for _, _, g in segments]
         # The kernel computes the bias corrections 1 - beta**t in float64 from the betas it is given: betas
         # rebuilt from the table's logarithms, as the rule computes them (a float32 table's beta2 = 0.999 is off by
         # 1.3e-8, which 1 - beta2**3 = 0.003 would magnify to 1.3e-5)
         torch._fused_adamw_(
-            [param[s:e]], [g], [exp_avg[s:e]], [exp_avg_sq[s:e]], [], [torch.tensor(steps + 1.0)],
+            [param[s:e] for s, e, _ in segments], grads, [exp_avg[s:e] for s, e, _ in segments],
+            [exp_avg_sq[s:e] for s, e, _ in segments], [], [torch.tensor(steps + 1.0)] * len(segments),
             lr=h["lr"], beta1=math.exp(h["log_beta1"]), beta2=math.exp(h["log_beta2"]),
             weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=h["grad_sign"] < 0,
-            grad_scale=_kernel_scale(g, scale),
+            grad_scale=_kernel_scale(grads, scale),
         )  # fmt: skip
 
     _step(ADAMW, piece, param, grad, (exp_avg, exp_avg_sq), hparams=hparams, meta=meta, grad_scale=grad_scale,
@@ -167,29 +218,36 @@ def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, fo
     else:  # no torch kernel steps as the rule does, for the buffers nor for their math's dtype
         kernel = None
     if kernel is None:  # the reference, for compact storage too (see the module docstring)
-        return reference.sgd_step(param, grad, momentum_buffer, hparams=hparams, meta=meta, grad_scale=grad_scale,
+        reference.sgd_step(param, grad, momentum_buffer, hparams=hparams, meta=meta, grad_scale=grad_scale,
                                   found_inf=found_inf, sources=sources, **precision)  # fmt: skip
+        return _unscaled_back(grad, sources, grad_scale, found_inf)
 
-    def piece(s, e, h, steps, scale):
+    def piece(segments, h, steps, scale):
         # the rule leaves the buffer alone where a group has no momentum, or where no group has one (None)
         momentum = h["momentum"] if momentum_buffer is not None else 0.0
-        buf = momentum_buffer[s:e] if momentum != 0.0 else None
         first = steps == 0
-        if kernel is _sgd_chunked and _low_precision_steps(h, momentum, first, scale):
-            _sgd_low_precision(param[s:e], grad[s:e], buf, h, momentum, first)
-        else:
-            kernel(param[s:e], grad[s:e], buf, h, momentum, first, scale)
+        if kernel is _fused_sgd:  # one call for the piece
+            bufs = [momentum_buffer[s:e] for s, e, _ in segments] if momentum != 0.0 else []
+            return _fused_sgd([param[s:e] for s, e, _ in segments], [g for _, _, g in segments], bufs, h, momentum,
+                              first, scale)  # fmt: skip
+        low = _low_precision_steps(h, momentum, first, scale)
+        for s, e, g in segments:
+            buf = momentum_buffer[s:e] if momentum != 0.0 else None
+            if low:
+                _sgd_low_precision(param[s:e], g, buf, h, momentum, first)
+            else:
+                _sgd_chunked(param[s:e], g, buf, h, momentum, first, scale)
 
     _step(SGD, piece, param, grad, (momentum_buffer,), hparams=hparams, meta=meta, grad_scale=grad_scale,
           found_inf=found_inf, sources=sources)  # fmt: skip
 
 
-def _fused_sgd(param, grad, buf, h, momentum, first, scale):
-    """``torch._fused_sgd_`` over one piece (``buf`` None without momentum)."""
+def _fused_sgd(params, grads, bufs, h, momentum, first, scale):
+    """``torch._fused_sgd_`` over lists of slices (``bufs`` empty without momentum)."""
     torch._fused_sgd_(
-        [param], [grad], [] if buf is None else [buf], weight_decay=h["weight_decay"], momentum=momentum,
+        params, grads, bufs, weight_decay=h["weight_decay"], momentum=momentum,
         lr=h["lr"], dampening=1.0 - h["one_minus_dampening"], nesterov=h["nesterov"] != 0,
-        maximize=h["grad_sign"] < 0, is_first_step=first, grad_scale=_kernel_scale(grad, scale),
+        maximize=h["grad_sign"] < 0, is_first_step=first, grad_scale=_kernel_scale(grads, scale),
     )  # fmt: skip
 
 
@@ -205,7 +263,8 @@ def _sgd_chunked(param, grad, buf, h, momentum, first, scale):
         pf, gf = pf_all[:n].copy_(p), gf_all[:n].copy_(g)
         b = None if buf is None else buf[s:e]
         bf = None if b is None else bf_all[:n].copy_(b)
-        _fused_sgd(pf, gf, bf, h, momentum, first, None if scale is None else scale.to(dtype))
+        scale_f = None if scale is None else scale.to(dtype)
+        _fused_sgd([pf], [gf], [] if bf is None else [bf], h, momentum, first, scale_f)
         p.copy_(pf)
         if b is not None:
             b.copy_(bf)
@@ -265,7 +324,7 @@ def fused_sgd_steps(dtype):
     hp = {k: torch.tensor(v, dtype=math_dtype) for k, v in row.items()}  # the rule reads tensors, as a table's row
     want = SGD.math(*(t.to(math_dtype) for t in (p, g, b)), steps=torch.tensor(1.0), **hp)
     try:
-        _fused_sgd(p, g, b, row, 0.9, False, None)
+        _fused_sgd([p], [g], [b], row, 0.9, False, None)
     except RuntimeError:  # no kernel for this dtype
         return False
     tol = dict(rtol=2**-6, atol=2**-8)  # a rounding or two of bfloat16 apart
@@ -277,11 +336,13 @@ def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf
               sources=None, **precision):  # fmt: skip
     """One Lion step over flat buffers (``block_size``: the kernels', ignored here)."""
     if _compact(param, (exp_avg,), precision):
-        return reference.lion_step(param, grad, exp_avg, hparams=hparams, meta=meta, grad_scale=grad_scale,
+        reference.lion_step(param, grad, exp_avg, hparams=hparams, meta=meta, grad_scale=grad_scale,
                                    found_inf=found_inf, sources=sources, **precision)  # fmt: skip
+        return _unscaled_back(grad, sources, grad_scale, found_inf)
 
-    def piece(s, e, h, steps, scale):
-        _lion_chunked(param[s:e], grad[s:e], exp_avg[s:e], h, scale)
+    def piece(segments, h, steps, scale):
+        for s, e, g in segments:
+            _lion_chunked(param[s:e], g, exp_avg[s:e], h, scale)
 
     _step(LION, piece, param, grad, (exp_avg,), hparams=hparams, meta=meta, grad_scale=grad_scale,
           found_inf=found_inf, sources=sources)  # fmt: skip

@@ -42,12 +42,20 @@ def _remove(handles):
 class GradLanding:
     """The gradient views of one optimizer's flat buffers and the hooks that copy gradients into them.
 
+    On the CPU (:attr:`copy_on_cpu` False, the default) no hook copies gradients in as they arrive: autograd's
+    tensor stays in ``.grad`` until ``step()``, which copies the small ones into their slots with one batched copy
+    and reads the others where they lie (:mod:`flatopt.engines.step`). A Python hook per parameter per backward
+    and a copy of every gradient cost more there than the flat step saves; on a GPU the hook's host time overlaps
+    the device's work and releasing each gradient at once lowers the memory peak.
+
     Args:
         buffers (list[FlatBuffer]): the buffers, each with a gradient buffer.
         keep_none (bool): a ``.grad`` that is None stays None (``skip_unused=True``).
         names (flatopt.naming.Names): how messages name parameters.
         cls (str): the optimizer's class name, for messages.
     """
+
+    copy_on_cpu = False  # the tests set it to run the GPU's copying hooks on the CPU (tests/conftest.py)
 
     def __init__(self, buffers, *, keep_none=False, names=None, cls="flatopt", module=None, direct=True):
         self.views = {p: view for buf in buffers for p, view in zip(buf.params, buf.grad_views)}
@@ -128,7 +136,7 @@ class GradLanding:
         # gradient of theirs goes torch's way (a tensor hook, create_graph, torch.compile): then it gets one
         self._land = land
         # a parameter frozen at the layout has none (autograd refuses one); it is laid out again when unfrozen
-        self.hooked = {p for p in self.views if p not in self.slots.covered and p.requires_grad}
+        self.hooked = {p for p in self.views if p not in self.slots.covered and p.requires_grad and self.copies(p)}
         self.handles = [p.register_post_accumulate_grad_hook(land) for p in self.hooked]
         # once the landing is gone, its hooks go too: they hold the views, and so the gradient buffer
         self._finalizer = weakref.finalize(self, _remove, self.handles)
@@ -143,9 +151,14 @@ class GradLanding:
         finally:
             self.deferred = False
 
+    def copies(self, p):
+        """Whether ``p``'s gradients of their own are copied in by a hook as they arrive: not on the CPU, where
+        step() lands them (:attr:`copy_on_cpu`)."""
+        return self.copy_on_cpu or p.device.type != "cpu"
+
     def hook(self, p):
         """Give covered parameter ``p`` the copying hook (once): its gradients arrive as tensors of their own."""
-        if p not in self.hooked and self._finalizer is not None and p.requires_grad:
+        if p not in self.hooked and self._finalizer is not None and p.requires_grad and self.copies(p):
             self.hooked.add(p)
             handle = p.register_post_accumulate_grad_hook(self._land)
             self.handles.append(handle)  # the finalizer's list: removed with the others
@@ -199,6 +212,19 @@ class GradLanding:
         ``skip_unused=True``). Raises, changing nothing, for a gradient the buffer cannot hold
         (sparse, or with autograd history)."""
         self.apply(self.plan())
+
+    def leave_in_place(self, plan, fits):
+        """Take the gradients of their own that ``fits(view, grad)`` accepts out of ``plan`` (from :meth:`plan`):
+        their ``.grad`` stays the tensor autograd made, which the step reads where it lies. Returns the plan of the
+        rest and {parameter: gradient}."""
+        zero, copy = plan
+        taken, rest = {}, []
+        for p, view, g in copy:
+            if g is not None and fits(view, g):
+                taken[p] = g
+            else:
+                rest.append((p, view, g))
+        return (zero, rest), taken
 
     def settle_gathering(self, fits):
         """settle() inside capture(), except for the gradients left in the graph's pool that ``fits(view,

@@ -216,7 +216,11 @@ class GradSources:
     ``src``, ``start``, ``numel``: int64 ``[params]`` on the buffer's device (the address of each
     gradient, each parameter's offset in the buffer, its number of elements); ``tensors``: the
     gradients the addresses point at, kept alive here (None where the source is the parameter's own
-    view, whose value the kernel then keeps).
+    view, whose value the kernel then keeps). ``store=False``: the caller will not read these
+    gradients' slots in the flat buffer after the launch (their ``.grad`` stays where the gradient
+    lies), so a launch need not store them there: the CPU backend then steps from the gradients in
+    place (and leaves the unscaled gradients there under ``grad_scale``, as torch's fused kernels
+    leave them in ``.grad``); the kernels and the reference store them all the same.
     """
 
     src: torch.Tensor
@@ -228,6 +232,7 @@ class GradSources:
     widest: int  # the widest load width the sizes allow (what vec is set to by of())
     length: int  # the flat buffer's length and dtype: sources are for that buffer only
     dtype: torch.dtype
+    store: bool = True  # False: the slots of these gradients need not be written (see above)
 
     def check(self, meta, grad):
         """Raise unless a launch over ``grad`` (a flat gradient buffer) with ``meta`` can gather from
@@ -297,7 +302,7 @@ class GradSources:
         return src
 
     @classmethod
-    def of(cls, buf, grads):
+    def of(cls, buf, grads, *, store=True):
         """The sources of ``buf`` from ``grads`` (one tensor or None per parameter of ``buf``: None
         reads the parameter's own view). Raises ValueError for a gradient that does not fit. Copies
         its tables to the device (not inside a CUDA graph capture: see :meth:`point_at`)."""
@@ -311,7 +316,16 @@ class GradSources:
         if any(n % vec for n in numel):
             vec = 1
         return cls(
-            table(src), table(buf.starts), table(numel), list(grads), vec, tuple(numel), vec, buf.numel, buf.dtype
+            table(src),
+            table(buf.starts),
+            table(numel),
+            list(grads),
+            vec,
+            tuple(numel),
+            vec,
+            buf.numel,
+            buf.dtype,
+            store,
         )
 
     def point_at(self, addresses):

@@ -156,11 +156,15 @@ def pretend_ranks(monkeypatch, world):
 
 
 @pytest.fixture(autouse=True)
-def release_gradients_as_on_a_gpu(request, monkeypatch):
-    """zero_grad() releases the flat gradient storage on a GPU and keeps it on the CPU (flatopt.landing:
-    re-faulting its pages costs more than the step there). The suite runs on the CPU and tests the release
-    path, the one users on a GPU get; a test marked ``cpu_storage_policy`` gets the CPU's default."""
-    if "cpu_storage_policy" not in request.keywords:
+def gradients_as_on_a_gpu(request, monkeypatch):
+    """On a GPU, zero_grad() releases the flat gradient storage and a hook copies each gradient of its own into the
+    buffer as it arrives; on the CPU the storage is kept and step() lands those gradients itself (flatopt.landing,
+    flatopt.grads: re-faulting pages and a Python hook per gradient cost more than the step there). The suite runs
+    on the CPU and tests the GPU's path, the one most users get; a test marked ``cpu_gradient_policy`` gets the
+    CPU's, and so does every test with ``FLATOPT_TEST_GRADIENTS=cpu`` in the environment."""
+    if "cpu_gradient_policy" not in request.keywords and os.environ.get("FLATOPT_TEST_GRADIENTS") != "cpu":
+        from flatopt.grads import GradLanding
         from flatopt.landing import LandingSlots
 
         monkeypatch.setattr(LandingSlots, "release_on_cpu", True)
+        monkeypatch.setattr(GradLanding, "copy_on_cpu", True)

@@ -937,7 +937,7 @@ def test_a_gradient_kept_by_the_caller_keeps_the_storage():
     assert slots.released(0)
 
 
-@pytest.mark.cpu_storage_policy
+@pytest.mark.cpu_gradient_policy
 def test_on_the_cpu_zero_grad_keeps_the_storage_and_gradients_land_in_it_again():
     """The CPU's default (LandingSlots.release_on_cpu off): zero_grad() sets every .grad to None but keeps the
     storage at its address, so a backward writes into memory already mapped; gradients are torch's."""
@@ -959,7 +959,7 @@ def test_on_the_cpu_zero_grad_keeps_the_storage_and_gradients_land_in_it_again()
         assert buf.grad.untyped_storage().nbytes() == buf.numel * 4
 
 
-@pytest.mark.cpu_storage_policy
+@pytest.mark.cpu_gradient_policy
 def test_an_optimizer_on_the_cpu_steps_as_torch_with_the_storage_kept(backend):
     """The optimizer's loop over the kept storage (each backward writes over the last one's gradients) steps
     as torch.optim does."""

@@ -1,0 +1,181 @@
+"""How gradients reach the step on the CPU (flatopt.grads.GradLanding.copy_on_cpu off, as outside the tests).
+
+No hook copies a gradient of its own (one autograd made for an uncovered use) into the flat buffer as it arrives:
+``.grad`` holds autograd's tensor until ``step()``, which copies the small ones into their slots with one batched
+copy and steps the others where they lie (``IN_PLACE_MIN`` elements and more), their ``.grad`` staying autograd's
+tensor. Covered layers still write into the buffer. Checked against torch.optim's fused CPU kernels (and the Lion
+reference) over many steps, with accumulation, ``zero_grad(set_to_none=False)``, a parameter without a gradient,
+clipping (flatopt's and torch's), GradScaler's arguments and a master-weight buffer.
+"""
+
+import pytest
+import torch
+from conftest import TOL, LionReference
+from torch import nn
+
+import flatopt
+from flatopt.engines.step import IN_PLACE_MIN
+
+pytestmark = pytest.mark.cpu_gradient_policy
+
+
+class Model(nn.Module):
+    """A covered Linear, a large uncovered weight (read in place) and a small uncovered bias (copied in)."""
+
+    def __init__(self, dtype=torch.float32, seed=0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.proj = nn.Linear(8, 400).to(dtype)
+        self.mix = nn.Parameter((torch.randn(400, 400, generator=gen) * 0.05).to(dtype))  # 160,000 elements
+        self.shift = nn.Parameter((torch.randn(400, generator=gen) * 0.1).to(dtype))
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.randn(400, 8, generator=gen) * 0.3)
+            self.proj.bias.zero_()
+
+    def forward(self, x):
+        h = torch.tanh(self.proj(x))
+        return (torch.tanh(h @ self.mix + self.shift) ** 2).mean()
+
+
+assert Model().mix.numel() >= IN_PLACE_MIN > Model().shift.numel()
+
+PAIRS = {
+    "adamw": (flatopt.AdamW, lambda ps, **kw: torch.optim.AdamW(ps, fused=True, **kw), dict(lr=1e-2, weight_decay=0.1)),
+    "sgd": (flatopt.SGD, lambda ps, **kw: torch.optim.SGD(ps, fused=True, **kw), dict(lr=0.05, momentum=0.9)),
+    "lion": (flatopt.Lion, LionReference, dict(lr=1e-3, weight_decay=0.1)),
+}
+
+
+def batches(n, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 8, generator=gen) for _ in range(n)]
+
+
+def close(a, b, what, **tol):
+    torch.testing.assert_close(a, b, **(tol or TOL[torch.float32]), msg=lambda m: f"{what}: {m}")
+
+
+def in_buffer(opt, t):
+    """Whether ``t`` lies in one of ``opt``'s flat gradient buffers."""
+    from benchmarks.harness import internals
+
+    for buf in internals(opt).buffers:
+        lo = buf.grad.data_ptr()
+        if lo <= t.data_ptr() < lo + buf.grad.numel() * buf.grad.element_size():
+            return True
+    return False
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_large_gradients_are_stepped_where_autograd_left_them(name):
+    ours_cls, theirs_cls, kw = PAIRS[name]
+    m1, m2 = Model(), Model()
+    o1, o2 = ours_cls(m1, **kw), theirs_cls(list(m2.parameters()), **kw)
+    assert o1.backend == "cpu"
+    for step, x in enumerate(batches(12)):
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad()
+            m(x).backward()
+        mix_grad = m1.mix.grad
+        assert not in_buffer(o1, mix_grad) and not in_buffer(o1, m1.shift.grad)  # no hook copied them
+        assert in_buffer(o1, m1.proj.weight.grad)  # a covered layer wrote it there
+        for o in (o1, o2):
+            o.step()
+        assert m1.mix.grad is mix_grad, "the large gradient stays autograd's tensor"
+        assert in_buffer(o1, m1.shift.grad), "the small one is copied into its slot"
+        for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+            close(a, b, f"step {step}, {n}")
+            close(a.grad, b.grad, f"step {step}, {n}.grad")
+        for a, b in zip(m1.parameters(), m2.parameters()):
+            for key, value in o2.state[b].items():
+                if torch.is_tensor(value) and value.numel() > 1:
+                    close(o1.state[a][key], value, f"step {step}, state {key}")
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_accumulation_zeroing_and_a_missing_gradient(name):
+    """Two micro-batches per step (autograd adds the second into the tensor it made), steps without zero_grad()
+    (the same gradients read again), zero_grad(set_to_none=False) (every .grad a zeroed view, added into), and a
+    parameter whose gradient is None (not stepped, as torch.optim)."""
+    ours_cls, theirs_cls, kw = PAIRS[name]
+    m1, m2 = Model(), Model()
+    o1, o2 = ours_cls(m1, **kw), theirs_cls(list(m2.parameters()), **kw)
+    xs = batches(16)
+    for step in range(8):
+        for m, o in ((m1, o1), (m2, o2)):
+            if step % 4 != 3:  # every fourth step reads the last gradients again
+                o.zero_grad(set_to_none=step % 4 != 2)
+                m(xs[2 * step]).backward()
+                m(xs[2 * step + 1]).backward()
+            if step == 5:
+                m.shift.grad = None
+            o.step()
+        for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+            close(a, b, f"step {step}, {n}")
+
+
+@pytest.mark.parametrize("use", ["flatopt", "torch"])
+def test_clipping_sees_the_gradients_where_they_lie(use):
+    """opt.clip_grad_norm_() copies them into the buffer first; torch.nn.utils.clip_grad_norm_ scales autograd's
+    tensors, which the step then reads."""
+    ours_cls, theirs_cls, kw = PAIRS["adamw"]
+    m1, m2 = Model(), Model()
+    o1, o2 = ours_cls(m1, **kw), theirs_cls(list(m2.parameters()), **kw)
+    for step, x in enumerate(batches(6)):
+        norms = []
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad()
+            (m(x) * 50.0).backward()
+            if use == "flatopt" and o is o1:
+                norms.append(o.clip_grad_norm_(0.5))
+            else:
+                norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+            o.step()
+        assert norms[1] > 0.5, "the gradients are clipped"
+        close(norms[0], norms[1], f"step {step}, norm")
+        for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+            close(a, b, f"step {step}, {n}")
+
+
+@pytest.mark.parametrize("master", [None, "remainder"])
+def test_grad_scale_leaves_the_unscaled_gradient_in_grad(master):
+    """GradScaler's arguments (as torch's fused optimizers take them): the step divides by grad_scale and leaves the
+    unscaled gradients in .grad, autograd's tensor included; found_inf skips the step. With a master-weight buffer
+    (stepped by the reference on the CPU) too."""
+    dtype = torch.bfloat16 if master else torch.float32
+    m1 = Model(dtype)
+    o1 = flatopt.AdamW(m1, lr=1e-2, **({"master_weights": master} if master else {}))
+    x = batches(1)[0].to(dtype)
+    o1.zero_grad()
+    (m1(x) * 8.0).backward()
+    scaled = {n: p.grad.clone() for n, p in m1.named_parameters()}
+    before = {n: p.detach().clone() for n, p in m1.named_parameters()}
+    o1.grad_scale, o1.found_inf = torch.tensor(8.0), torch.tensor(1.0)
+    o1.step()
+    for n, p in m1.named_parameters():
+        assert torch.equal(p, before[n]) and torch.equal(p.grad, scaled[n]), f"{n}: found_inf skips"
+    o1.grad_scale, o1.found_inf = torch.tensor(8.0), torch.tensor(0.0)
+    o1.step()
+    for n, p in m1.named_parameters():
+        close(p.grad.float(), scaled[n].float() / 8.0, f"{n}.grad unscaled", atol=0, rtol=0)
+        assert not torch.equal(p, before[n]), f"{n} stepped"
+
+
+def test_low_precision_sgd_and_lion_step_gradients_in_place():
+    """bfloat16 buffers: SGD's addcmul path and Lion's chunks over a piece cut around a gradient read in place."""
+    for ours_cls, _, kw in (PAIRS["sgd"], PAIRS["lion"]):
+        m1, m2 = Model(torch.bfloat16), Model(torch.bfloat16)
+        o1 = ours_cls(m1, **kw)
+        o2 = ours_cls(m2, **kw, backend="torch")  # the reference: every gradient gathered into the buffer
+        for step, x in enumerate(batches(3)):
+            for m, o in ((m1, o1), (m2, o2)):
+                o.zero_grad()
+                m(x.bfloat16()).backward()
+            mix_grad = m1.mix.grad
+            o1.step()
+            o2.step()
+            assert m1.mix.grad is mix_grad
+            for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+                close(a.float(), b.float(), f"{ours_cls.__name__} step {step}, {n}", atol=2**-7, rtol=1.6e-2)
+                with torch.no_grad():
+                    b.copy_(a)  # one step's roundings each time
