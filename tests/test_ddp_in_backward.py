@@ -224,6 +224,34 @@ def run_second_pass(rank):
     return out
 
 
+def run_recreated(rank):
+    """An in-backward optimizer deleted, then torch.optim in step mode on the same DDP model (flatopt's hook, its
+    optimizer gone, puts DDP's averages in .grad as DDP would), then a new in-backward optimizer (it takes the
+    hook over): three phases of two steps, each with a fresh optimizer, against torch.optim doing the same."""
+    DDP = _ddp()
+    flat_cls, ref_cls, hp = OPTIMIZERS["AdamW"]
+    model, ref = mlp(0), mlp(0)
+    ddp, ref_ddp = DDP(model), DDP(ref)
+    out = {"phases": []}
+    step = 0
+    for phase in ("in_backward", "torch", "in_backward"):
+        opt = flat_cls(ddp, in_backward=True, backend="torch", **hp) if phase == "in_backward" else None
+        opt = opt if opt is not None else ref_cls(model.parameters(), **hp)
+        ref_opt = ref_cls(ref.parameters(), **hp)
+        for _ in range(2):
+            x, y = batch(rank, step)
+            step += 1
+            for d in (ddp, ref_ddp):
+                nn.functional.mse_loss(d(x), y).backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        out["phases"].append((phase, values(model), values(ref)))
+        del opt  # gone before the next phase: its hooks must no longer step
+    return out
+
+
 def run_clip_after_pass(rank):
     """torch.nn.utils.clip_grad_norm_ after a stepped DDP pass: raises (the gradients are gone), rather than clip
     nothing and return 0; on gradients accumulated under opt.no_step() (averaged by DDP) it is torch's."""
@@ -308,6 +336,7 @@ SCENARIOS = {
     **{f"match:{i}": (run_match, m) for i, m in zip(MATCH_IDS, MATCH)},
     "second_pass": (run_second_pass, ()),
     "clip": (run_clip_after_pass, ()),
+    "recreated": (run_recreated, ()),
     "construction": (run_construction_refusals, ()),
 }
 
@@ -375,6 +404,17 @@ def test_second_backward_pass_is_refused_and_ddp_goes_on(results):
         assert result["grads_none"], f"rank {rank}: the refused pass left gradients"
         after = result["after"]
         ranks.assert_history([after["flat"]], [after["ref"]], f"rank {rank}, after the refusal", **TOL)
+
+
+def test_optimizer_recreated_on_the_same_ddp_model(results):
+    """A deleted in-backward optimizer steps nothing more, DDP's gradients reach .grad for torch.optim, and a new
+    in-backward optimizer on the same DDP model steps its buckets."""
+    for rank, result in enumerate(results("recreated")):
+        for k, (phase, ours, theirs) in enumerate(result["phases"]):
+            for i, (a, b) in enumerate(zip(ours, theirs)):
+                torch.testing.assert_close(
+                    a, b, **TOL, msg=lambda m: f"rank {rank}, phase {k} ({phase}), param {i}: {m}"
+                )
 
 
 def test_clip_grad_norm_after_a_stepped_pass_raises(results):

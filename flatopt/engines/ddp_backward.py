@@ -30,6 +30,8 @@ per run::
   (DDP averages each micro-batch and the hook puts the average in ``.grad``, as DDP does); the next synchronised
   pass outside them steps with the sum, or ``step()`` does. ``accumulation_steps`` and ``max_grad_norm`` are refused
   at construction.
+* An optimizer created on a DDP model that has flatopt's hook already (from an optimizer created before) takes the
+  hook over; while no optimizer is alive, the hook puts DDP's averages in ``.grad``, as DDP would.
 * A pass that cannot be stepped (a second one without ``step()`` or ``zero_grad()``, one after a pass that raised)
   still lets DDP finish its all-reduces, steps nothing, drops its gradients, and raises when DDP's end-of-backward
   work is done, so that the reducer is left ready for the next iteration.
@@ -64,7 +66,7 @@ def check_ddp(opt, ddp):
             "them untouched as skip_unused=True asks. Pass skip_unused=False (they are stepped with a zero gradient, "
             "as torch.optim after zero_grad(set_to_none=False)), or use in_backward=False (step mode)"
         )
-    if getattr(ddp, "_comm_hooks", None):
+    if any(hook is not comm_hook for hook, _ in getattr(ddp, "_comm_hooks", ())):  # flatopt's own is taken over
         raise ValueError(
             f"{cls}(in_backward=True) steps each bucket from a DDP communication hook of its own, and this "
             "DistributedDataParallel has one already (DDP takes one): create the optimizer on a DDP model without "
@@ -177,16 +179,25 @@ class DDPInBackwardEngine(InBackwardEngine):
         if ddp is None:
             return
         if self.hook_state is None:
-            self.hook_state = HookState(self, ddp.process_group, bool(ddp.gradient_as_bucket_view))
-            ddp.register_comm_hook(self.hook_state, comm_hook)
-            ddp.reducer._set_optimizer_in_backward()  # DDP leaves .grad alone at the end of backward
+            ours = [state for hook, state in getattr(ddp, "_comm_hooks", ()) if hook is comm_hook]
+            if ours:  # registered by an optimizer created on this DDP model before: this one steps the buckets now
+                self.hook_state = ours[0]
+                self.hook_state.engine = weakref.ref(self)
+            else:
+                state = HookState(self, ddp.process_group, bool(ddp.gradient_as_bucket_view))
+                try:
+                    ddp.register_comm_hook(state, comm_hook)
+                except RuntimeError as e:  # a built-in hook (ddp._register_builtin_comm_hook) is not listed
+                    raise RuntimeError(
+                        f"{self.cls}(in_backward=True) steps each bucket from a DDP communication hook of its own, "
+                        f"and DDP refused it ({e}): create the optimizer on a DDP model without a communication hook, "
+                        "or use in_backward=False (step mode)"
+                    ) from e
+                self.hook_state = state
+                ddp.reducer._set_optimizer_in_backward()  # DDP leaves .grad alone at the end of backward
 
-    def _begin(self, task, backward=True):
-        dirty = self.dirty
-        super()._begin(task, backward)
-        if dirty:
-            for run in self.runs.values():
-                self.set_uniform(run)
+    def launched_buckets(self):
+        return [*self.buckets, *self.runs.values()]
 
     @staticmethod
     def set_uniform(run):
@@ -206,6 +217,14 @@ class DDPInBackwardEngine(InBackwardEngine):
         """From the communication hook, on the autograd thread: what this pass does with its buckets, decided at
         its first bucket."""
         task = _graph_task_id()
+        if task == -1:
+            raise RuntimeError(
+                f"{self.cls}(in_backward=True): DDP ran a bucket's all-reduce outside a backward pass (DDP's join() "
+                "for "
+                "uneven inputs does so on a rank that has run out of data), where in-backward mode cannot step the "
+                "bucket as the other ranks do. Give every rank the same number of batches, or use in_backward=False "
+                "(step mode)"
+            )
         if task != self.pass_task:
             with self.lock, torch.no_grad():
                 self.open_pass(task)

@@ -174,6 +174,10 @@ class InBackwardEngine(FlatEngine):
         self.outside = set()  # laid-out parameters removed from param_groups since: not stepped until laid out anew
         clip_patch.register(self)  # torch.nn.utils.clip_grad_norm_ over its parameters asks it (see clip_patch)
 
+    def launched_buckets(self):
+        """The buckets whose launches read ``meta.uniform``, recomputed at a pass after a step count changed."""
+        return self.buckets
+
     def check_ranks(self):
         """Refuse several ranks (see :func:`flatopt.distributed.check_single_process`): the hooks step each rank's
         own gradient. The DDP engine (:mod:`flatopt.engines.ddp_backward`) steps averaged gradients instead."""
@@ -570,7 +574,7 @@ class InBackwardEngine(FlatEngine):
         self.backwards += 1
         self.refresh_hparams()
         if self.dirty:
-            for b in self.buckets:
+            for b in self.launched_buckets():
                 steps = b.meta.steps[b.first : b.stop]
                 b.meta.uniform = b.single_groups and bool((steps == steps[0]).all())
             self.dirty = False
