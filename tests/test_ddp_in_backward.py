@@ -253,8 +253,9 @@ def run_recreated(rank):
 
 
 def run_clip_after_pass(rank):
-    """torch.nn.utils.clip_grad_norm_ after a stepped DDP pass: raises (the gradients are gone), rather than clip
-    nothing and return 0; on gradients accumulated under opt.no_step() (averaged by DDP) it is torch's."""
+    """torch.nn.utils.clip_grad_norm_ (and opt.clip_grad_norm_) after a stepped DDP pass: raises (the gradients are
+    gone), rather than clip nothing and return 0; on gradients accumulated under opt.no_step() (averaged by DDP) it
+    is torch's."""
     DDP = _ddp()
     model = mlp(0)
     ddp = DDP(model)
@@ -267,12 +268,21 @@ def run_clip_after_pass(rank):
     opt.step()
     opt.zero_grad()
     nn.functional.mse_loss(ddp(x), y).backward()
-    error = None
+    error = own = None
     try:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     except Exception as e:
         error = e
-    return {"refusal": error_of(error), "accumulated_norm": float(accumulated), "grads": grads}
+    try:
+        opt.clip_grad_norm_(1.0)
+    except Exception as e:
+        own = e
+    return {
+        "refusal": error_of(error),
+        "own_refusal": error_of(own),
+        "accumulated_norm": float(accumulated),
+        "grads": grads,
+    }
 
 
 def run_construction_refusals(rank):
@@ -322,6 +332,7 @@ MATCH = [
     ("SGD", {"micro": 3, "accumulate": "no_step", "ddp": {"gradient_as_bucket_view": True}}),
     ("AdamW", {"micro": 2, "accumulate": "step"}),
     ("AdamW", {"aligned": True, "ddp": {"bucket_cap_mb": 0.01}}),
+    ("AdamW", {"aligned": True, "ddp": {"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True}}),
     ("AdamW", {"unused": True}),
 ]
 
@@ -386,10 +397,12 @@ def test_small_buckets_take_one_launch_each(results):
         assert result["launches"] == [1] + [2] * (STEPS - 1), f"rank {rank}: {result['launches']}"
 
 
-def test_aligned_sizes_are_stepped_from_ddp_buckets_without_copies(results):
-    """Every size a multiple of 64: after DDP's first iteration (buckets in registration order, copied) each run is
-    stepped straight from DDP's bucket, whose order is then the flat buffer's."""
-    for rank, result in enumerate(results(f"match:{match_id(*MATCH[8])}")):
+@pytest.mark.parametrize("scenario", [match_id(*MATCH[8]), match_id(*MATCH[9])])
+def test_aligned_sizes_are_stepped_from_ddp_buckets_without_copies(results, scenario):
+    """Every size a multiple of 64, either gradient_as_bucket_view: after DDP's first iteration (buckets in
+    registration order, copied) each run is stepped straight from DDP's bucket, whose order is then the flat
+    buffer's."""
+    for rank, result in enumerate(results(f"match:{scenario}")):
         params = 64 * 64 + 64 + 64 * 64 + 64
         assert result["copied"] == params, f"rank {rank}: {result['copied']} elements copied, expected one iteration"
         assert result["direct"] >= STEPS - 1, f"rank {rank}: {result['direct']} runs stepped from DDP's bucket"
@@ -422,6 +435,7 @@ def test_clip_grad_norm_after_a_stepped_pass_raises(results):
         err = result["refusal"]
         assert err is not None, f"rank {rank}: clip_grad_norm_ after a stepped pass was a silent no-op"
         assert err["type"] == "builtins.RuntimeError" and "DistributedDataParallel" in err["message"], err
+        assert result["own_refusal"] == err, f"rank {rank}: opt.clip_grad_norm_ differs: {result['own_refusal']}"
         expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in result["grads"]]))
         assert result["accumulated_norm"] == pytest.approx(float(expected), rel=1e-6)
     r0, r1 = results("clip")
