@@ -1,9 +1,13 @@
-"""Train a small model under DistributedDataParallel with flatopt.AdamW (step mode).
+"""Train a small model under DistributedDataParallel with flatopt.AdamW, in step mode or in in-backward mode.
 
-    torchrun --nproc-per-node 2 examples/ddp.py      # CPU ranks (gloo), or one GPU per rank (nccl)
+    torchrun --nproc-per-node 2 examples/ddp.py                  # CPU ranks (gloo), or one GPU per rank (nccl)
+    torchrun --nproc-per-node 2 examples/ddp.py --in-backward    # each DDP bucket stepped once averaged
 
-DDP averages the gradients into the flat gradient buffer's views during backward; ``opt.step()`` is then one
-launch per flat buffer, and every rank holds the same parameters.
+Step mode: DDP averages the gradients into the flat gradient buffer's views during backward; ``opt.step()`` is
+then one launch per flat buffer. In-backward mode (the optimizer given the DDP wrapper): flatopt's communication
+hook steps each DDP bucket as soon as DDP has averaged it, during backward, and frees its gradients; clipping is
+left out there (refused under DDP: the gradients are applied before their global norm is known). Either way every
+rank holds the same parameters, which the script checks at the end.
 """
 
 import argparse
@@ -21,6 +25,7 @@ import flatopt
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--in-backward", action="store_true", help="step each DDP bucket during backward")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -31,13 +36,17 @@ def main():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).to(device)
     ddp = DistributedDataParallel(model)
-    opt = flatopt.AdamW(ddp.module, lr=1e-3, weight_decay=0.1)
+    if args.in_backward:
+        opt = flatopt.AdamW(ddp, lr=1e-3, weight_decay=0.1, in_backward=True)  # the wrapper: its buckets are stepped
+    else:
+        opt = flatopt.AdamW(ddp.module, lr=1e-3, weight_decay=0.1)
     for step in range(args.steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own data
         x, y = torch.randn(16, 64, generator=gen).to(device), torch.randn(16, 8, generator=gen).to(device)
         loss = F.mse_loss(ddp(x), y)
-        loss.backward()
-        opt.clip_grad_norm_(1.0)
+        loss.backward()  # in-backward mode: the parameters are updated here
+        if not args.in_backward:
+            opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
         if rank == 0 and step % 5 == 0:

@@ -27,14 +27,19 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             two stepping backward passes (a second one is refused before it updates anything).
             Not compatible with GradScaler, reentrant activation checkpointing or ``flat=False``;
             accumulate gradients with ``accumulation_steps`` or ``with opt.no_step():``, clip with
-            ``max_grad_norm`` (default: False)
+            ``max_grad_norm``. Under DistributedDataParallel give the optimizer the DDP wrapper
+            (``params=ddp``, or param groups with ``model=ddp``): each DDP bucket is then stepped
+            from a communication hook once averaged (no ``accumulation_steps`` nor
+            ``max_grad_norm`` there; see docs/distributed.md) (default: False)
         bucket_size (int, optional): with ``in_backward=True``, the most elements of consecutive
             parameters stepped by one kernel launch; gradient memory held by the optimizer is
             about one bucket (default: 2**25)
-        allow_several_ranks (bool, optional): with ``in_backward=True``, allow several
-            torch.distributed ranks whose models share no parameters (pipeline stages,
-            independent runs); refused by default, since in-backward steps happen before
-            DistributedDataParallel averages gradients (default: False)
+        allow_several_ranks (bool, optional): with ``in_backward=True`` on a model not given
+            as DistributedDataParallel (nor FSDP2), allow several torch.distributed ranks whose
+            models share no parameters (pipeline stages, independent runs); refused by default,
+            since the per-parameter hooks step each rank's own gradient. Not needed, and not
+            looked at, with the DDP wrapper given, whose buckets are stepped once averaged; a model
+            wrapped in DDP after such an optimizer was created is not detected (default: False)
         accumulation_steps (int, optional): with ``in_backward=True`` only, the backward passes
             per optimizer step, for loops a framework drives (transformers' Trainer
             ``gradient_accumulation_steps``, Lightning's ``accumulate_grad_batches``). Passes are
@@ -57,8 +62,9 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             buffer; every other gradient is copied in by a hook. ``False`` copies every gradient
             in (default: True)
         model (nn.Module, optional): the model whose covered layers write their gradients into
-            the buffer when ``params`` are parameters or param groups (default: ``params`` when
-            it is a module)
+            the buffer when ``params`` are parameters or param groups; with ``in_backward=True``,
+            only a DistributedDataParallel model, whose buckets are then stepped (default:
+            ``params`` when it is a module)
         master_weights (str, optional): for bfloat16 parameters (``"fp32"``: also float16), keep
             a float32 master copy (``"fp32"``) or the 16 bits bfloat16 drops from it
             (``"remainder"``: parameter and remainder are the float32 master bit for bit); the

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from flatopt.checkpoint import CheckpointMixin
-from flatopt.distributed import check_single_process
+from flatopt.distributed import check_single_process, is_ddp
 from flatopt.engines import make_engine
 from flatopt.functional import BACKENDS
 from flatopt.hparams import HParamTable
@@ -47,6 +47,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self._check_module(model)
             self.options = dataclasses.replace(self.options, model=None)
         by_name = {}
+        ddp = is_ddp(model) or is_ddp(params)  # in-backward mode steps DDP's buckets (flatopt.engines.ddp_backward)
         if isinstance(params, nn.Module):
             self._check_module(params)
             by_name = {p: n for n, p in params.named_parameters()}
@@ -60,8 +61,10 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self.hparams = HParamTable(self.rule.row, self.rule.check, self.rule.lr_column)
         super().__init__(params, defaults)
         self.names.param_groups = self.param_groups
-        # in-backward hooks step each rank's own gradient, except under FSDP2, whose hooks run after its reduce-scatter
-        if self.options.in_backward and not any(is_dtensor(p) for g in self.param_groups for p in g["params"]):
+        # in-backward hooks step each rank's own gradient, except under FSDP2, whose hooks run after its reduce-scatter,
+        # and under DDP given as the model, whose buckets are stepped from a communication hook once averaged
+        sharded = any(is_dtensor(p) for g in self.param_groups for p in g["params"])
+        if self.options.in_backward and not ddp and not sharded:
             check_single_process(cls, self.options.allow_several_ranks)
         self.precision = self.options.precision  # how parameters and states are stored (see flatopt.precision)
         self.precision.check_params(cls, self.rule, self.param_groups)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from flatopt import precision as precision_options
+from flatopt.distributed import is_ddp
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: 128 MiB of float32 staging gradient in in-backward mode
 NORM_TYPES = (1.0, 2.0, math.inf)  # the norms in-backward clipping (max_grad_norm) takes
@@ -145,7 +146,9 @@ class FlatOptions:
                 f"{cls_name}: bucket_size applies to in_backward=True only; drop it or pass in_backward=True"
             )
         for name in ("direct_grads", "model"):
-            if name in kwargs and (in_backward or not flat):
+            # in-backward mode takes a DistributedDataParallel model: param groups with model=ddp (engines.ddp_backward)
+            ddp_model = name == "model" and in_backward and flat and is_ddp(kwargs.get("model"))
+            if name in kwargs and (in_backward or not flat) and not ddp_model:
                 mode = "in_backward=True" if in_backward else "flat=False"
                 raise ValueError(
                     f"{cls_name}: {name} applies to step mode with flat=True (gradients landing in the flat "

@@ -425,8 +425,9 @@ def test_skip_unused_with_several_ranks_matches_torch(ddp_results):
 
 
 def test_in_backward_with_several_ranks_is_refused(ddp_results):
-    """In-backward mode would step each rank's own gradient before DDP averages them: refused when the
-    optimizer is created, before the parameters are moved into its buffers."""
+    """In-backward mode given ``ddp.module`` rather than the DDP wrapper would step each rank's own gradient
+    before DDP averages them: refused when the optimizer is created, before the parameters are moved into its
+    buffers (the wrapper itself is stepped bucket by bucket: tests/test_ddp_in_backward.py)."""
     for rank, result in enumerate(ddp_results("in_backward")):
         err = result["construct_error"]
         assert err is not None, f"rank {rank}: in_backward=True under DDP was not refused"

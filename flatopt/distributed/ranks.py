@@ -10,19 +10,31 @@ def world_size():
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def is_ddp(module):
+    """Whether ``module`` is a DistributedDataParallel wrapper (False where torch.distributed is not available)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(module, DistributedDataParallel)
+
+
 def check_single_process(cls, allow_several_ranks=False):
     """In-backward mode steps each bucket from this rank's own gradient, as soon as it exists, before
     DistributedDataParallel averages gradients across ranks (DDP then writes its averages into
     ``.grad`` after the step), so the replicas would diverge without any error. Raises RuntimeError
     when the default process group has several ranks, unless ``allow_several_ranks`` says that the
     ranks share no parameters (pipeline stages, independent runs), so that nothing averages
-    gradients between them."""
+    gradients between them. Not called for a DistributedDataParallel model given to the optimizer
+    (its buckets are stepped once averaged: :mod:`flatopt.engines.ddp_backward`) nor for FSDP2."""
     ranks = world_size()
     if ranks > 1 and not allow_several_ranks:
         raise RuntimeError(
-            f"{cls}(in_backward=True) cannot train with several distributed ranks ({ranks} here): it steps each "
-            "parameter from this rank's gradient during backward, before DistributedDataParallel averages the "
-            "gradients across ranks, so the replicas would diverge. Use in_backward=False with DDP or FSDP2. If the "
-            f"ranks share no parameters (pipeline stages, independent runs), pass allow_several_ranks=True to {cls} to "
-            "allow it"
+            f"{cls}(in_backward=True) cannot train with several distributed ranks ({ranks} here) on a model that is "
+            "not given to it as DistributedDataParallel (or FSDP2): its hooks would step each parameter from this "
+            "rank's gradient during backward, before DDP averages the gradients across ranks, and the replicas "
+            "would diverge. Use in_backward=False with DDP or FSDP2, or, under DDP, wrap first and give the wrapper to "
+            f"the optimizer: ddp = DistributedDataParallel(model); {cls}(ddp, in_backward=True) steps each DDP bucket "
+            "once averaged. If the ranks share no parameters (pipeline stages, independent runs), pass "
+            f"allow_several_ranks=True to {cls} to allow it"
         )

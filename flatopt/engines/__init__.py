@@ -7,10 +7,14 @@
 * :class:`FSDPStepEngine` (step mode, parameters sharded by FSDP2's ``fully_shard``): flat buffers of each
   rank's local shards, ``step()`` launches once per buffer;
 * :class:`FSDPInBackwardEngine` (``in_backward=True`` over FSDP2): the same layout, each fully_shard group
-  stepped by one launch once FSDP2 has reduce-scattered its gradients.
+  stepped by one launch once FSDP2 has reduce-scattered its gradients;
+* :class:`DDPInBackwardEngine` (``in_backward=True`` given a DistributedDataParallel model): the in-backward
+  layout, each DDP bucket stepped from a communication hook once DDP has averaged it.
 """
 
+from flatopt.distributed import is_ddp
 from flatopt.engines.base import Engine, FlatEngine
+from flatopt.engines.ddp_backward import DDPInBackwardEngine
 from flatopt.engines.fsdp import FSDPStepEngine
 from flatopt.engines.fsdp_backward import FSDPInBackwardEngine
 from flatopt.engines.in_backward import InBackwardEngine
@@ -19,6 +23,7 @@ from flatopt.engines.step import FlatStepEngine
 from flatopt.torch_compat import is_dtensor
 
 __all__ = [
+    "DDPInBackwardEngine",
     "Engine",
     "FSDPInBackwardEngine",
     "FSDPStepEngine",
@@ -33,8 +38,13 @@ __all__ = [
 def make_engine(opt):
     """The engine for ``opt.options``, laid out."""
     sharded = any(is_dtensor(p) for group in opt.param_groups for p in group["params"])
-    if opt.options.in_backward:
-        engine = FSDPInBackwardEngine(opt) if sharded else InBackwardEngine(opt)
+    model = opt.model() if opt.model is not None else None
+    if opt.options.in_backward and sharded:
+        engine = FSDPInBackwardEngine(opt)
+    elif opt.options.in_backward and is_ddp(model):
+        engine = DDPInBackwardEngine(opt, model)
+    elif opt.options.in_backward:
+        engine = InBackwardEngine(opt)
     elif opt.options.flat and sharded:
         engine = FSDPStepEngine(opt)
     elif opt.options.flat:

@@ -147,7 +147,7 @@ class InBackwardEngine(FlatEngine):
 
     def __init__(self, opt):
         super().__init__(opt)
-        check_single_process(self.cls, opt.options.allow_several_ranks)
+        self.check_ranks()
         self.bucket_size = opt.options.bucket_size
         self.buckets = []
         self.bucket_of = {}  # param -> (bucket, element offset in the bucket)
@@ -173,6 +173,15 @@ class InBackwardEngine(FlatEngine):
         self.hook_id = {}  # param -> the id of the optimizer's hook in p._post_accumulate_grad_hooks
         self.outside = set()  # laid-out parameters removed from param_groups since: not stepped until laid out anew
         clip_patch.register(self)  # torch.nn.utils.clip_grad_norm_ over its parameters asks it (see clip_patch)
+
+    def launched_buckets(self):
+        """The buckets whose launches read ``meta.uniform``, recomputed at a pass after a step count changed."""
+        return self.buckets
+
+    def check_ranks(self):
+        """Refuse several ranks (see :func:`flatopt.distributed.check_single_process`): the hooks step each rank's
+        own gradient. The DDP engine (:mod:`flatopt.engines.ddp_backward`) steps averaged gradients instead."""
+        check_single_process(self.cls, self.opt.options.allow_several_ranks)
 
     # ------------------------------------------------------------------ layout
     def order(self, params, groups):
@@ -554,7 +563,7 @@ class InBackwardEngine(FlatEngine):
         checks, hyper-parameters, and, in a backward pass, the end-of-pass callback."""
         opt = self.opt
         self.sync_state()  # the caller's edits of opt.state (a reset, an assigned tensor), as torch.optim reads them
-        check_single_process(self.cls, opt.options.allow_several_ranks)  # the group may have started since
+        self.check_ranks()  # the group may have started since
         self.check_bindings(full=self.dirty or self.backwards % FULL_CHECK_EVERY == 0)
         # param_groups edited since the layout: the buffers are laid out anew at the next step() or zero_grad()
         # (not during backward, whose saved tensors hold the parameters); until then, a parameter removed from
@@ -565,7 +574,7 @@ class InBackwardEngine(FlatEngine):
         self.backwards += 1
         self.refresh_hparams()
         if self.dirty:
-            for b in self.buckets:
+            for b in self.launched_buckets():
                 steps = b.meta.steps[b.first : b.stop]
                 b.meta.uniform = b.single_groups and bool((steps == steps[0]).all())
             self.dirty = False
