@@ -76,6 +76,8 @@ class GradLanding:
         # optimizer (or a re-layout) has moved into buffers of its own since
         self.homes = {p: buf.expected[i][0] for buf in buffers for i, p in enumerate(buf.params)}
         self.firsts = [(buf.params[0], buf.grad_views[0]) for buf in buffers]
+        self.firsts_views = [view for _, view in self.firsts]  # one per buffer: their storages, as they are now
+        self.on_cpu = all(buf.device.type == "cpu" for buf in buffers)
         self.names = names if names is not None else (lambda p: f"a parameter of shape {tuple(p.shape)}")
         self.cls = cls
         # skip_unused: a .grad that is None stays None (its view is zeroed all the same), as torch leaves it
@@ -219,11 +221,12 @@ class GradLanding:
         rest and {parameter: gradient}."""
         zero, copy = plan
         taken, rest = {}, []
-        for p, view, g in copy:
+        for entry in copy:
+            p, view, g = entry
             if g is not None and fits(view, g):
                 taken[p] = g
             else:
-                rest.append((p, view, g))
+                rest.append(entry)
         return (zero, rest), taken
 
     def settle_gathering(self, fits):
@@ -248,16 +251,21 @@ class GradLanding:
         to copy). Two or three identity tests per parameter when every ``.grad`` is in its slot (step() runs
         it at every step, as torch.optim's step looks at every ``.grad``)."""
         zero, copy = [], []
+        strided = torch.strided
         for p, view, slot in self.entries:
             g = p.grad
             if g is not None and (g is slot.grad or g is view):  # in place: a covered layer's, or settled
                 continue
-            if not self._fits(p, g, view):
+            dtype = view.dtype
+            if p.dtype is not dtype or p.get_device() != view.get_device():
                 continue  # the parameter moved or was cast: check_bindings() raises for it
             if g is None:
                 zero.append((p, view))
                 continue
-            self._check(p, g)
+            if g.dtype is not dtype:
+                continue  # cast with it: check_bindings() raises
+            if g.layout is not strided or g.requires_grad:
+                self._check(p, g)  # raises, naming the parameter
             if g.data_ptr() == view.data_ptr() and g.stride() == view.stride():
                 copy.append((p, view, None))  # the view itself, as another tensor object
             else:
@@ -275,9 +283,10 @@ class GradLanding:
             if zero:
                 torch._foreach_zero_([view for _, view in zero])
             groups = {}  # one batched copy (a few kernels) per dtype and device rather than one per parameter
+            buffers = {view.untyped_storage().data_ptr() for view in self.firsts_views}
             for _, view, g in copy:
                 if g is not None:
-                    if g.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+                    if g.untyped_storage().data_ptr() in buffers:
                         g = g.clone()  # a view into the buffer itself (p.grad = p.grad.t()): may overlap a dst
                     dst, src = groups.setdefault((view.dtype, view.device), ([], []))
                     dst.append(view)
@@ -287,12 +296,15 @@ class GradLanding:
         if not self.keep_none:
             for p, _ in zero:
                 self.slots.put(p)
+        hooking = self.copy_on_cpu or not self.on_cpu
         for p, _, g in copy:
             self.slots.put(p)
-            if g is not None and p not in self.hooked:
+            if hooking and g is not None and p not in self.hooked:
                 self.hook(p)  # a covered parameter whose gradient came torch's way: copied as it comes from now on
 
     def _check(self, p, g):
+        if g.layout == torch.strided and not g.requires_grad:
+            return  # the names are built only for a message: naming a parameter costs tens of microseconds
         cls, name = self.cls, self.names(p)
         if g.layout != torch.strided:
             raise RuntimeError(

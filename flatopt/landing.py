@@ -90,7 +90,7 @@ class _Slot:
     FlatBuffer's own object), the tensor this module last put into ``.grad`` and the epoch in which
     the slot last received a gradient."""
 
-    __slots__ = ("param", "b", "index", "start", "view", "acc", "grad", "epoch", "task", "home")
+    __slots__ = ("param", "b", "index", "start", "view", "acc", "grad", "epoch", "task", "home", "kept")
 
     def __init__(self, param, b, index, start, view):
         self.param, self.b, self.index, self.start, self.view = param, b, index, start, view
@@ -99,6 +99,7 @@ class _Slot:
         self.epoch = -1
         self.task = -1  # the backward pass (autograd graph task) that wrote the slot afresh
         self.home = None  # where the parameter's data lives in the buffer (it is elsewhere once laid out anew)
+        self.kept = None  # put()'s tensor object, reused where the storage is never released (the CPU's default)
 
 
 def _accumulator(p):
@@ -414,7 +415,12 @@ class LandingSlots:
         """Make ``p.grad`` a view of its slot: a tensor object of its own (never the buffer's own view), so
         that a reference the caller keeps to it holds the storage through zero_grad(). Returns it."""
         s = self._get(p)
-        out = s.view.detach()
+        if self._releasable(s.b) or self._released[s.b]:
+            out = s.view.detach()
+        else:  # a storage kept for good: one object per slot will do (a detach per parameter per step costs more)
+            out = s.kept
+            if out is None:
+                out = s.kept = s.view.detach()
         p.grad = out
         s.grad = out
         return out

@@ -181,7 +181,7 @@ class FlatStepEngine(FlatEngine):
 
     @staticmethod
     def fits_in_place(view, g):
-        return g.numel() >= IN_PLACE_MIN and GradSources.fits(view, g)
+        return view.numel() >= IN_PLACE_MIN and GradSources.fits(view, g)
 
     def graph_usable(self):
         opt = self.opt
