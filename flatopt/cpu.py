@@ -92,14 +92,16 @@ def _check(rule, param, grad, states, hparams):
             )
 
 
-def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, found_inf, sources):
+def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, found_inf, sources, in_place=True):
     """Check, gather the gradients from ``sources`` (as the reference does; with ``sources.store`` False, only
     those :func:`_in_place` leaves where they lie), then call ``piece_step(segments, h, steps, grad_scale)`` for
     each active piece unless ``found_inf`` skips the launch, and advance the step counts. ``segments``: the piece as
     ``(start, end, gradient)`` runs, the gradient a slice of ``grad`` or a gradient read in place; ``h``: the
-    piece's row by column name, floats; ``steps``: its completed steps."""
+    piece's row by column name, floats; ``steps``: its completed steps. ``in_place=False``: every source gathered
+    (a step of many operations per chunk would run them per segment), the unscaled gradients put back where they
+    lie after."""
     _check(rule, param, grad, states, hparams)
-    own = _in_place(grad, sources, meta)
+    own = _in_place(grad, sources, meta) if in_place else gather(grad, sources, meta) or []
     ok = None if found_inf is None else found_inf.reshape(()) == 0
     if ok is None or bool(ok):
         if grad_scale is not None:
@@ -109,6 +111,8 @@ def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, f
             if end > start:
                 piece_step(_segments(start, end, grad, own), rule.named(rows[group]), steps, grad_scale)
     advance_steps(meta, ok)
+    if not in_place:
+        _unscaled_back(grad, sources, grad_scale, found_inf)
 
 
 def _in_place(grad, sources, meta):
@@ -344,8 +348,9 @@ def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf
         for s, e, g in segments:
             _lion_chunked(param[s:e], g, exp_avg[s:e], h, scale)
 
+    # in place=False: Lion's chunks take about ten operations each, which a piece cut into segments would multiply
     _step(LION, piece, param, grad, (exp_avg,), hparams=hparams, meta=meta, grad_scale=grad_scale,
-          found_inf=found_inf, sources=sources)  # fmt: skip
+          found_inf=found_inf, sources=sources, in_place=False)  # fmt: skip
 
 
 def _lion_chunked(param, grad, exp_avg, h, scale):
