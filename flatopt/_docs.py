@@ -54,7 +54,9 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             bucket's included); a ``step()`` that steps gradients left in ``.grad`` clips by
             their total norm, as torch does. ``torch.nn.utils.clip_grad_norm_`` called with the
             same value after backward returns the norm (``opt.last_grad_norm``); without this
-            option such a call raises (default: None, no clipping)
+            option such a call raises. Over an FSDP2 model a ``fully_shard`` group plays the
+            bucket's part and every norm is global (one scalar all-reduce per group), so every
+            rank clips by the same coefficient (docs/distributed.md) (default: None, no clipping)
         norm_type (float, optional): the norm of ``max_grad_norm``: 2.0, 1.0 or inf (default: 2.0)
 
         direct_grads (bool, optional): in step mode, the covered layers (``nn.Linear``,

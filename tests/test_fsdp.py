@@ -21,6 +21,7 @@ the two-rank checkpoint; save one), two ranks (load the four-rank checkpoint).
 
 import os
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import ranks
@@ -188,7 +189,7 @@ def run_errors(rank):
     model = sharded(world)
     before = [p.to_local().data_ptr() for p in model.parameters()]
     attempts = {
-        "max_grad_norm": lambda: flatopt.AdamW(model, in_backward=True, max_grad_norm=1.0),
+        "accumulation_steps": lambda: flatopt.AdamW(model, in_backward=True, accumulation_steps=2),
         "flat_false": lambda: flatopt.AdamW(model, flat=False),
         "no_model": lambda: flatopt.AdamW(model.parameters()),
         "precision": lambda: flatopt.AdamW(model, state_dtype=torch.bfloat16),
@@ -224,8 +225,6 @@ def run_in_backward(rank, accumulate):
     """in_backward=True against step mode on the same FSDP2 model and data, over STEPS steps of two micro-batches
     when ``accumulate`` says how the first is kept from stepping ("no_step": opt.no_step(); "fsdp": FSDP2's
     set_requires_gradient_sync(False)), of one otherwise."""
-    from contextlib import nullcontext
-
     world = dist.get_world_size()
     flat_cls, _, hp = OPTIMIZERS["AdamW"]
     model, ref = sharded(world), sharded(world)
@@ -261,6 +260,117 @@ def run_in_backward(rank, accumulate):
         ref_opt.zero_grad()
         out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
     out["launches"] = engine.launches
+    return out
+
+
+# In-backward clipping: what each of the STEPS steps runs. "pass": one backward pass, stepped in backward; "accumulate":
+# a micro-batch under opt.no_step(), then one stepped in backward (on the sum); "exact": every micro-batch under
+# opt.no_step(), then step() clips by the exact global norm.
+CLIP_PLAN = ["pass", "pass", "pass", "accumulate", "exact", "pass"]
+CLIP_NORM = 0.05  # below every pass's norm here: each step clips (the test checks it)
+
+
+def clip_groups(model, arrivals):
+    """The trainable parameters of each fully_shard group of ``model`` (the two Linear layers, the root's
+    skip.bias) in the order FSDP2 reduce-scattered them in the last backward pass: the order of ``arrivals``, the
+    parameters whose post-accumulate-grad hooks ran, in the order they ran (FSDP2 runs them group by group)."""
+    groups = [[model[2].weight, model[2].bias], [model[0].weight, model[0].bias], [model.skip.bias]]
+    first = {}
+    for i, p in enumerate(arrivals):
+        first.setdefault(p, i)
+    assert all(p in first for g in groups for p in g), "a trainable parameter got no gradient"
+    return sorted(groups, key=lambda g: first[g[0]])
+
+
+def global_norm_of(params, norm_type):
+    """The norm of the full gradients of ``params`` (a collective), in float64."""
+    flat = torch.cat([p.grad.full_tensor().flatten().double() for p in params])
+    return torch.linalg.vector_norm(flat, norm_type)
+
+
+def combine_norms(a, b, norm_type):
+    return torch.maximum(a, b) if norm_type == float("inf") else (a**norm_type + b**norm_type) ** (1 / norm_type)
+
+
+def reference_clip(model, arrivals, norm_type, prev, exact):
+    """Clip ``model``'s gradients (torch.optim's FSDP2 model, after backward; ``arrivals``: see :func:`clip_groups`)
+    as the definition says, independently of flatopt: each fully_shard group, in backward order, by
+    ``min(1, c / (n + 1e-6))``, ``n`` the larger of ``prev`` (the previous stepped pass's total norm; None on the
+    first pass) and the global norm of the groups so far, this one included; with ``exact``, every gradient by
+    their global total norm. Returns the pass's total norm, the coefficients, and the coefficients a rank-local
+    definition (its own shards' norms) would have used."""
+    groups = clip_groups(model, arrivals)
+    norms = [global_norm_of(g, norm_type) for g in groups]
+    local = []
+    for g in groups:
+        flat = torch.cat([p.grad.to_local().flatten().double() for p in g])
+        local.append(torch.linalg.vector_norm(flat, norm_type) if flat.numel() else torch.zeros((), dtype=flat.dtype))
+    total = global_norm_of([p for g in groups for p in g], norm_type)
+    coefs, local_coefs, running, running_local = [], [], None, None
+    for norm, mine in zip(norms, local):
+        running = norm if running is None else combine_norms(running, norm, norm_type)
+        running_local = mine if running_local is None else combine_norms(running_local, mine, norm_type)
+        n, n_local = (total, total) if exact else (running, running_local)
+        if prev is not None and not exact:
+            n, n_local = torch.maximum(prev, n), torch.maximum(prev, n_local)
+        coefs.append(float(torch.clamp(CLIP_NORM / (n + 1e-6), max=1.0)))
+        local_coefs.append(float(torch.clamp(CLIP_NORM / (n_local + 1e-6), max=1.0)))
+    with torch.no_grad():
+        for g, coef in zip(groups, coefs):
+            for p in g:
+                p.grad.mul_(coef)
+    return total, coefs, local_coefs
+
+
+def run_in_backward_clip(rank, opt_name, norm_type):
+    """flatopt (in_backward=True, max_grad_norm=CLIP_NORM) on an FSDP2 model against torch.optim on another, whose
+    gradients :func:`reference_clip` clips before each step, over the steps of CLIP_PLAN; with the norms flatopt
+    reports (opt.last_grad_norm, torch.nn.utils.clip_grad_norm_ after a stepped pass and opt.clip_grad_norm_ on
+    gradients still in .grad) and the refusal of a clipping call with another max_norm."""
+    world = dist.get_world_size()
+    flat_cls, ref_cls, hp = OPTIMIZERS[opt_name]
+    model, ref = sharded(world), sharded(world)
+    opt = flat_cls(model, in_backward=True, max_grad_norm=CLIP_NORM, norm_type=norm_type, **hp)
+    ref_opt = ref_cls(ref.parameters(), **hp)
+    params = list(model.parameters())
+    arrivals = []  # the reference model's parameters, as FSDP2 runs their post-accumulate-grad hooks
+    for p in ref.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(arrivals.append)
+    out = {"history": [], "last": [], "torch_clip": [], "pending": [], "ref_total": [], "coefs": [], "local_coefs": []}
+    out["last_before"] = opt.last_grad_norm
+    prev = None
+    for step, how in enumerate(CLIP_PLAN):
+        micros = 1 if how == "pass" else 2
+        for micro in range(micros):
+            x, y = (t.chunk(world)[rank] for t in batch(100 + 10 * step + micro))
+            hold = how == "exact" or micro < micros - 1
+            with opt.no_step() if hold else nullcontext():
+                nn.functional.mse_loss(model(x), y).backward()
+            arrivals.clear()
+            nn.functional.mse_loss(ref(x), y).backward()
+        if how == "exact":  # the gradients wait in .grad: their global norm, left for step() to clip
+            out["pending"].append(float(opt.clip_grad_norm_(CLIP_NORM, norm_type=norm_type)))
+        else:  # a stepped pass: torch's call returns the norm it was clipped by, and clips nothing more
+            out["torch_clip"].append(float(torch.nn.utils.clip_grad_norm_(params, CLIP_NORM, norm_type=norm_type)))
+            if step == 0:
+                try:
+                    torch.nn.utils.clip_grad_norm_(params, 2 * CLIP_NORM, norm_type=norm_type)
+                    out["other_max_norm"] = None
+                except RuntimeError as e:
+                    out["other_max_norm"] = str(e)
+        opt.step()
+        opt.zero_grad()
+        out["last"].append(float(opt.last_grad_norm))
+        total, coefs, local_coefs = reference_clip(ref, arrivals, norm_type, prev, exact=how == "exact")
+        prev = total
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["ref_total"].append(float(total))
+        out["coefs"].append(coefs)
+        out["local_coefs"].append(local_coefs)
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+    out["launches"] = flatopt.inspect(opt).engine.launches
     return out
 
 
@@ -388,6 +498,10 @@ MATCH = [
 ]
 
 
+# SGD's update is linear in the gradient, so a wrong clip coefficient shows in full; AdamW's normalises it away in part
+IN_BACKWARD_CLIP = [("SGD", 2.0), ("SGD", float("inf")), ("AdamW", 2.0)]
+
+
 def match_id(opt_name, mp_policy, backend):
     return opt_name + ("-bf16" if mp_policy else "") + (f"-{backend}" if backend else "")
 
@@ -395,6 +509,7 @@ def match_id(opt_name, mp_policy, backend):
 SCENARIOS = {
     **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH if m[2] != "triton" or INTERPRETED},
     **{f"in_backward:{a}": (run_in_backward, (a,)) for a in (None, "no_step", "fsdp")},
+    **{f"in_backward_clip:{o}-{n}": (run_in_backward_clip, (o, n)) for o, n in IN_BACKWARD_CLIP},
     "errors": (run_errors, ()),
     "checkpoints": (run_checkpoints, ()),
 }
@@ -466,25 +581,63 @@ def test_in_backward_matches_step_mode(runs, accumulate):
     """in_backward=True steps each fully_shard group once FSDP2 has reduce-scattered its gradients (one launch
     per group and step: three groups here) and frees them; the result is bit-identical to step mode, also when
     micro-batches accumulate under opt.no_step() or FSDP2's set_requires_gradient_sync(False). After a stepped
-    pass, clip_grad_norm_ is refused; gradients accumulated under no_step() are clipped as in step mode."""
+    pass, clip_grad_norm_ is refused (built without max_grad_norm); gradients accumulated under no_step() are
+    clipped as in step mode."""
     for rank, result in enumerate(runs["two"](f"in_backward:{accumulate}")):
         hist = result["history"]
         ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}", rtol=0, atol=0)
         assert all(result["freed"]), f"rank {rank}: sharded gradients left after a stepped pass: {result['freed']}"
         assert result["launches"] == 3 * STEPS, result["launches"]
-        assert "stepped and freed this pass's gradients" in (result["clip_error"] or ""), result["clip_error"]
+        assert "cannot clip the gradients: the backward pass applied them" in (result["clip_error"] or ""), result[
+            "clip_error"
+        ]
         for ours, step_mode in result.get("pending_norms", []):  # summed in another order: the layout is grouped
             assert ours == pytest.approx(step_mode, rel=1e-6), (ours, step_mode)
         assert (accumulate == "no_step") == bool(result.get("pending_norms"))
 
 
+@pytest.mark.parametrize("opt_name, norm_type", IN_BACKWARD_CLIP)
+def test_in_backward_clips_by_the_global_norm(runs, opt_name, norm_type):
+    """in_backward=True with max_grad_norm over FSDP2 clips each fully_shard group, in backward, by
+    min(1, c / (n + 1e-6)), n the larger of the previous stepped pass's global total norm and the global norm of
+    the groups stepped so far in the pass: parameters and states equal torch.optim's on gradients clipped so (by
+    tests' own code, from the full gradients) at every step, also for a pass after micro-batches accumulated under
+    no_step(), and for a step() whose gradients all waited under no_step(), which clips by their exact global norm.
+    Every step clips; opt.last_grad_norm and torch.nn.utils.clip_grad_norm_ return the global total norm, the
+    same on every rank; a clipping call with another max_norm is refused."""
+    results = runs["two"](f"in_backward_clip:{opt_name}-{norm_type}")
+    for rank, result in enumerate(results):
+        what = f"rank {rank}, {opt_name}, norm_type {norm_type}"
+        hist = result["history"]
+        ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], what, **TOL)
+        coefs = result["coefs"]
+        assert all(c < 1 for step in coefs for c in step), f"{what}: a step did not clip: {coefs}"
+        # the data tells the definition apart from a rank-local one and from one by the previous pass's norm alone
+        assert any(abs(a - b) > 1e-3 for g, m in zip(coefs, result["local_coefs"]) for a, b in zip(g, m)), what
+        by_prev = [  # each pass after the first by the previous pass's norm alone
+            (c, CLIP_NORM / (prev + 1e-6))
+            for c, prev, how in zip(coefs[1:], result["ref_total"], CLIP_PLAN[1:])
+            if how != "exact"
+        ]
+        assert any(abs(a - b) > 1e-3 for c, b in by_prev for a in c), f"{what}: the running norm never mattered"
+        torch.testing.assert_close(result["last"], result["ref_total"], **TOL)
+        stepped = [n for n, how in zip(result["last"], CLIP_PLAN) if how != "exact"]
+        assert result["torch_clip"] == stepped, (result["torch_clip"], stepped)
+        exact = [n for n, how in zip(result["ref_total"], CLIP_PLAN) if how == "exact"]
+        torch.testing.assert_close(result["pending"], exact, **TOL)
+        assert result["last_before"] is None
+        assert "asks for another clipping" in (result["other_max_norm"] or ""), result["other_max_norm"]
+        assert result["launches"] == 3 * len(stepped), result["launches"]  # one launch per group and stepped pass
+    assert results[0]["last"] == results[1]["last"], "the ranks clipped by different norms"
+
+
 def test_what_cannot_work_is_refused_at_construction(runs):
-    """In-backward mode with max_grad_norm, flat=False, FSDP2 parameters given without their model, the storage
+    """In-backward mode with accumulation_steps, flat=False, FSDP2 parameters given without their model, the storage
     options (master_weights, stochastic_rounding, state_dtype) and tensor-parallel DTensors are refused by the
     constructor, saying why, before the shards move; a model
     whose shards FSDP2 replaced (model.double()) by the next step(); capture() by capture()."""
     expected = {
-        "max_grad_norm": r"in_backward=True\) over FSDP2 takes neither max_grad_norm nor accumulation_steps",
+        "accumulation_steps": r"in_backward=True\) over FSDP2 does not take accumulation_steps: accumulate under",
         "flat_false": r"flat=False\) cannot step '0.weight', a DTensor",
         "no_model": r"pass the model itself",
         "precision": r"state_dtype are not supported on FSDP2 \(DTensor\) parameters yet",

@@ -15,6 +15,13 @@ gradients accumulated in ``.grad``), ``n`` is their total norm, and the coeffici
 torch.nn.utils.clip_grad_norm_'s. Norms are taken in float32 (float64 when a buffer is float64), on
 the device, with no host synchronisation; ``N_so_far`` is combined from the buckets' norms
 (``norm_type`` 2: ``hypot``, 1: sum, inf: maximum).
+
+Under FSDP2 (:mod:`flatopt.engines.fsdp_backward`) a fully_shard group plays the bucket's part and every norm
+is global: the engine all-reduces each group's norm from the ranks' local shards (:meth:`BackwardClip.fold`
+takes it), so ``n``, and the divisor, are the same on every rank.
+
+:class:`ClipCalls` answers ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grad_value_``) over an in-backward
+optimizer's parameters, for both in-backward engines (see :mod:`flatopt.clip_patch`).
 """
 
 import torch
@@ -55,20 +62,32 @@ class BackwardClip:
 
     def norm_of(self, grads):
         """The total norm of ``grads`` (torch.nn.utils.clip_grad_norm_'s), on the device, in the norms' dtype."""
-        norms = [torch.linalg.vector_norm(g, self.norm_type, dtype=self.dtype).to(self.device) for g in grads]
+        norms = [
+            torch.linalg.vector_norm(g, self.norm_type, dtype=self.dtype).to(self.device) for g in grads if g.numel()
+        ]  # an empty gradient (an empty shard) adds nothing, and has no inf norm
         if not norms:
             return torch.zeros((), dtype=self.dtype, device=self.device)
         return torch.linalg.vector_norm(torch.stack(norms), self.norm_type)
 
     def know_all(self, grads):
         """Every gradient of the pass is known before its first bucket is stepped: clip by their total norm."""
-        self.exact = self.norm_of(grads)
+        self.know_total(self.norm_of(grads))
+
+    def know_total(self, total):
+        """Every gradient of the pass is known before its first bucket is stepped, and ``total`` (a device
+        tensor) is their total norm: clip by it."""
+        self.exact = total
 
     def divisor(self, grad, out):
         """Fold the norm of ``grad`` (a bucket's, about to be stepped) into the running norm and write the
         bucket's divisor, ``max(1, (n + 1e-6) / c)``, into ``out`` (a [1] tensor on the bucket's device, kept
         at one address so that the bucket's launch replays from its CUDA graph); returns ``out``."""
-        norm = torch.linalg.vector_norm(grad, self.norm_type, dtype=self.dtype).to(self.device)
+        return self.fold(torch.linalg.vector_norm(grad, self.norm_type, dtype=self.dtype).to(self.device), out)
+
+    def fold(self, norm, out=None):
+        """Fold ``norm`` (a device tensor: the norm of the gradients about to be stepped) into the running norm
+        and return the divisor of their launch, ``max(1, (n + 1e-6) / c)``, as a [1] tensor: written into
+        ``out`` when given, a new one on the norms' device otherwise."""
         self.running = norm if self.running is None else _combine(self.running, norm, self.norm_type)
         if self.exact is not None:
             n = self.exact
@@ -76,7 +95,10 @@ class BackwardClip:
             n = self.running
         else:
             n = torch.maximum(self.prev, self.running)
-        out.copy_(torch.clamp_min((n + EPS) / self.max_norm, 1.0).reshape(1))
+        divisor = torch.clamp_min((n + EPS) / self.max_norm, 1.0).reshape(1)
+        if out is None:
+            return divisor
+        out.copy_(divisor)
         return out
 
     def end(self):
@@ -90,3 +112,88 @@ class BackwardClip:
     def drop(self):
         """The pass in progress is dropped (it raised): the previous pass's norm stays."""
         self.running = self.exact = None
+
+
+class ClipCalls:
+    """How an in-backward engine answers ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` over its
+    parameters (:mod:`flatopt.clip_patch` asks it). The engine has ``cls``, ``clip`` (a :class:`BackwardClip`,
+    or None without ``max_grad_norm``), ``applied`` (a pass stepped and freed its gradients since the last
+    ``step()`` or ``zero_grad()``), and :meth:`pending_norm`."""
+
+    clip_doc = "docs/in-backward.md, 'Clipping'"  # where the running-norm clip is described
+
+    def pending_norm(self):
+        """The total norm of the gradients still in ``.grad`` (with ``max_grad_norm``), without clipping them."""
+        raise NotImplementedError
+
+    def clip_call(self, max_norm, norm_type, error_if_nonfinite, run_torch):
+        """A call of torch.nn.utils.clip_grad_norm_ (or of ``opt.clip_grad_norm_``) over this optimizer's
+        parameters; ``run_torch()`` makes torch's call as it was asked. Returns the total norm before clipping,
+        as torch does, or raises before anything changes:
+
+        * after a pass that stepped its gradients (and freed them) since the last step() or zero_grad(): the
+          norm that pass was clipped by in backward when the optimizer was built with the same
+          ``max_grad_norm`` and ``norm_type``; otherwise RuntimeError, since those gradients are gone;
+        * otherwise every gradient is still in ``.grad``, not yet stepped (micro-batches of an accumulation
+          window, under no_step(), or set by hand): torch's call clips them for real; with ``max_grad_norm``
+          (the same value) the optimizer clips them itself when it steps them, and the call returns their
+          total norm and changes nothing."""
+        cls, clip = self.cls, self.clip
+        asked = f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r})"
+        try:
+            max_norm, norm_type = float(max_norm), float(norm_type)
+        except (TypeError, ValueError):
+            return run_torch()  # torch's own error for the arguments
+        same = clip is not None and clip.max_norm == max_norm and clip.norm_type == norm_type
+        if clip is not None and not same:
+            raise RuntimeError(
+                f"{cls}(in_backward=True, max_grad_norm={clip.max_norm!r}, norm_type={clip.norm_type!r}) clips its "
+                f"gradients in backward, and {asked} asks for another clipping, which the gradients, applied during "
+                "backward, cannot get. Give the optimizer and the clipping call the same max_norm and norm_type, "
+                "or turn clipping off in the framework (max_grad_norm=0 in transformers' TrainingArguments, "
+                "gradient_clip_val=None in Lightning's Trainer)"
+            )
+        if self.applied:
+            if clip is None:
+                raise RuntimeError(
+                    f"{cls}(in_backward=True): {asked} cannot clip the gradients: the backward pass applied them to "
+                    "the parameters and freed them as they arrived, so this call would find none and clip nothing. "
+                    f"Pass max_grad_norm={max_norm!r}{'' if norm_type == 2.0 else f' and norm_type={norm_type!r}'} "
+                    f"to {cls}, which then "
+                    f"clips in backward by the running norm ({self.clip_doc}), or turn clipping off in "
+                    "the framework (max_grad_norm=0 in transformers' TrainingArguments, gradient_clip_val=None in "
+                    "Lightning's Trainer), or use in_backward=False (step mode). The parameters have already been "
+                    "updated with the unclipped gradients of that pass"
+                )
+            norm = clip.last.clone()
+        elif clip is None:
+            return run_torch()  # the gradients are in .grad: clipped for real, stepped later as they are then
+        else:  # measured apart: the optimizer's own running norm is left as it is
+            norm = self.pending_norm()
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+                "clipped. "
+                + (
+                    "In in-backward mode the pass has already updated the parameters with them. "
+                    if self.applied
+                    else ""
+                )
+                + "To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        return norm
+
+    def clip_value_call(self, run_torch):
+        """A call of torch.nn.utils.clip_grad_value_ over this optimizer's parameters: refused after a pass that
+        stepped its gradients since the last step() or zero_grad() (they are gone); torch's call otherwise."""
+        if self.applied:
+            raise RuntimeError(
+                f"{self.cls}(in_backward=True): clip_grad_value_ cannot clip the gradients: the backward pass applied "
+                "them to the parameters and freed them as they arrived, so this call would find none and clip "
+                "nothing. Clip each gradient in a hook registered after the optimizer, which runs before the step "
+                "(p.register_post_accumulate_grad_hook(lambda p: p.grad.clamp_(-v, v)) for each parameter), turn "
+                "value clipping off in the framework, or use in_backward=False (step mode). The parameters have "
+                "already been updated with the unclipped gradients of that pass"
+            )
+        return run_torch()

@@ -202,14 +202,7 @@ class FSDPStepEngine(FlatEngine):
             local = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
         else:
             local = torch.zeros((), dtype=wide, device=device)
-        group = next(iter(self.shards.values())).process_group
-        if norm_type == float("inf"):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-            total = local
-        else:
-            local = local**norm_type
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-            total = local ** (1.0 / norm_type)
+        total = self.global_norm(local, norm_type)
         coef = clip_coefficient(total, max_norm, norm_type, error_if_nonfinite)
         by_kind = {}
         for g in grads:
@@ -217,6 +210,20 @@ class FSDPStepEngine(FlatEngine):
         for (dev, dtype), same in by_kind.items():
             torch._foreach_mul_(same, coef.to(dev, dtype))
         return total
+
+    def global_norm(self, local, norm_type):
+        """The ``norm_type`` norm of the gradients of every rank from this rank's ``local`` norm of its shards (a
+        device tensor, left as it is): one scalar all-reduce (of the p-th powers, or the maximum for inf) over the
+        shards' process group, the shard dimension of an HSDP mesh, whose replicas hold the same gradients. A
+        collective: every rank calls it, and gets the same value."""
+        group = next(iter(self.shards.values())).process_group
+        if norm_type == float("inf"):
+            local = local.clone()
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            return local
+        local = local**norm_type
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        return local ** (1.0 / norm_type)
 
     def zero_grad(self, set_to_none):
         self.follow_members()

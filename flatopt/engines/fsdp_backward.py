@@ -14,29 +14,43 @@ the run; then every ``p.grad`` of the group is set to None, which frees FSDP2's 
 * Gradients that no hook stepped (accumulated under ``no_step()`` and not followed by a stepping pass, or a
   group whose parameters did not all receive a gradient in the pass) are stepped at the end of the backward
   pass, or by ``step()``, as the step engine steps them.
-* Clipping by the global norm needs every gradient before the first group is stepped: ``clip_grad_norm_`` clips
-  gradients still in ``.grad`` exactly (one all-reduce), and is refused after a pass that stepped them;
-  ``max_grad_norm`` is refused at construction. Use step mode to clip.
+* Clipping, ``max_grad_norm=c``: single-process in-backward mode's definition (:mod:`flatopt.engines.backward_clip`)
+  with a fully_shard group in a bucket's part and every norm global. When a group is stepped, the norm of its
+  local gradient shards is all-reduced (one scalar, over the shards' process group), so the running norm of the
+  pass, the previous pass's total norm and the group's divisor ``max(1, (n + 1e-6) / c)`` are the same on every
+  rank; the launch divides the gradients by it. The total norm of a pass is the running norm at its end (no
+  further all-reduce). ``step()`` stepping gradients left in ``.grad`` (every micro-batch under ``no_step()``)
+  clips them by their exact global norm (one all-reduce), as torch does: the exact two-pass way, which keeps
+  every gradient until the step.
+* ``clip_grad_norm_`` (``opt``'s, or torch's, which :mod:`flatopt.clip_patch` routes here) after a stepped pass
+  returns the norm that pass was clipped by (with ``max_grad_norm``, the same value and ``norm_type``) or raises;
+  on gradients still in ``.grad`` it clips them exactly (one all-reduce), or, with ``max_grad_norm``, returns
+  their global norm and leaves them for the step to clip.
 """
 
 import weakref
 
 import torch
 
+from flatopt import clip_patch
+from flatopt.engines.backward_clip import BackwardClip, ClipCalls
 from flatopt.engines.fsdp import FSDPStepEngine, acquire_grad, release_grad
 from flatopt.engines.in_backward import Bucket
 
 
-class FSDPInBackwardEngine(FSDPStepEngine):
+class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
+    clip_doc = "docs/distributed.md, 'FSDP2, in-backward mode'"
+
     def __init__(self, opt):
         o = opt.options
-        if o.max_grad_norm is not None or o.accumulation_steps != 1:
+        if o.accumulation_steps != 1:
             raise ValueError(
-                f"{type(opt).__name__}(in_backward=True) over FSDP2 takes neither max_grad_norm nor "
-                "accumulation_steps: accumulate under opt.no_step() (or FSDP2's set_requires_gradient_sync(False)), "
-                "and clip in step mode (in_backward=False), where clip_grad_norm_ sees every gradient"
+                f"{type(opt).__name__}(in_backward=True) over FSDP2 does not take accumulation_steps: accumulate "
+                "under opt.no_step() (or FSDP2's set_requires_gradient_sync(False)) on all but the last micro-batch"
             )
         super().__init__(opt)
+        self.clip = None if o.max_grad_norm is None else BackwardClip(o.max_grad_norm, o.norm_type)
+        self.hooked = set()  # the parameters whose gradient hook is the optimizer's
         self.hooks = []
         self.held = 0  # no_step() depth
         self.runs = {}  # fully_shard group -> [Bucket]: its parameters' runs, one per flat buffer
@@ -46,6 +60,7 @@ class FSDPInBackwardEngine(FSDPStepEngine):
         self.applied = False  # a pass stepped (and freed) gradients since the last step() or zero_grad()
         self.launches = 0
         self.unused_reported = True  # what a group lacks is stepped at the end of the pass; no first-step warning
+        clip_patch.register(self)  # torch.nn.utils.clip_grad_norm_ over its parameters asks it (see clip_patch)
 
     def order(self, params, groups):
         keyed = sorted(range(len(params)), key=lambda i: self.shards[params[i]].group)  # stable: param order within
@@ -57,7 +72,7 @@ class FSDPInBackwardEngine(FSDPStepEngine):
         self.hooks = []
 
     def attach(self, without_grad, with_grad):
-        self.runs, self.group_members, self.arrived = {}, {}, {}
+        self.runs, self.group_members, self.arrived, self.hooked = {}, {}, {}, set()
         for buf in self.buffers:
             first = 0
             for i in range(1, len(buf.params) + 1):
@@ -70,6 +85,7 @@ class FSDPInBackwardEngine(FSDPStepEngine):
             for p in buf.params:
                 if p.requires_grad:
                     self.group_members.setdefault(self.shards[p].group, set()).add(p)
+                    self.hooked.add(p)
 
                     def hook(param, ref=ref):
                         engine = ref()
@@ -99,6 +115,8 @@ class FSDPInBackwardEngine(FSDPStepEngine):
         if not self.end_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_pass)
             self.end_queued = True
+            if self.clip is not None:
+                self.clip.begin(self.devices, [b.dtype for b in self.buffers])
         group = self.shards[p].group
         arrived = self.arrived.setdefault(group, set())
         arrived.add(p)
@@ -110,6 +128,10 @@ class FSDPInBackwardEngine(FSDPStepEngine):
         opt = self.opt
         self.sync_state()
         self.refresh_hparams()
+        divisor = None
+        if self.clip is not None:  # the group's global norm: one scalar all-reduce, the same on every rank
+            grads = [p.grad._local_tensor for bucket in self.runs[group] for p in bucket.params if p.grad is not None]
+            divisor = self.clip.fold(self.global_norm(self.clip.norm_of(grads), self.clip.norm_type))
         for bucket in self.runs[group]:
             buf = bucket.buf
             acquire_grad(buf)
@@ -121,7 +143,7 @@ class FSDPInBackwardEngine(FSDPStepEngine):
                     view.copy_(p.grad._local_tensor)
             self.launch(
                 buf, buf.grad[bucket.start : bucket.end], hparams=opt.hparams.on(buf.device), meta=bucket.meta,
-                span=(bucket.start, bucket.end),
+                span=(bucket.start, bucket.end), grad_scale=divisor,
             )  # fmt: skip
             self.launches += 1
             release_grad(buf)
@@ -132,15 +154,28 @@ class FSDPInBackwardEngine(FSDPStepEngine):
         self.keep_padding_zero()
 
     def end_pass(self):
-        """At the end of the backward pass: step what the groups left (gradients of groups not complete)."""
+        """At the end of the backward pass: step what the groups left (gradients of groups not complete), and
+        record the pass's total norm (``max_grad_norm``)."""
         self.end_queued = False
         self.arrived = {}
         if any(p.grad is not None for ps in self.group_members.values() for p in ps):
-            self.step_pending()
+            self.step_pending(all_known=False)
+        if self.clip is not None:
+            self.clip.end()
 
-    def step_pending(self):
-        """Step every parameter whose ``.grad`` is not None, as the step engine does, and free the gradients."""
-        super().step(None, None, None)
+    def step_pending(self, all_known):
+        """Step every parameter whose ``.grad`` is not None, as the step engine does, and free the gradients.
+        With ``max_grad_norm`` they are divided by the divisor of their global norm (one all-reduce) folded into
+        the pass's running norm, or, when ``all_known`` (``step()``, outside backward: every gradient of the step
+        is here), by that of their global norm, torch's exact clip."""
+        divisor = None
+        if self.clip is not None:
+            norm = self.global_norm(self.clip.norm_of(self.local_grads()), self.clip.norm_type)
+            if all_known:
+                self.clip.begin(self.devices, [b.dtype for b in self.buffers])
+                self.clip.know_total(norm)
+            divisor = self.clip.fold(norm)
+        super().step(None, divisor, None)
         for ps in self.group_members.values():
             for p in ps:
                 p.grad = None
@@ -155,7 +190,9 @@ class FSDPInBackwardEngine(FSDPStepEngine):
             )
         loss = self.run_closure(closure)
         if any(p.grad is not None for ps in self.group_members.values() for p in ps):
-            self.step_pending()
+            self.step_pending(all_known=True)
+            if self.clip is not None:
+                self.clip.end()
         self.applied = False
         return loss
 
@@ -163,11 +200,20 @@ class FSDPInBackwardEngine(FSDPStepEngine):
         super().zero_grad(set_to_none)
         self.applied = False
 
+    def holds(self, p):
+        """Whether ``p`` is one of this optimizer's trainable parameters (for :mod:`flatopt.clip_patch`)."""
+        return p in self.hooked
+
     def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite):
-        if self.applied:
-            raise RuntimeError(
-                f"{self.cls}(in_backward=True) stepped and freed this pass's gradients during backward, group by "
-                "group, before their global norm was known, so they cannot be clipped now. Under FSDP2, clip in "
-                "step mode (in_backward=False), or accumulate under opt.no_step() and clip before step()"
-            )
-        return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        """``opt.clip_grad_norm_()``: the step engine's exact clip of the gradients in ``.grad``, unless a pass
+        stepped them or ``max_grad_norm`` clips them (:meth:`clip_call`)."""
+        exact = super().clip_grad_norm_
+        return clip_patch.clip_request(
+            self, max_norm, norm_type, error_if_nonfinite, lambda: exact(max_norm, norm_type, error_if_nonfinite)
+        )
+
+    def pending_norm(self):
+        """The global norm of the gradients in ``.grad`` (one all-reduce); the running norm is left as it is."""
+        measure = BackwardClip(self.clip.max_norm, self.clip.norm_type)
+        measure.begin(self.devices, [b.dtype for b in self.buffers])
+        return self.global_norm(measure.norm_of(self.local_grads()), measure.norm_type)

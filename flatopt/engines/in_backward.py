@@ -55,7 +55,7 @@ import torch
 from flatopt import clip_patch
 from flatopt.bindings import FULL_CHECK_EVERY
 from flatopt.distributed import check_single_process
-from flatopt.engines.backward_clip import BackwardClip
+from flatopt.engines.backward_clip import BackwardClip, ClipCalls
 from flatopt.engines.base import FlatEngine
 from flatopt.engines.nesting import nesting_backward, reentrant_segment
 from flatopt.layout import ALIGN, StepMeta
@@ -140,7 +140,7 @@ def _remove(handles):
         h.remove()
 
 
-class InBackwardEngine(FlatEngine):
+class InBackwardEngine(ClipCalls, FlatEngine):
     """The hooks, buckets and end-of-backward flush of one optimizer with ``in_backward=True``."""
 
     has_grad_buffer = False
@@ -268,79 +268,12 @@ class InBackwardEngine(FlatEngine):
             self, max_norm, norm_type, error_if_nonfinite, lambda: clip(params, max_norm, norm_type, error_if_nonfinite)
         )
 
-    def clip_call(self, max_norm, norm_type, error_if_nonfinite, run_torch):
-        """A call of torch.nn.utils.clip_grad_norm_ (or of ``opt.clip_grad_norm_``) over this optimizer's
-        parameters; ``run_torch()`` makes torch's call as it was asked. Returns the total norm before clipping,
-        as torch does, or raises before anything changes:
-
-        * after a pass that stepped its gradients (and freed them) since the last step() or zero_grad(): the
-          norm that pass was clipped by in backward when the optimizer was built with the same
-          ``max_grad_norm`` and ``norm_type``; otherwise RuntimeError, since those gradients are gone;
-        * otherwise every gradient is still in ``.grad``, not yet stepped (micro-batches of an accumulation
-          window, under no_step(), or set by hand): torch's call clips them for real; with ``max_grad_norm``
-          (the same value) the optimizer clips them itself when it steps them, and the call returns their
-          total norm and changes nothing."""
-        cls, clip = self.cls, self.clip
-        asked = f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r})"
-        try:
-            max_norm, norm_type = float(max_norm), float(norm_type)
-        except (TypeError, ValueError):
-            return run_torch()  # torch's own error for the arguments
-        same = clip is not None and clip.max_norm == max_norm and clip.norm_type == norm_type
-        if clip is not None and not same:
-            raise RuntimeError(
-                f"{cls}(in_backward=True, max_grad_norm={clip.max_norm!r}, norm_type={clip.norm_type!r}) clips its "
-                f"gradients in backward, and {asked} asks for another clipping, which the gradients, applied during "
-                "backward, cannot get. Give the optimizer and the clipping call the same max_norm and norm_type, "
-                "or turn clipping off in the framework (max_grad_norm=0 in transformers' TrainingArguments, "
-                "gradient_clip_val=None in Lightning's Trainer)"
-            )
-        if self.applied:
-            if clip is None:
-                raise RuntimeError(
-                    f"{cls}(in_backward=True): {asked} cannot clip the gradients: the backward pass applied them to "
-                    "the parameters and freed them as they arrived, so this call would find none and clip nothing. "
-                    f"Pass max_grad_norm={max_norm!r}{'' if norm_type == 2.0 else f' and norm_type={norm_type!r}'} "
-                    f"to {cls}, which then "
-                    "clips in backward by the running norm (docs/in-backward.md, 'Clipping'), or turn clipping off in "
-                    "the framework (max_grad_norm=0 in transformers' TrainingArguments, gradient_clip_val=None in "
-                    "Lightning's Trainer), or use in_backward=False (step mode). The parameters have already been "
-                    "updated with the unclipped gradients of that pass"
-                )
-            norm = clip.last.clone()
-        elif clip is None:
-            return run_torch()  # the gradients are in .grad: clipped for real, stepped later as they are then
-        else:  # measured apart: the optimizer's own running norm is left as it is
-            measure = BackwardClip(clip.max_norm, clip.norm_type)
-            measure.begin(self.devices, [b.dtype for b in self.buffers])
-            norm = measure.norm_of([p.grad for p in self.bucket_of if p.grad is not None])
-        if error_if_nonfinite and not bool(torch.isfinite(norm)):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-                "clipped. "
-                + (
-                    "In in-backward mode the pass has already updated the parameters with them. "
-                    if self.applied
-                    else ""
-                )
-                + "To disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`"
-            )
-        return norm
-
-    def clip_value_call(self, run_torch):
-        """A call of torch.nn.utils.clip_grad_value_ over this optimizer's parameters: refused after a pass that
-        stepped its gradients since the last step() or zero_grad() (they are gone); torch's call otherwise."""
-        if self.applied:
-            raise RuntimeError(
-                f"{self.cls}(in_backward=True): clip_grad_value_ cannot clip the gradients: the backward pass applied "
-                "them to the parameters and freed them as they arrived, so this call would find none and clip "
-                "nothing. Clip each gradient in a hook registered after the optimizer, which runs before the step "
-                "(p.register_post_accumulate_grad_hook(lambda p: p.grad.clamp_(-v, v)) for each parameter), turn "
-                "value clipping off in the framework, or use in_backward=False (step mode). The parameters have "
-                "already been updated with the unclipped gradients of that pass"
-            )
-        return run_torch()
+    def pending_norm(self):
+        """The total norm of the gradients in ``.grad`` (not stepped yet), measured apart: the running norm of
+        in-backward clipping is left as it is."""
+        measure = BackwardClip(self.clip.max_norm, self.clip.norm_type)
+        measure.begin(self.devices, [b.dtype for b in self.buffers])
+        return measure.norm_of([p.grad for p in self.bucket_of if p.grad is not None])
 
     def remove(self):
         if getattr(self, "_finalizer", None) is not None:
