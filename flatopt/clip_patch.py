@@ -10,7 +10,7 @@ When the first in-backward optimizer is created, :func:`register` replaces both 
 ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``) by wrappers, once per process. A wrapper
 materialises ``parameters`` (which may be a generator) and, when none of them belongs to a live
 in-backward optimizer, calls torch's function unchanged (same arguments, result and errors). When
-some do, the optimizer decides (:meth:`flatopt.engines.in_backward.InBackwardEngine.clip_call`): it
+some do, the optimizer decides (:meth:`flatopt.engines.backward_clip.ClipCalls.clip_call`): it
 returns the norm it clipped by in backward when it was built with the same ``max_grad_norm`` and
 ``norm_type``, and otherwise raises before anything changes. The optimizers are held weakly: one
 that is garbage collected no longer counts.
