@@ -41,7 +41,7 @@ import weakref
 
 import torch
 
-from flatopt.engines.in_backward import Bucket, InBackwardEngine, _graph_task_id, make_buckets
+from flatopt.engines.in_backward import Bucket, InBackwardEngine, _graph_task_id
 
 
 def ddp_managed(ddp):
@@ -166,13 +166,7 @@ class DDPInBackwardEngine(InBackwardEngine):
 
     def attach(self, without_grad, with_grad):
         # the static buckets step gradients left in .grad (opt.step() after no_step() or no_sync()); no gradient hooks
-        self.buckets = [b for buf in self.buffers for b in make_buckets(buf, self.bucket_size)]
-        self.bucket_of, self.index_of = {}, {}
-        for b in self.buckets:
-            for i in range(b.first, b.stop):
-                p = b.buf.params[i]
-                self.bucket_of[p] = (b, b.buf.starts[i] - b.start)
-                self.index_of[p] = i
+        self.make_buckets()
         self.handles, self.hook_id, self.outside = [], {}, set()
         self.runs = {}
         ddp = self.ddp

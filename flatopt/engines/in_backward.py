@@ -189,7 +189,8 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         order = sorted(range(len(params)), key=lambda i: not is_large(params[i], self.bucket_size))
         return [params[i] for i in order], [groups[i] for i in order]
 
-    def attach(self, without_grad, with_grad):
+    def make_buckets(self):
+        """The buckets of the layout, and where each parameter lies in them (``bucket_of``, ``index_of``)."""
         self.buckets = [b for buf in self.buffers for b in make_buckets(buf, self.bucket_size)]
         self.bucket_of, self.index_of = {}, {}
         for b in self.buckets:
@@ -197,6 +198,9 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 p = b.buf.params[i]
                 self.bucket_of[p] = (b, b.buf.starts[i] - b.start)
                 self.index_of[p] = i
+
+    def attach(self, without_grad, with_grad):
+        self.make_buckets()
         method = weakref.WeakMethod(self.hook)  # the hooks live on the parameters: no reference back to the engine
 
         def hook(p):
