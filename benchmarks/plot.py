@@ -17,6 +17,9 @@ kind of result is read from the JSON's "benchmark" field (results of bench_step.
     cpu       bench_cpu.py: per variant (step alone; zero_grad + backward + step) and optimizer, each implementation's
               median time relative to the case's fastest baseline that steps right, flatopt's ratio written above
               its bar, the target (1.0) dashed; an implementation found to step wrong in a case is hatched there
+    convergence  convergence.py: per precision mode, the smoothed training loss of every seed, the validation loss
+              (mean over the seeds, their range shaded), and each seed's final validation loss against fp32's
+              spread and the 2 % band, with each mode's verdict
 
     python3 benchmarks/plot.py benchmarks/results/step-<stamp>.json                # PNG next to the JSON
     python3 benchmarks/plot.py RESULT.json --png out.png --markdown out.md
@@ -65,7 +68,8 @@ SAME_BYTES = "copy-same-bytes"  # bench_step.py's reference row: dst.copy_(src) 
 SMOKE_LABEL = "SMOKE RUN: NOT A MEASUREMENT"
 
 
-KINDS = ("step", "memory", "capture", "eager", "cpu")
+KINDS = ("step", "memory", "capture", "eager", "cpu", "convergence")
+MODULES = {"convergence": "benchmarks.convergence"}  # the script of a kind, where it is not benchmarks.bench_KIND
 SCHEMAS = (1,)
 
 
@@ -90,7 +94,8 @@ def load(path):
 
 def markdown(record, kind=None):
     """The benchmark script's own markdown tables of ``record``."""
-    module = importlib.import_module(f"benchmarks.bench_{kind or kind_of(record)}")
+    kind = kind or kind_of(record)
+    module = importlib.import_module(MODULES.get(kind, f"benchmarks.bench_{kind}"))
     return module.markdown(record)
 
 
@@ -726,18 +731,124 @@ def plot_cpu_png(record, path):
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------------------- convergence result
+CONVERGENCE_COLORS = {"fp32": "black", "bf16-remainder": "tab:blue", "bf16-master-fp32": "tab:cyan",
+                      "bf16-sr": "tab:green", "bf16-sr-int8": "tab:orange", "bf16": "tab:red"}  # fmt: skip
+
+
+def convergence_verdicts(record):
+    """{mode: short verdict} for the final-loss panel: met / MISSED / n/a from the record's targets, "baseline" and
+    "contrast" for the modes without one."""
+    out = {m: c for m, c in (record.get("criteria") or {}).items() if c in ("baseline", "contrast")}
+    for t in record.get("targets") or []:
+        out[t["mode"]] = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+    return out
+
+
+def plot_convergence_png(record, path):
+    """convergence.py: the training loss of every run (centred moving mean), the validation loss of each mode (mean
+    over its finished seeds, their range shaded) and each seed's final validation loss, with fp32's range over the
+    seeds shaded and the 2 % band around fp32's mean dashed; each mode's verdict above its points."""
+    plt = _pyplot()
+    rows = [r for r in record["results"] if r.get("train_losses")]
+    if not rows:
+        raise ValueError("nothing to draw: no run trained a step")
+    modes = [m for m in record["modes"] if any(r["mode"] == m for r in rows)]
+    fig, (ax_train, ax_val, ax_final) = plt.subplots(1, 3, figsize=(18, 5.6), width_ratios=[3, 3, 2])
+    steps = record["config"]["steps"]
+    top, bottom = -math.inf, math.inf
+    for mode in modes:
+        color = CONVERGENCE_COLORS.get(mode, "0.5")
+        mine = [r for r in rows if r["mode"] == mode]
+        for i, r in enumerate(mine):
+            sm = r["smoothed"]
+            ax_train.plot(sm["steps"], sm["values"], color=color, lw=1.0, alpha=0.8, label=mode if i == 0 else None)
+            late = [v for s, v in zip(sm["steps"], sm["values"]) if s >= steps // 10 and math.isfinite(v)]
+            if late:
+                top, bottom = max(top, max(late)), min(bottom, min(late))
+        finished = [r for r in mine if r.get("val_losses") and len(r["val_losses"]) == len(mine[0]["val_losses"])]
+        if finished:
+            xs = finished[0]["val_steps"]
+            cols = list(zip(*(r["val_losses"] for r in finished)))
+            mean = [sum(c) / len(c) for c in cols]
+            ax_val.plot(xs, mean, color=color, marker="o", ms=3, lw=1.2, label=f"{mode} ({len(finished)} seeds)")
+            ax_val.fill_between(xs, [min(c) for c in cols], [max(c) for c in cols], color=color, alpha=0.15, lw=0)
+    if math.isfinite(top):
+        pad = 0.05 * max(top - bottom, 1e-3)
+        ax_train.set_ylim(bottom - pad, top + pad)
+    half = next((r["smoothed"]["half_width"] for r in rows), 0)
+    ax_train.set(xlabel="step", ylabel="training loss (nats per character)")
+    ax_train.set_title(f"training loss, every seed (centred mean of {2 * half + 1} steps)", fontsize=9)
+    ax_val.set(xlabel="step", ylabel="validation loss (nats per character)")
+    ax_val.set_title("validation loss: mean over seeds, their range shaded (zoomed past the first tenth)", fontsize=9)
+    late_val = [v for line in ax_val.get_lines() for x, v in zip(*line.get_data()) if x >= steps // 5]
+    if len(late_val) > 1:
+        lo, hi = min(late_val), max(late_val)
+        ax_val.set_ylim(lo - 0.1 * max(hi - lo, 1e-3), hi + 0.1 * max(hi - lo, 1e-3))
+    for ax in (ax_train, ax_val):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+
+    verdict = convergence_verdicts(record)
+    finals = {m: [(r["seed"], r["final_val_loss"]) for r in rows if r["mode"] == m and r.get("final_val_loss")
+                  is not None] for m in modes}  # fmt: skip
+    base = [v for _, v in finals.get("fp32", [])]
+    if base:
+        mean = sum(base) / len(base)
+        ax_final.axhspan(min(base), max(base), color="0.85", label="fp32's range over the seeds")
+        rel = record.get("relative_tolerance", 0.02)
+        for k, y in enumerate((mean * (1 - rel), mean * (1 + rel))):
+            ax_final.axhline(y, color="tab:orange", ls="--", lw=0.8, label=f"fp32's mean +- {100 * rel:g} %" if k == 0
+                             else None)  # fmt: skip
+    values = []
+    for x, mode in enumerate(modes):
+        color = CONVERGENCE_COLORS.get(mode, "0.5")
+        pts = finals[mode]
+        for j, (_, v) in enumerate(pts):
+            ax_final.plot(x + 0.08 * (j - (len(pts) - 1) / 2), v, "o", color=color, ms=5)
+        if pts:
+            m = sum(v for _, v in pts) / len(pts)
+            ax_final.plot([x - 0.3, x + 0.3], [m, m], color=color, lw=2)
+            values += [v for _, v in pts]
+    if values:
+        lo, hi = min(values + base), max(values + base)
+        pad = 0.25 * max(hi - lo, 1e-3)
+        ax_final.set_ylim(lo - pad, hi + 2 * pad)
+        for x, mode in enumerate(modes):
+            missed = verdict.get(mode) == "MISSED"
+            ax_final.text(x, hi + 1.2 * pad, f"{verdict.get(mode, 'n/a')}\n({len(finals[mode])} seeds)", ha="center",
+                          va="bottom", fontsize=7, color="red" if missed else "black")  # fmt: skip
+    ax_final.set_xticks(range(len(modes)), modes, rotation=25, ha="right", fontsize=8)
+    ax_final.set_ylabel("final validation loss")
+    ax_final.set_title("final validation loss per seed (bar: mean); verdict above", fontsize=9)
+    if base:  # its labelled bands
+        ax_final.legend(fontsize=7, loc="lower right")
+    ax_final.grid(alpha=0.3, axis="y")
+    m = record["model"]
+    cfg = record["config"]
+    title = (f"Convergence of the precision modes: flatopt.demo's model ({m['parameters'] / 1e6:.2f}M parameters), "
+             f"{cfg['steps']} steps of {cfg['batch_size']}x{cfg['seq_len']} characters, seeds "
+             f"{', '.join(map(str, record['seeds']))}\n{harness.env_line(record)}")  # fmt: skip
+    caption = ("verdicts: bf16-remainder met when bit-identical to float32 AdamW fed the same gradients at every "
+               "evaluation of every seed; bf16-master-fp32 and bf16-sr when their mean final loss is within fp32's "
+               "range over the seeds of fp32's mean; bf16-sr-int8 when within 2 % of fp32's mean; bf16 (no option) is "
+               "a contrast")  # fmt: skip
+    _finish(fig, record, title, path, caption)
+    plt.close(fig)
+
+
 def draw(record, path, kind=None):
     """Draw ``record`` (of any kind) to the PNG ``path``."""
     kind = kind or kind_of(record)
     draw_kind = {"step": plot_png, "memory": plot_memory_png, "capture": plot_capture_png, "eager": plot_eager_png}
-    draw_kind["cpu"] = plot_cpu_png
+    draw_kind.update(cpu=plot_cpu_png, convergence=plot_convergence_png)
     draw_kind[kind](record, path)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", type=Path, help="a JSON written by bench_step.py, bench_memory.py, bench_capture.py, "
-                   "bench_eager.py or bench_cpu.py")  # fmt: skip
+                   "bench_eager.py, bench_cpu.py or convergence.py")  # fmt: skip
     p.add_argument("--png", type=Path, default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-png", action="store_true", help="do not draw the PNG")
     p.add_argument("--markdown", nargs="?", const="-", default=None, help="write the markdown table (default: stdout)")

@@ -10,6 +10,7 @@ what benchmarks/report.py generates from them. The environment record takes its 
 import importlib
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -1205,6 +1206,110 @@ def test_plot_draws_eager_results(plot, eager_smoke, tmp_path, capsys):
     assert_png(png, capsys)
 
 
+# ---------------------------------------------------------------------------------------------- convergence.py
+@pytest.fixture(scope="module")
+def convergence():
+    return import_benchmark("convergence")
+
+
+def test_convergence_verdicts_pass_and_fail(convergence):
+    """Each criterion met, missed, and not evaluated, on synthetic final losses."""
+    fp32 = {0: 1.30, 1: 1.32, 2: 1.31}  # spread 0.02, mean 1.31
+
+    def verdict(finals, identity=None):
+        targets = convergence.verdicts({"fp32": fp32, **finals}, identity or {})
+        return {t["mode"]: t for t in targets}
+
+    good = verdict({"bf16-master-fp32": {0: 1.31, 1: 1.33, 2: 1.32}, "bf16-sr": {0: 1.29, 1: 1.31, 2: 1.30},
+                    "bf16-sr-int8": {0: 1.32, 1: 1.34, 2: 1.33}, "bf16": {0: 9.0, 1: 9.0, 2: 9.0}},
+                   {0: True, 1: True, 2: True})  # fmt: skip
+    assert set(good) == {"bf16-remainder", "bf16-master-fp32", "bf16-sr", "bf16-sr-int8"}  # bf16: a contrast
+    assert all(t["met"] is True for t in good.values()), good
+    assert good["bf16-master-fp32"]["value"] == pytest.approx(0.01) and good["bf16-master-fp32"]["threshold"] == (
+        pytest.approx(0.02)
+    )
+    assert good["bf16-sr-int8"]["value"] == pytest.approx(100 * 0.02 / 1.31) and good["bf16-sr-int8"]["unit"] == "%"
+    bad = verdict({"bf16-master-fp32": {0: 1.33, 1: 1.35, 2: 1.34}, "bf16-sr": {0: 1.27, 1: 1.29, 2: 1.28},
+                   "bf16-sr-int8": {0: 1.34, 1: 1.36, 2: 1.35}}, {0: True, 1: False, 2: True})  # fmt: skip
+    assert all(t["met"] is False for t in bad.values()), bad  # worse, better, 3.1 %, one seed not identical
+    assert bad["bf16-remainder"]["value"] == 1 and "seed(s) 1" in bad["bf16-remainder"]["why"]
+    assert "against fp32's 1.3100" in bad["bf16-sr"]["why"]
+    nan = verdict({"bf16-sr": {0: float("nan"), 1: 1.31, 2: 1.31}})
+    assert nan["bf16-sr"]["met"] is False  # a diverged run fails
+    paired = verdict({"bf16-sr": {0: 1.30}})  # compared over the seeds both finished: seed 0 only
+    assert paired["bf16-sr"]["met"] is True and paired["bf16-sr"]["value"] == pytest.approx(0.0)
+    one = convergence.verdicts({"fp32": {0: 1.3}, "bf16-sr": {0: 1.3}, "bf16-sr-int8": {0: 1.3}}, {})
+    assert [(t["mode"], t["met"]) for t in one] == [("bf16-remainder", None), ("bf16-master-fp32", None),
+                                                    ("bf16-sr", None), ("bf16-sr-int8", True)]  # fmt: skip
+    assert "fewer than 2 seeds" in one[2]["note"] and "no finished run" in one[0]["note"]
+
+
+def test_convergence_tiny_run_on_cpu(convergence, plot, report, tmp_path, capsys):
+    """The tiny size on the CPU: every mode and seed trained on the same steps, the curves and final losses recorded,
+    the remainder run bit-identical to its float32 shadow, the verdicts computed, a PNG written; plot.py and
+    report.py take the JSON only as a smoke run."""
+    path = tmp_path / "convergence.json"
+    modes = "fp32,bf16-remainder,bf16-sr-int8"
+    assert convergence.main(["--device", "cpu", "--size", "tiny", "--steps", "5", "--seeds", "2", "--modes", modes,
+                             "--json", str(path)]) == 0  # fmt: skip
+    record = json.loads(path.read_text())
+    assert record["benchmark"] == "convergence" and record["smoke"] is True and record["complete"] is True
+    assert record["env"]["torch"] == torch.__version__ and "--size tiny" in record["command"]
+    assert record["seeds"] == [0, 1] and record["modes"] == modes.split(",") and record["config"]["steps"] == 5
+    rows = {(r["mode"], r["seed"]): r for r in record["results"]}
+    assert set(rows) == {(m, s) for m in modes.split(",") for s in (0, 1)}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["steps_done"] == 5 and len(r["train_losses"]) == 5, r
+        assert r["val_steps"] == [1, 2, 3, 4, 5] and r["final_val_loss"] == r["val_losses"][-1]
+        assert r["smoothed"]["steps"][-1] == 5 and math.isfinite(r["final_val_loss"])
+    assert (
+        rows[("bf16-remainder", 0)]["backend"] == "cpu"
+        and rows[("fp32", 0)]["final_val_loss"] != (rows[("fp32", 1)]["final_val_loss"])
+    )  # seeds differ
+    shadow = rows[("bf16-remainder", 1)]["shadow"]
+    assert shadow["identical"] is True and shadow["backend"] == "torch" and len(shadow["checks"]) == 5
+    assert all(
+        c["params_differing"] == 0 and c["states_differing"] == 0 and c["val_loss_equal"] for c in shadow["checks"]
+    )
+    targets = {t["mode"]: t for t in record["targets"]}
+    assert set(targets) == {"bf16-remainder", "bf16-sr-int8"} and targets["bf16-remainder"]["met"] is True
+    assert targets["bf16-sr-int8"]["met"] is not None  # evaluated against fp32's mean
+    assert path.with_suffix(".png").exists() or "PNG skipped" in capsys.readouterr().out
+    capsys.readouterr()
+    assert plot.main([str(path)]) == 2  # a smoke run is not drawn as a result
+    png, md = tmp_path / "c.png", tmp_path / "c.md"
+    assert plot.main([str(path), "--allow-smoke", "--png", str(png), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert text.startswith("> **SMOKE RUN") and "| bf16-remainder |" in text and "- seed 1: identical" in text
+    assert_png(png, capsys)
+    page = report.render(tmp_path, tmp_path / "performance.md", allow_smoke=True)
+    section = page[page.index("## Convergence") :].split("\n## ")[0]
+    assert f"Result: [`{path.name}`]" in section and "No stored result yet" not in section
+    assert "flatopt's targets in this result: 2 met, 0 missed" in section or "1 missed" in section
+
+
+def test_convergence_shadow_check_can_fail(convergence, monkeypatch, tmp_path, capsys):
+    """A shadow stepped with another learning rate: the remainder run is reported as differing, the target missed."""
+    real = convergence.shadow_optimizer
+    monkeypatch.setattr(convergence, "shadow_optimizer", lambda m, hp, b: real(m, dict(hp, lr=hp["lr"] * 1.5), b))
+    path = tmp_path / "c.json"
+    assert convergence.main(["--device", "cpu", "--smoke", "--steps", "2", "--seeds", "1", "--modes",
+                             "bf16-remainder", "--json", str(path), "--png", str(tmp_path / "c.png")]) == 0  # fmt: skip
+    record = json.loads(path.read_text())
+    (row,) = record["results"]
+    assert row["shadow"]["identical"] is False and row["shadow"]["checks"][-1]["params_differing"] > 0
+    (target,) = record["targets"]
+    assert target["met"] is False and target["value"] == 1
+
+
+def test_convergence_refuses_bad_options(convergence, capsys):
+    for argv, message in ((["--seeds", "0"], "--seeds must be at least 1"), (["--steps", "0"], "--steps must be"),
+                          (["--smoke", "--size", "gpu"], "--smoke runs the tiny size"),
+                          (["--modes", "fp32,fp8"], "expected a comma-separated subset")):  # fmt: skip
+        assert convergence.main(["--device", "cpu", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------------- report.py
 @pytest.fixture(scope="module")
 def report():
@@ -1234,10 +1339,14 @@ def test_report_from_smoke_results(report, plot, loop_smoke, eager_smoke, memory
     doc = tmp_path / "docs" / "performance.md"
     assert report.main(["--results", str(results), "--out", str(doc)]) == 0  # smoke runs left out
     text = doc.read_text()
-    assert text.count("No stored result yet") == 6 and "SMOKE RUN" not in text  # step (2 variants), eager, ..., cpu
+    assert (
+        text.count("No stored result yet") == 7 and "SMOKE RUN" not in text
+    )  # step (2 variants), eager, ..., convergence
     assert report.main(["--results", str(results), "--out", str(doc), "--allow-smoke"]) == 0
     text = doc.read_text()
-    assert text.count("No stored result yet") == 5  # the step variant, eager on a GPU, capture, memory and cpu
+    assert (
+        text.count("No stored result yet") == 6
+    )  # the step variant, eager on a GPU, capture, memory, cpu, convergence
     assert "### On the CPU: flatopt.demo's model" in text  # an eager result of a CPU run has its own place
     assert "### The training loop's step" in text and "AdamW, `step`:" not in text
     assert "Result: [`step-cpu-1.json`](../results/step-cpu-1.json)" in text

@@ -65,9 +65,11 @@ class CharTransformer(nn.Module):
 
 
 def lm_loss(model, x, y):
-    """Mean next-character cross-entropy of ``model`` on inputs ``x`` and targets ``y``."""
+    """Mean next-character cross-entropy of ``model`` on inputs ``x`` and targets ``y``, in float32 (the logits of a
+    bfloat16 model are upcast first, so that its loss is not rounded to bfloat16's three significant digits; a
+    float32 model's are used as they are)."""
     logits = model(x)
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
 def warmup_cosine(steps, warmup, final_fraction=0.1):

@@ -67,19 +67,76 @@ def progress_text(runs, threads):
     def losses(values):
         return "  ".join(f"({r.short_name}) {'-' if v is None else format(v, '.3f')}" for r, v in values)
 
-    train = losses((r, r.losses[-1]) for r in runs)
+    train = losses((r, r.losses[-1] if r.losses else None) for r in runs)
     val = losses((r, r.val_loss) for r in runs)
-    return f"train loss {train} | val loss {val} | {threads.threads} threads"
+    return f"train loss {train} | val loss {val}" + (f" | {threads.threads} threads" if threads is not None else "")
+
+
+def initial_model(config, data, device):
+    """The model every run starts from, initialised from ``config.seed`` (torch's global random state is left as
+    it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = CharTransformer(data.vocab_size, config.seq_len, config.dim, config.layers, config.heads)
+    return model.to(device)
+
+
+def warmup_steps(config):
+    """Steps of the learning rate's linear warm-up: a tenth of the run, at most 100."""
+    return max(1, min(100, config.steps // 10))
+
+
+def validation_batches(config, data, device, seed):
+    """``config.eval_batches`` batches of held-out text drawn from ``seed``: every evaluation uses the same ones."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        tuple(t.to(device) for t in data.batch(data.val, config.batch_size, generator))
+        for _ in range(config.eval_batches)
+    ]
+
+
+def train_interleaved(runs, config, data, device, val_batches, threads=None, stop=None):
+    """Train ``runs`` for ``config.steps`` steps on the same batches, drawn in one order from ``config.seed``,
+    interleaved step by step (who goes first alternates), and evaluate each on ``val_batches`` every
+    :func:`eval_every` steps and after the last.
+
+    Args:
+        threads (CpuThreads, optional): measured again before each step (default: None, torch's threads as set)
+        stop (callable, optional): called with the steps done after each step and its evaluations; when it returns
+            True, training ends there (default: None, never)
+
+    Returns:
+        list[int]: the steps after which the runs were evaluated
+    """
+    clock = make_clock(device)
+    generator = torch.Generator().manual_seed(config.seed)
+    every, eval_steps = eval_every(config), []
+    progress = Progress(config.steps, enabled=not config.quiet)
+    for step in range(config.steps):
+        if threads is not None:
+            threads.update(step)
+        x, y = (t.to(device, non_blocking=True) for t in data.batch(data.train, config.batch_size, generator))
+        order = runs if step % 2 == 0 else runs[::-1]  # alternate who goes first: no cache or clock bias
+        for run in order:
+            run.train_step(x, y, clock)
+        done = step + 1
+        if done % every == 0 or done == config.steps:  # outside the timed steps
+            for run in runs:
+                run.evaluate(val_batches)
+            eval_steps.append(done)
+        progress.update(done, progress_text(runs, threads))
+        if stop is not None and stop(done):
+            break
+    progress.close()
+    return eval_steps
 
 
 def train(config, data, device, threads, log):
     """Train both copies interleaved, evaluating both on the same held-out batches every :func:`eval_every`
     steps and at the end; returns the two runs, the number of parameters, of warm-up steps, and the steps
     after which the validation loss was measured."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        base = CharTransformer(data.vocab_size, config.seq_len, config.dim, config.layers, config.heads).to(device)
-    warmup = max(1, min(100, config.steps // 10))
+    base = initial_model(config, data, device)
+    warmup = warmup_steps(config)
     runs = []
     for name in RUNS:
         model = copy.deepcopy(base)
@@ -97,27 +154,6 @@ def train(config, data, device, threads, log):
         f"lr {config.lr:g} (warm-up {warmup} steps, then cosine), weight decay {config.weight_decay:g}; "
         f"flatopt backend: {runs[0].optimizer.backend}, torch.optim.AdamW implementation: {config.torch_impl}"
     )
-
-    clock = make_clock(device)
-    generator = torch.Generator().manual_seed(config.seed)
-    val_gen = torch.Generator().manual_seed(config.seed + 1)
-    val_batches = [
-        tuple(t.to(device) for t in data.batch(data.val, config.batch_size, val_gen))
-        for _ in range(config.eval_batches)
-    ]
-    every, eval_steps = eval_every(config), []
-    progress = Progress(config.steps, enabled=not config.quiet)
-    for step in range(config.steps):
-        threads.update(step)
-        x, y = (t.to(device, non_blocking=True) for t in data.batch(data.train, config.batch_size, generator))
-        order = runs if step % 2 == 0 else runs[::-1]  # alternate who goes first: no cache or clock bias
-        for run in order:
-            run.train_step(x, y, clock)
-        done = step + 1
-        if done % every == 0 or done == config.steps:  # outside the timed steps
-            for run in runs:
-                run.evaluate(val_batches)
-            eval_steps.append(done)
-        progress.update(done, progress_text(runs, threads))
-    progress.close()
+    val_batches = validation_batches(config, data, device, config.seed + 1)
+    eval_steps = train_interleaved(runs, config, data, device, val_batches, threads)
     return runs, n_params, warmup, eval_steps
