@@ -23,6 +23,7 @@ import pytest
 import ranks
 import torch
 from conftest import LionReference
+from test_ddp import snapshot, values
 from torch import nn
 
 import flatopt
@@ -80,18 +81,6 @@ def batch(rank, step, micro=0, features=5, out=3):
     """Different data on each rank, at each step and micro-batch."""
     gen = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
     return torch.randn(4, features, generator=gen), torch.randn(4, out, generator=gen)
-
-
-def values(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def snapshot(model, opt):
-    state = {
-        i: {k: float(v) if k == "step" else v.detach().clone() for k, v in entry.items()}
-        for i, entry in opt.state_dict()["state"].items()
-    }
-    return {"params": values(model), "state": state}
 
 
 def error_of(e):
