@@ -179,3 +179,22 @@ def test_low_precision_sgd_and_lion_step_gradients_in_place():
                 close(a.float(), b.float(), f"{ours_cls.__name__} step {step}, {n}", atol=2**-7, rtol=1.6e-2)
                 with torch.no_grad():
                     b.copy_(a)  # one step's roundings each time
+
+
+def test_the_first_pass_hooks_leave_nothing_behind():
+    """Until the first step a hook per parameter records which ones received a gradient; after it, an uncovered
+    parameter carries no hook table at all (an emptied table would still cost autograd a call into Python per
+    parameter per backward), while hooks of the caller's stay and run."""
+    model = Model()
+    calls = []
+    model.shift.register_hook(lambda g: calls.append("shift"))  # the caller's: kept
+    opt = flatopt.SGD(model, lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        model(batches(1)[0]).backward()
+        opt.step()
+    assert calls == ["shift", "shift"]
+    assert model.mix._backward_hooks is None and model.mix._post_accumulate_grad_hooks is None
+    assert len(model.shift._backward_hooks) == 1 and model.shift._post_accumulate_grad_hooks is None
+    for p in model.proj.parameters():  # covered: a post-accumulate-grad hook, whose emptied table torch keeps
+        assert p._backward_hooks is None and not p._post_accumulate_grad_hooks

@@ -15,7 +15,7 @@ from flatopt.engines.base import FlatEngine, clip_coefficient
 from flatopt.grads import GradLanding
 from flatopt.layout import GradSources
 from flatopt.step_graph import StepGraph
-from flatopt.torch_compat import has_step_pre_hooks
+from flatopt.torch_compat import has_step_pre_hooks, remove_hooks
 
 # On the CPU, a gradient of its own (an uncovered use) of at least this many elements is read where autograd left it
 # by step(), rather than copied into the flat buffer first; smaller ones are copied in with one batched copy, so that
@@ -29,6 +29,7 @@ class FlatStepEngine(FlatEngine):
         super().__init__(opt)
         self.landing = None  # GradLanding of the current layout
         self.hooks = []  # until the first step: which parameters received a gradient, and no sparse one
+        self.hooked = []  # the parameters that carry them
         self.seen = set()
         self.recording = False  # inside capture(): step() leaves the hyper-parameter refresh to the replay
         self.sources = None  # capture(): {FlatBuffer: GradSources} the next step gathers its gradients from
@@ -36,9 +37,7 @@ class FlatStepEngine(FlatEngine):
 
     # ------------------------------------------------------------------ layout
     def detach(self):
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
+        self._remove_first_pass_hooks()
         if self.landing is not None:
             self.landing.detach()
 
@@ -55,22 +54,38 @@ class FlatStepEngine(FlatEngine):
         params = [p for b in self.buffers for p in b.params if p.requires_grad]  # autograd hooks need it
         if not self.unused_reported:
             self.seen.update(with_grad)  # a gradient from before the layout is one received
-            self.hooks = [p.register_post_accumulate_grad_hook(self.seen.add) for p in params]
-            # a covered layer makes dense gradients, and a tensor hook would send its parameter the copying way
+            # a tensor hook, which also refuses a sparse gradient, except on a covered layer's parameter: a tensor
+            # hook would send its gradients the copying way (and a covered layer makes dense gradients). A tensor
+            # hook, rather than a post-accumulate-grad hook, because removing it really unregisters it (see
+            # remove_hooks): an emptied post-accumulate-grad table still costs a call per parameter per backward
             covered = self.landing.slots.covered
-            self.hooks += [p.register_hook(self._sparse_grad_hook(p)) for p in params if p not in covered]
+            self.hooks = [
+                p.register_post_accumulate_grad_hook(self.seen.add)
+                if p in covered
+                else p.register_hook(self._first_pass_hook(p))
+                for p in params
+            ]
+            self.hooked = params
         for p in without_grad:  # skip_unused: a parameter steps only once it has a .grad, as in torch.optim
             p.grad = None
 
-    def _sparse_grad_hook(self, p):
-        """A hook on ``p``'s incoming gradient, registered until the first step with the hooks that
-        record which parameters received one: autograd would add a sparse gradient into the dense
-        ``.grad`` view in place (a silent dense update), so refuse it before it lands."""
-        cls, names, param = self.cls, weakref.ref(self.opt.names), weakref.ref(p)  # no cycle through the hooks
+    def _remove_first_pass_hooks(self):
+        remove_hooks(self.hooks, self.hooked)
+        self.hooks, self.hooked = [], []
+
+    def _first_pass_hook(self, p):
+        """A hook on ``p``'s incoming gradient, registered until the first step: it records that ``p``
+        received one, and refuses a sparse one (autograd would add it into the dense ``.grad`` view in
+        place, a silent dense update) before it lands."""
+        cls, names, param, seen = self.cls, weakref.ref(self.opt.names), weakref.ref(p), self.seen  # no cycle
 
         def hook(grad):
             names_, p_ = names(), param()
-            if grad.layout != torch.strided and names_ is not None and p_ is not None:  # not once opt is gone
+            if p_ is None or names_ is None:
+                return  # the optimizer is gone
+            if grad.layout == torch.strided:
+                seen.add(p_)
+            else:
                 raise RuntimeError(
                     f"{cls} does not support sparse gradients: parameter {names_(p_)} received a "
                     f"{grad.layout} gradient, which would be added into its dense flat .grad view; use "
@@ -111,9 +126,7 @@ class FlatStepEngine(FlatEngine):
         params = [p for b in self.buffers for p in b.params if p.requires_grad]
         unused = [p for p in params if p in without or (p not in self.seen and p not in given)]
         self.unused_reported = True
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
+        self._remove_first_pass_hooks()
         self.seen.clear()
         if unused:
             self.warn_unused(unused)
