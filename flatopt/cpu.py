@@ -125,8 +125,8 @@ def _in_place(grad, sources, meta):
     sources.check(meta, grad)
     return [
         (start, start + n, g.as_strided((n,), (1,)))  # memory order, as the kernels read it
-        for start, n, g in zip(sources.start.tolist(), sources.numel.tolist(), sources.tensors)
-        if g is not None and n > 0
+        for start, n, g in sources.pieces()
+        if n > 0
     ]
 
 
@@ -167,9 +167,8 @@ def _unscaled_back(grad, sources, grad_scale, found_inf):
         return
     if found_inf is not None and bool(found_inf.reshape(()) != 0):
         return  # skipped: nothing was unscaled
-    for start, n, g in zip(sources.start.tolist(), sources.numel.tolist(), sources.tensors):
-        if g is not None:
-            g.as_strided((n,), (1,)).copy_(grad[start : start + n])
+    for start, n, g in sources.pieces():
+        g.as_strided((n,), (1,)).copy_(grad[start : start + n])
 
 
 def _kernel_scale(grads, grad_scale):

@@ -24,7 +24,7 @@ A parameter view keeps the parameter's own strides (a channels_last weight stays
 parameters must be dense (no gaps or overlaps between elements).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -104,6 +104,7 @@ class FlatBuffer:
         self.dtype = self.like[0].dtype
         self.index = {}  # param -> (start, end)
         self.starts = []
+        self.sizes = tuple(t.numel() for t in self.like)  # each parameter's number of elements
         self.room = room
         start = 0
         for p, t, n in zip(self.params, self.like, room):
@@ -206,6 +207,10 @@ class FlatBuffer:
         ]
 
 
+def _table(values, device):
+    return torch.tensor(values, dtype=torch.int64).to(device)
+
+
 @dataclass
 class GradSources:
     """Where each parameter's gradient of one flat buffer lies, for a kernel that reads the gradients
@@ -214,18 +219,21 @@ class GradSources:
     a read back: a read of every gradient's bytes less.
 
     ``src``, ``start``, ``numel``: int64 ``[params]`` on the buffer's device (the address of each
-    gradient, each parameter's offset in the buffer, its number of elements); ``tensors``: the
-    gradients the addresses point at, kept alive here (None where the source is the parameter's own
-    view, whose value the kernel then keeps). ``store=False``: the caller will not read these
-    gradients' slots in the flat buffer after the launch (their ``.grad`` stays where the gradient
-    lies), so a launch need not store them there: the CPU backend then steps from the gradients in
-    place (and leaves the unscaled gradients there under ``grad_scale``, as torch's fused kernels
-    leave them in ``.grad``); the kernels and the reference store them all the same.
+    gradient, each parameter's offset in the buffer, its number of elements), the tables the kernels
+    read; ``tensors``: the gradients the addresses point at, kept alive here (None where the source is
+    the parameter's own view, whose value the kernel then keeps); ``starts`` and ``sizes``: the offsets
+    and numels on the host, which the CPU backend and the reference read. ``store=False``: the caller
+    will not read these gradients' slots in the flat buffer after the launch (their ``.grad`` stays
+    where the gradient lies), so a launch need not store them there: the CPU backend then steps from the
+    gradients in place (and leaves the unscaled gradients there under ``grad_scale``, as torch's fused
+    kernels leave them in ``.grad``); the kernels and the reference store them all the same. Such
+    sources of a CPU buffer build their device tables only if a kernel asks for them (:meth:`tables`):
+    the CPU backend reads the host values, and building them costs host time at every step.
     """
 
-    src: torch.Tensor
-    start: torch.Tensor
-    numel: torch.Tensor
+    src: torch.Tensor | None
+    start: torch.Tensor | None
+    numel: torch.Tensor | None
     tensors: list
     vec: int  # every numel is a multiple of it (16 bytes of elements, or 1): the kernel's load width
     sizes: tuple  # the numels, on the host
@@ -233,6 +241,9 @@ class GradSources:
     length: int  # the flat buffer's length and dtype: sources are for that buffer only
     dtype: torch.dtype
     store: bool = True  # False: the slots of these gradients need not be written (see above)
+    starts: tuple = ()  # each parameter's offset in the buffer, on the host
+    views: list = field(default_factory=list)  # the buffer's gradient views (for the addresses of None sources)
+    device: torch.device | None = None  # where the tables go
 
     def check(self, meta, grad):
         """Raise unless a launch over ``grad`` (a flat gradient buffer) with ``meta`` can gather from
@@ -247,6 +258,8 @@ class GradSources:
             )
         for name in ("src", "start", "numel"):
             t = getattr(self, name)
+            if t is None:
+                continue  # not built yet: tables() builds it from the host values, checked here
             if t.dtype != torch.int64 or t.shape != (n,) or t.device != grad.device:
                 raise ValueError(
                     f"GradSources.{name} must be int64 of shape ({n},) on {grad.device}, got {t.dtype} "
@@ -269,6 +282,21 @@ class GradSources:
                 f"{16 // grad.element_size()} when every parameter's size is a multiple of it"
             )
 
+    def tables(self):
+        """``(src, start, numel)`` on the device, built now if they were not (not inside a CUDA graph capture)."""
+        if self.src is None:
+            src = [(v if g is None else g).data_ptr() for v, g in zip(self.views, self.tensors)]
+            self.src = _table(src, self.device)
+        if self.start is None:
+            self.start = _table(self.starts, self.device)
+        if self.numel is None:
+            self.numel = _table(self.sizes, self.device)
+        return self.src, self.start, self.numel
+
+    def pieces(self):
+        """``(start, numel, gradient)`` of each gradient that is not the parameter's own view, on the host."""
+        return [(s, n, g) for s, n, g in zip(self.starts, self.sizes, self.tensors) if g is not None]
+
     @staticmethod
     def fits(view, g):
         """Whether the kernel can read ``g`` in place of ``view``: same shape, strides, dtype and device
@@ -286,11 +314,15 @@ class GradSources:
     def addresses(cls, buf, grads):
         """The address of each parameter's gradient of ``buf`` in ``grads`` (one tensor or None per
         parameter: None is the parameter's own view). Raises ValueError for a gradient that does not fit."""
+        cls._check_fit(buf, grads)
+        return [(view if g is None else g).data_ptr() for view, g in zip(buf.grad_views, grads)]
+
+    @classmethod
+    def _check_fit(cls, buf, grads):
         if buf.grad is None:
             raise ValueError("GradSources need a flat gradient buffer to store into; this FlatBuffer has none")
         if len(grads) != len(buf.params):
             raise ValueError(f"expected {len(buf.params)} gradients, got {len(grads)}")
-        src = []
         for i, (view, g) in enumerate(zip(buf.grad_views, grads)):
             if g is not None and not cls.fits(view, g):
                 raise ValueError(
@@ -298,35 +330,25 @@ class GradSources:
                     f"{g.stride()}, {g.dtype} on {g.device} at {g.data_ptr():#x}; the kernel needs shape "
                     f"{tuple(view.shape)}, strides {view.stride()}, {view.dtype} on {view.device}, 16-byte aligned"
                 )
-            src.append((view if g is None else g).data_ptr())
-        return src
 
     @classmethod
-    def of(cls, buf, grads, *, store=True):
+    def of(cls, buf, grads, *, store=True, checked=False):
         """The sources of ``buf`` from ``grads`` (one tensor or None per parameter of ``buf``: None
-        reads the parameter's own view). Raises ValueError for a gradient that does not fit. Copies
-        its tables to the device (not inside a CUDA graph capture: see :meth:`point_at`)."""
-        src = cls.addresses(buf, grads)
-        numel = [t.numel() for t in buf.like]
-
-        def table(values):
-            return torch.tensor(values, dtype=torch.int64).to(buf.device)
-
+        reads the parameter's own view). Raises ValueError for a gradient that does not fit (unless
+        ``checked``: the caller tested each with :meth:`fits`). Copies its tables to the device (not
+        inside a CUDA graph capture: see :meth:`point_at`), except for ``store=False`` sources of a CPU
+        buffer, whose tables are built if a kernel asks for them (:meth:`tables`)."""
+        if not checked:
+            cls._check_fit(buf, grads)
+        numel = buf.sizes
         vec = 16 // buf.grad.element_size()
         if any(n % vec for n in numel):
             vec = 1
-        return cls(
-            table(src),
-            table(buf.starts),
-            table(numel),
-            list(grads),
-            vec,
-            tuple(numel),
-            vec,
-            buf.numel,
-            buf.dtype,
-            store,
-        )
+        out = cls(None, None, None, list(grads), vec, numel, vec, buf.numel, buf.dtype, store, tuple(buf.starts),
+                  buf.grad_views, buf.device)  # fmt: skip
+        if store or buf.device.type != "cpu":
+            out.tables()
+        return out
 
     def point_at(self, addresses):
         """Make ``src`` hold ``addresses`` (one per parameter, from :meth:`addresses`): for a CUDA graph
@@ -336,4 +358,5 @@ class GradSources:
         reads ``tensors``. A blocking copy: call it outside capture."""
         if len(addresses) != len(self.sizes):
             raise ValueError(f"expected {len(self.sizes)} addresses, got {len(addresses)}")
+        self.tables()
         self.src.copy_(torch.tensor(addresses, dtype=torch.int64))

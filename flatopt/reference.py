@@ -90,6 +90,9 @@ def advance_steps(meta, ok=None):
     """Add one to the completed steps of the launch's active parameters (``ok``: a bool tensor, False when
     found_inf skipped the step, or None)."""
     steps = meta.steps[meta.first : meta.stop]
+    if meta.active is None and ok is None:
+        steps.add_(1)  # one operation: this runs at every CPU step
+        return
     inc = torch.ones_like(steps)
     if meta.active is not None:
         inc = inc * meta.active[meta.first : meta.stop].float()
@@ -104,9 +107,8 @@ def gather(grad, sources, meta):
     if sources is None:
         return
     sources.check(meta, grad)
-    for start, n, g in zip(sources.start.tolist(), sources.numel.tolist(), sources.tensors):
-        if g is not None:
-            grad[start : start + n].copy_(g.as_strided((n,), (1,)))  # memory order, as the kernel reads it
+    for start, n, g in sources.pieces():
+        grad[start : start + n].copy_(g.as_strided((n,), (1,)))  # memory order, as the kernel reads it
 
 
 def _unscale(grad, grad_scale, dtype):

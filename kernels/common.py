@@ -374,7 +374,7 @@ def launch(
         *buffers, *(scales if scales is not None else [None] * len(states)), hparams,
         meta.param_of_granule, meta.param_group, meta.steps, meta.active,
         grad_scale, found_inf, meta.counter,
-        *((sources.src, sources.start, sources.numel) if sources is not None else (None, None, None)),
+        *(sources.tables() if sources is not None else (None, None, None)),
         param.numel(), meta.first, meta.stop,
         master, 0 if rounding_seed is None else rounding_seed, rng_base,
         NUM_HP=rule.num_hparams, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,

@@ -166,7 +166,7 @@ class FlatStepEngine(FlatEngine):
         if in_place:  # on the CPU: the large gradients of their own, read where they lie (not stored)
             for buf in self.buffers:
                 if any(p in in_place for p in buf.params):
-                    sources[buf] = GradSources.of(buf, [in_place.get(p) for p in buf.params], store=False)
+                    sources[buf] = GradSources.of(buf, [in_place.get(p) for p in buf.params], store=False, checked=True)
 
         def launch():
             with torch.no_grad():  # for the torch backend's in-place updates (a replayed graph needs none)
