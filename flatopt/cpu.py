@@ -109,7 +109,7 @@ def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, f
         rows = hparams.tolist()
         for start, end, group, steps in runs(meta, param.numel()):
             if end > start:
-                piece_step(_segments(start, end, grad, own), rule.named(rows[group]), steps, grad_scale)
+                piece_step(_segments(start, end, grad, own, meta), rule.named(rows[group]), steps, grad_scale)
     advance_steps(meta, ok)
     if not in_place:
         _unscaled_back(grad, sources, grad_scale, found_inf)
@@ -130,21 +130,39 @@ def _in_place(grad, sources, meta):
     ]
 
 
-def _segments(start, end, grad, own):
+CUTS_MAX = 1024  # slices kept per StepMeta (a layout's pieces need a few per parameter)
+
+
+def _cut(meta, t, s, e):
+    """``t[s:e]``, kept in ``meta.cuts`` for the next step (a slice costs about a microsecond of host time, and a
+    step takes a few per parameter read in place). An entry holds ``t`` itself, so its ``id`` is not reused while
+    the entry lives; the buffers are the launch's, which the meta describes."""
+    key = (id(t), s, e)
+    hit = meta.cuts.get(key)
+    if hit is not None and hit[0] is t:
+        return hit[1]
+    if len(meta.cuts) >= CUTS_MAX:
+        meta.cuts.clear()
+    v = t[s:e]
+    meta.cuts[key] = (t, v)
+    return v
+
+
+def _segments(start, end, grad, own, meta):
     """Elements ``[start, end)`` as ``(s, e, gradient)`` runs: the gradients of ``own`` (sorted, each within one
     piece: a piece is whole parameters) and the slices of ``grad`` between them."""
     if not own:
-        return [(start, end, grad[start:end])]
+        return [(start, end, _cut(meta, grad, start, end))]
     out, at = [], start
     for s, e, g in own[bisect.bisect_left(own, (start,)) :]:
         if s >= end:
             break
         if s > at:
-            out.append((at, s, grad[at:s]))
+            out.append((at, s, _cut(meta, grad, at, s)))
         out.append((s, e, g))
         at = e
     if at < end:
-        out.append((at, end, grad[at:end]))
+        out.append((at, end, _cut(meta, grad, at, end)))
     return out
 
 
@@ -197,8 +215,9 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=No
         # rebuilt from the table's logarithms, as the rule computes them (a float32 table's beta2 = 0.999 is off by
         # 1.3e-8, which 1 - beta2**3 = 0.003 would magnify to 1.3e-5)
         torch._fused_adamw_(
-            [param[s:e] for s, e, _ in segments], grads, [exp_avg[s:e] for s, e, _ in segments],
-            [exp_avg_sq[s:e] for s, e, _ in segments], [], [torch.tensor(steps + 1.0)] * len(segments),
+            [_cut(meta, param, s, e) for s, e, _ in segments], grads,
+            [_cut(meta, exp_avg, s, e) for s, e, _ in segments], [_cut(meta, exp_avg_sq, s, e) for s, e, _ in segments],
+            [], [torch.tensor(steps + 1.0)] * len(segments),
             lr=h["lr"], beta1=math.exp(h["log_beta1"]), beta2=math.exp(h["log_beta2"]),
             weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=h["grad_sign"] < 0,
             grad_scale=_kernel_scale(grads, scale),
@@ -230,9 +249,9 @@ def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, fo
         momentum = h["momentum"] if momentum_buffer is not None else 0.0
         first = steps == 0
         if kernel is _fused_sgd:  # one call for the piece
-            bufs = [momentum_buffer[s:e] for s, e, _ in segments] if momentum != 0.0 else []
-            return _fused_sgd([param[s:e] for s, e, _ in segments], [g for _, _, g in segments], bufs, h, momentum,
-                              first, scale)  # fmt: skip
+            bufs = [_cut(meta, momentum_buffer, s, e) for s, e, _ in segments] if momentum != 0.0 else []
+            return _fused_sgd([_cut(meta, param, s, e) for s, e, _ in segments], [g for _, _, g in segments], bufs, h,
+                              momentum, first, scale)  # fmt: skip
         low = _low_precision_steps(h, momentum, first, scale)
         for s, e, g in segments:
             buf = momentum_buffer[s:e] if momentum != 0.0 else None
