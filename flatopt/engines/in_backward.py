@@ -46,6 +46,7 @@ bucket. Gradient memory held by flatopt: the open buckets' staging gradients (on
 time when gradients arrive in layout order) plus the gradient autograd is producing.
 """
 
+import dataclasses
 import threading
 import weakref
 from contextlib import contextmanager
@@ -581,7 +582,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         if partial and opt.skip_unused:
             active = torch.zeros(len(buf.params), dtype=torch.uint8)
             active[[self.index_of[p] for p in bucket.arrived]] = 1
-            meta = StepMeta(**{**vars(meta), "active": active.to(buf.device), "uniform": False})
+            meta = dataclasses.replace(meta, active=active.to(buf.device), uniform=False)
             bucket.meta.uniform = False  # the step counts of its parameters differ from now on
         s, e = bucket.start, bucket.end
         states = [buf.states.get(n) for n in opt.rule.state_names]
