@@ -69,7 +69,9 @@ class GradLanding:
 
         self.slots = LandingSlots(buffers, on_fallback=on_fallback)
         # (parameter, view, slot) for settling's scan: one attribute read and two identity tests per parameter
-        self.entries = [(p, view, self.slots.slot_of(p)) for p, view in self.views.items()]
+        self.entries = [
+            (p, view, self.slots.slot_of(p), view.dtype, view.get_device()) for p, view in self.views.items()
+        ]
         self.module = module  # the model to cover (direct=True): its covered layers write into the slots
         self.direct = direct
         # where each parameter's data lives in these buffers: a hook does nothing for a parameter that another
@@ -252,12 +254,11 @@ class GradLanding:
         it at every step, as torch.optim's step looks at every ``.grad``)."""
         zero, copy = [], []
         strided = torch.strided
-        for p, view, slot in self.entries:
+        for p, view, slot, dtype, device in self.entries:
             g = p.grad
             if g is not None and (g is slot.grad or g is view):  # in place: a covered layer's, or settled
                 continue
-            dtype = view.dtype
-            if p.dtype is not dtype or p.get_device() != view.get_device():
+            if p.dtype is not dtype or p.get_device() != device:
                 continue  # the parameter moved or was cast: check_bindings() raises for it
             if g is None:
                 zero.append((p, view))
@@ -272,7 +273,11 @@ class GradLanding:
                 copy.append((p, view, g))
         return zero, copy
 
-    def apply(self, plan):
+    def apply(self, plan, put=True):
+        """Do what :meth:`plan` planned: zero the views of the parameters without a gradient, copy the gradients of
+        their own into their views (one batched copy per dtype and device), and put the views in ``.grad``. With
+        ``put=False`` a copied gradient stays in ``.grad`` (the CPU step's: the views then hold copies of them,
+        read by the launch that follows; :meth:`restore` or the next settling puts the views back)."""
         zero, copy = plan
         self.slots.settled()
         self.pooled.clear()
@@ -282,25 +287,40 @@ class GradLanding:
         with torch.no_grad():
             if zero:
                 torch._foreach_zero_([view for _, view in zero])
-            groups = {}  # one batched copy (a few kernels) per dtype and device rather than one per parameter
-            buffers = {view.untyped_storage().data_ptr() for view in self.firsts_views}
-            for _, view, g in copy:
-                if g is not None:
-                    if g.untyped_storage().data_ptr() in buffers:
-                        g = g.clone()  # a view into the buffer itself (p.grad = p.grad.t()): may overlap a dst
-                    dst, src = groups.setdefault((view.dtype, view.device), ([], []))
-                    dst.append(view)
-                    src.append(g)
-            for dst, src in groups.values():
-                torch._foreach_copy_(dst, src)
+            if copy:
+                self._copy_in(copy)
         if not self.keep_none:
             for p, _ in zero:
                 self.slots.put(p)
+        if not put:
+            return
         hooking = self.copy_on_cpu or not self.on_cpu
         for p, _, g in copy:
             self.slots.put(p)
             if hooking and g is not None and p not in self.hooked:
                 self.hook(p)  # a covered parameter whose gradient came torch's way: copied as it comes from now on
+
+    def _copy_in(self, copy):
+        """Copy each gradient of ``copy`` ((parameter, view, tensor or None: the view itself)) into its view: one
+        batched copy (a few kernels) per dtype and device rather than one per parameter."""
+        spans = []  # each buffer's storage, [start, end) addresses, as it is now
+        for view in self.firsts_views:
+            st = view.untyped_storage()
+            spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+        groups = {}
+        for _, view, g in copy:
+            if g is None:
+                continue
+            at = g.data_ptr()
+            for lo, hi in spans:
+                if lo <= at < hi:  # a view into the buffer itself (p.grad = p.grad.t()): may overlap a destination
+                    g = g.clone()
+                    break
+            dst, src = groups.setdefault((view.dtype, view.get_device()), ([], []))
+            dst.append(view)
+            src.append(g)
+        for dst, src in groups.values():
+            torch._foreach_copy_(dst, src)
 
     def _check(self, p, g):
         if g.layout == torch.strided and not g.requires_grad:

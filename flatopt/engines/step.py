@@ -157,10 +157,13 @@ class FlatStepEngine(FlatEngine):
         idle = self._set_masks(plan[0]) if opt.skip_unused else ()  # torch.optim's rule: see _set_masks
         if not self.unused_reported:
             self._report_unused(plan)
-        in_place = {}
-        if self.reads_in_place():
+        in_place, cpu = {}, self.reads_in_place()
+        if cpu:
             plan, in_place = self.landing.leave_in_place(plan, self.fits_in_place)
-        self.landing.apply(plan)  # see flatopt.grads
+        # see flatopt.grads. On the CPU the small gradients copied in stay in .grad as well (torch.optim's loop frees
+        # them at zero_grad(), and so does this one), unless grad_scale unscales them in their views, which then
+        # hold what torch's fused kernels leave in .grad
+        self.landing.apply(plan, put=not cpu or grad_scale is not None)
         self._acquire_grads()
         sources, self.sources = self.sources or {}, None  # for this step only
         if in_place:  # on the CPU: the large gradients of their own, read where they lie (not stored)
