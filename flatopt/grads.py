@@ -217,16 +217,23 @@ class GradLanding:
         (sparse, or with autograd history)."""
         self.apply(self.plan())
 
-    def leave_in_place(self, plan, fits):
-        """Take the gradients of their own that ``fits(view, grad)`` accepts out of ``plan`` (from :meth:`plan`):
+    def leave_in_place(self, plan, fits, min_numel=0):
+        """Take the gradients of their own of ``min_numel`` elements or more that ``fits(view, grad)`` accepts out of
+        ``plan`` (from :meth:`plan`):
         their ``.grad`` stays the tensor autograd made, which the step reads where it lies. Returns the plan of the
-        rest and {parameter: gradient}."""
+        rest and, per buffer index that has some, the list of its parameters' gradients taken (None for the
+        others), in the buffer's order."""
         zero, copy = plan
         taken, rest = {}, []
+        slot_of = self.slots.slot_of
         for entry in copy:
             p, view, g = entry
-            if g is not None and fits(view, g):
-                taken[p] = g
+            if g is not None and view.numel() >= min_numel and fits(view, g):
+                s = slot_of(p)
+                row = taken.get(s.b)
+                if row is None:
+                    row = taken[s.b] = [None] * len(self.slots.buffers[s.b].params)
+                row[s.index] = g
             else:
                 rest.append(entry)
         return (zero, rest), taken

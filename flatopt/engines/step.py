@@ -159,17 +159,16 @@ class FlatStepEngine(FlatEngine):
             self._report_unused(plan)
         in_place, cpu = {}, self.reads_in_place()
         if cpu:
-            plan, in_place = self.landing.leave_in_place(plan, self.fits_in_place)
+            plan, in_place = self.landing.leave_in_place(plan, GradSources.fits, IN_PLACE_MIN)
         # see flatopt.grads. On the CPU the small gradients copied in stay in .grad as well (torch.optim's loop frees
         # them at zero_grad(), and so does this one), unless grad_scale unscales them in their views, which then
         # hold what torch's fused kernels leave in .grad
         self.landing.apply(plan, put=not cpu or grad_scale is not None)
         self._acquire_grads()
         sources, self.sources = self.sources or {}, None  # for this step only
-        if in_place:  # on the CPU: the large gradients of their own, read where they lie (not stored)
-            for buf in self.buffers:
-                if any(p in in_place for p in buf.params):
-                    sources[buf] = GradSources.of(buf, [in_place.get(p) for p in buf.params], store=False, checked=True)
+        for b, grads in in_place.items():  # on the CPU: the large gradients of their own, read where they lie
+            buf = self.buffers[b]
+            sources[buf] = GradSources.of(buf, grads, store=False, checked=True)  # not stored into the buffer
 
         def launch():
             with torch.no_grad():  # for the torch backend's in-place updates (a replayed graph needs none)
@@ -194,10 +193,6 @@ class FlatStepEngine(FlatEngine):
         """Whether step() reads large gradients of their own where they lie (the CPU backend, when no hook copied
         them in: see flatopt.grads.GradLanding.copy_on_cpu)."""
         return self.opt.backend == "cpu" and not self.landing.copy_on_cpu and not self.recording
-
-    @staticmethod
-    def fits_in_place(view, g):
-        return view.numel() >= IN_PLACE_MIN and GradSources.fits(view, g)
 
     def graph_usable(self):
         opt = self.opt
