@@ -15,11 +15,12 @@ Implementations:
     lion-pytorch    lion_pytorch.Lion (the ``bench`` extra)                      Lion
     flatopt         flatopt, backend="cpu"                                       AdamW, SGD, Lion
 
-SGD with momentum 0.9. Two variants: ``step``, ``opt.step()`` alone with the gradients in place (random normal);
+SGD with momentum 0.9. Two variants: ``step``, ``opt.step()`` alone with the gradients in place (random normal: in
+``.grad`` for torch.optim and lion-pytorch, in flatopt's flat gradient buffer, where covered layers write them);
 ``loop``, what a training loop pays: ``opt.zero_grad()`` (set_to_none=True), a cheap backward that lands every
 gradient as autograd lands it (``loss = sum((p * c).sum())``, ``c`` a non-zero number that changes from call to
-call: each parameter's gradient is a new tensor, which torch.optim's ``.grad`` takes and flatopt's hooks copy into
-its flat buffer), then ``opt.step()``.
+call: each parameter's gradient is a new tensor, which ``.grad`` takes; flatopt's step copies the small ones into its
+flat buffer and reads the others where they lie, as on any CPU model without covered layers), then ``opt.step()``.
 
 Timing: per case (set, dtype, optimizer, variant) every implementation is built and warmed up, then timed in rounds,
 each giving every implementation one call in turn in a shuffled order (harness.time_paired: drift and other tenants
@@ -119,6 +120,11 @@ def build(impl, optimizer, params):
         # the gradients were set by hand, not by backward(): flatopt's no-gradient warning does not apply
         warnings.filterwarnings("ignore", message=".*received no gradient.*")
         opt.step()
+    if impl == "flatopt":  # the gradients where flatopt keeps them, its buffer's views, as torch's are in .grad
+        grads = [p.grad.clone() for p in params]
+        opt.zero_grad(set_to_none=False)
+        for p, g in zip(params, grads):
+            p.grad.copy_(g)
     return opt
 
 
