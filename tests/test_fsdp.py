@@ -374,6 +374,131 @@ def run_in_backward_clip(rank, opt_name, norm_type):
     return out
 
 
+class Raised(Exception):
+    """What the backward passes that fail in :func:`run_in_backward_recover` raise."""
+
+
+def raising(p):
+    raise Raised("a post-accumulate-grad hook raised during backward")
+
+
+def reset_fsdp(model):
+    """FSDP2's own recovery after a backward pass that raised, where torch has it (torch 2.13 does): without it, the
+    FSDP2 model runs no post-accumulate-grad hooks in later passes."""
+    if hasattr(model, "reset_iter_state"):
+        model.reset_iter_state()
+
+
+RECOVER_STEPS = 5  # steps of run_in_backward_recover: a pass stepped in backward, the failed one, three more
+
+
+def run_in_backward_recover(rank):
+    """flatopt.SGD (in_backward=True, max_grad_norm=CLIP_NORM) on an FSDP2 model through a backward pass that raises
+    part way, against torch.optim on another model through the same failed pass. Step 1's pass raises in a
+    post-accumulate-grad hook of model[0].weight that runs after flatopt's (so that flatopt has taken the
+    gradient, its group left part arrived), when the model[2] and root groups have been stepped; then
+    reset_fsdp() (FSDP2's reset_iter_state()), opt.zero_grad() (the recovery), and passes stepped in backward.
+    The reference steps, for the failed pass, the groups flatopt stepped, each clipped by the running norm of the
+    pass so far, and no other; after it, every pass by the definition, with the last completed pass's norm as
+    N_prev (the failed pass's running norm dropped). Apart, on a third model: a backward pass after one that
+    raised, with neither opt.zero_grad() nor opt.step() in between, is refused before anything is updated, and
+    the pass after opt.zero_grad() is stepped."""
+    world = dist.get_world_size()
+    flat_cls, ref_cls, hp = OPTIMIZERS["SGD"]
+    model, ref = sharded(world), sharded(world)
+    opt = flat_cls(model, in_backward=True, max_grad_norm=CLIP_NORM, **hp)
+    ref_opt = ref_cls(ref.parameters(), **hp)
+    engine = flatopt.inspect(opt).engine
+    arrivals = []  # the reference model's parameters, as FSDP2 runs their post-accumulate-grad hooks
+    for p in ref.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(arrivals.append)
+
+    def data(step):
+        return (t.chunk(world)[rank] for t in batch(200 + step))
+
+    out = {"history": [], "last": [], "ref_total": [], "freed": [], "launches": [], "raised": 0}
+    prev = None
+    for step in range(RECOVER_STEPS):
+        x, y = data(step)
+        launches = engine.launches
+        if step != 1:
+            nn.functional.mse_loss(model(x), y).backward()
+            # the pass ended as one: every gradient stepped and freed, its total norm recorded (end of pass)
+            out["freed"].append(all(p.grad is None for p in model.parameters()))
+            out["launches"].append(engine.launches - launches)
+            out["last"].append(float(opt.last_grad_norm))
+            arrivals.clear()
+            nn.functional.mse_loss(ref(x), y).backward()
+            prev, _, _ = reference_clip(ref, arrivals, 2.0, prev, exact=False)
+            out["ref_total"].append(float(prev))
+        else:
+            handles = [m[0].weight.register_post_accumulate_grad_hook(raising) for m in (model, ref)]
+            for m in (model, ref):
+                arrivals.clear()
+                try:
+                    nn.functional.mse_loss(m(x), y).backward()
+                except Raised:
+                    out["raised"] += 1
+                reset_fsdp(m)
+            for h in handles:
+                h.remove()
+            out["failed_launches"] = engine.launches - launches
+            out["last_after_failure"] = float(opt.last_grad_norm)
+            opt.zero_grad()  # the recovery: drops the failed pass, and the gradients it left in .grad
+            out["zeroed"] = all(p.grad is None for p in model.parameters())
+            # the reference: the groups complete when the hook raised were stepped, by the running norm so far
+            groups = [[ref[2].weight, ref[2].bias], [ref[0].weight, ref[0].bias], [ref.skip.bias]]
+            order = {p: i for i, p in enumerate(arrivals)}
+            complete = [g for g in groups if all(p in order for p in g)]
+            complete.sort(key=lambda g: order[g[0]])
+            out["arrived_in_failed_pass"], out["complete_in_failed_pass"] = len(order), len(complete)
+            running = None
+            with torch.no_grad():
+                for g in complete:
+                    norm = global_norm_of(g, 2.0)
+                    running = norm if running is None else combine_norms(running, norm, 2.0)
+                    coef = torch.clamp(CLIP_NORM / (torch.maximum(prev, running) + 1e-6), max=1.0)
+                    for p in g:
+                        p.grad.mul_(coef)
+            for g in groups:
+                if not any(g is c for c in complete):
+                    for p in g:
+                        p.grad = None  # not stepped: torch.optim skips a parameter without a gradient
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+
+    # refused: a backward pass after one that raised, with neither opt.zero_grad() nor opt.step() in between
+    other = sharded(world)
+    other_opt = flat_cls(other, in_backward=True, **hp)
+    x, y = data(0)
+    handle = other[2].weight.register_post_accumulate_grad_hook(raising)
+    try:
+        nn.functional.mse_loss(other(x), y).backward()
+    except Raised:
+        out["raised"] += 1
+    handle.remove()
+    reset_fsdp(other)
+    before = [full(p).detach().clone() for p in other.parameters()]
+    try:
+        nn.functional.mse_loss(other(x), y).backward()
+        out["refused"] = None
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    reset_fsdp(other)
+    out["unchanged_by_refused"] = all(torch.equal(a, full(p)) for a, p in zip(before, other.parameters()))
+    other_opt.zero_grad()
+    launches = flatopt.inspect(other_opt).engine.launches
+    nn.functional.mse_loss(other(x), y).backward()
+    out["after_refused_launches"] = flatopt.inspect(other_opt).engine.launches - launches
+    out["after_refused_freed"] = all(p.grad is None for p in other.parameters())
+    out["after_refused_moved"] = not all(torch.equal(a, full(p)) for a, p in zip(before, other.parameters()))
+    return out
+
+
 def dcp_api():
     """torch.distributed.checkpoint and its state_dict helpers (imported where torch.distributed is available)."""
     import torch.distributed.checkpoint as dcp
@@ -510,6 +635,7 @@ SCENARIOS = {
     **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH if m[2] != "triton" or INTERPRETED},
     **{f"in_backward:{a}": (run_in_backward, (a,)) for a in (None, "no_step", "fsdp")},
     **{f"in_backward_clip:{o}-{n}": (run_in_backward_clip, (o, n)) for o, n in IN_BACKWARD_CLIP},
+    "in_backward_recover": (run_in_backward_recover, ()),
     "errors": (run_errors, ()),
     "checkpoints": (run_checkpoints, ()),
 }
@@ -629,6 +755,39 @@ def test_in_backward_clips_by_the_global_norm(runs, opt_name, norm_type):
         assert "asks for another clipping" in (result["other_max_norm"] or ""), result["other_max_norm"]
         assert result["launches"] == 3 * len(stepped), result["launches"]  # one launch per group and stepped pass
     assert results[0]["last"] == results[1]["last"], "the ranks clipped by different norms"
+
+
+def test_in_backward_recovers_from_a_backward_pass_that_raised(runs):
+    """A backward pass that raised part way (after flatopt had stepped two fully_shard groups and taken one
+    gradient of the third) leaves the groups it stepped stepped and nothing else; after FSDP2's reset_iter_state()
+    and opt.zero_grad(), each backward pass is one pass again, ended as one: every gradient stepped and freed
+    by its end, one launch per group, its global total norm recorded, and the failed pass's running norm dropped.
+    Parameters and states equal torch.optim's through the same failed pass (stepping the groups flatopt stepped,
+    clipped by the definition) at every step. A backward pass after one that raised, with neither
+    opt.zero_grad() nor opt.step() in between, is refused and updates nothing; after opt.zero_grad() the next is
+    stepped."""
+    for rank, result in enumerate(runs["two"]("in_backward_recover")):
+        what = f"rank {rank}"
+        hist = result["history"]
+        assert len(hist) == RECOVER_STEPS, what
+        ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], what, **TOL)
+        assert result["raised"] == 3, f"{what}: the failing passes did not all raise: {result['raised']}"
+        # the failed pass: model[2]'s and the root's groups stepped, model[0]'s with one gradient of two taken
+        assert (result["arrived_in_failed_pass"], result["complete_in_failed_pass"]) == (4, 2), result
+        assert result["failed_launches"] == 2, f"{what}: launches in the failed pass: {result['failed_launches']}"
+        assert result["zeroed"], f"{what}: gradients left after opt.zero_grad()"
+        # every pass after it ended as one
+        assert all(result["freed"]), f"{what}: gradients left in .grad after a pass: {result['freed']}"
+        assert result["launches"] == [3] * (RECOVER_STEPS - 1), f"{what}: launches per pass: {result['launches']}"
+        assert result["last_after_failure"] == result["last"][0], f"{what}: the failed pass set last_grad_norm"
+        torch.testing.assert_close(result["last"], result["ref_total"], rtol=1e-6, atol=1e-6, msg=what)
+        # refused without opt.zero_grad(), updating nothing; stepped after it
+        assert "a backward pass started after the previous one raised, without opt.zero_grad()" in (
+            result["refused"] or ""
+        ), f"{what}: {result['refused']}"
+        assert result["unchanged_by_refused"], f"{what}: the refused pass updated parameters"
+        assert result["after_refused_launches"] == 3 and result["after_refused_freed"], result
+        assert result["after_refused_moved"], f"{what}: the pass after opt.zero_grad() updated nothing"
 
 
 def test_what_cannot_work_is_refused_at_construction(runs):

@@ -22,6 +22,11 @@ the run; then every ``p.grad`` of the group is set to None, which frees FSDP2's 
   further all-reduce). ``step()`` stepping gradients left in ``.grad`` (every micro-batch under ``no_step()``)
   clips them by their exact global norm (one all-reduce), as torch does: the exact two-pass way, which keeps
   every gradient until the step.
+* A backward pass that raised (an exception in a hook, out of memory, an interrupt) never reaches its end: the
+  groups it stepped stay stepped, the others are not, and their gradients stay in ``.grad``. ``zero_grad()``
+  drops it (and its running norm), so the next pass is a pass of its own, with its own end; ``step()`` does too,
+  and steps what is in ``.grad``. A pass begun with neither in between is refused at its first gradient, which
+  is dropped, before anything is stepped (:class:`PassEnd` tells the failed pass from a running one).
 * ``clip_grad_norm_`` (``opt``'s, or torch's, which :mod:`flatopt.clip_patch` routes here) after a stepped pass
   returns the norm that pass was clipped by (with ``max_grad_norm``, the same value and ``norm_type``) or raises;
   on gradients still in ``.grad`` it clips them exactly (one all-reduce), or, with ``max_grad_norm``, returns
@@ -36,6 +41,21 @@ from flatopt import clip_patch
 from flatopt.engines.backward_clip import BackwardClip, ClipCalls
 from flatopt.engines.fsdp import FSDPStepEngine, acquire_grad, release_grad
 from flatopt.engines.in_backward import Bucket
+
+
+class PassEnd:
+    """The end-of-pass callback of one backward pass, queued on the autograd engine by its first gradient. The
+    engine holds it until the pass ends and runs it then; when the pass raises instead, the engine drops it
+    unrun, so a weak reference to it tells a pass that raised from one still running. (A graph task id cannot:
+    the backward pass that reentrant activation checkpointing runs inside a pass has an id of its own.)"""
+
+    __slots__ = ("engine", "__weakref__")
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __call__(self):
+        self.engine.end_pass()
 
 
 class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
@@ -56,7 +76,7 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
         self.runs = {}  # fully_shard group -> [Bucket]: its parameters' runs, one per flat buffer
         self.group_members = {}  # fully_shard group -> its trainable parameters
         self.arrived = {}  # fully_shard group -> parameters whose gradient arrived in this pass
-        self.end_queued = False
+        self.open = None  # weak reference to the PassEnd of the pass in progress (dead once that pass raised)
         self.applied = False  # a pass stepped (and freed) gradients since the last step() or zero_grad()
         self.launches = 0
         self.unused_reported = True  # what a group lacks is stepped at the end of the pass; no first-step warning
@@ -112,9 +132,12 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
         """FSDP2 has set (or accumulated into) ``p.grad``: step ``p``'s group once all of it has arrived."""
         if self.held:
             return
-        if not self.end_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_pass)
-            self.end_queued = True
+        if self.open is not None and self.open() is None:
+            self.refuse(p)  # the pass begun by an earlier gradient raised, and nothing dropped it since
+        if self.open is None:
+            end = PassEnd(self)
+            torch.autograd.Variable._execution_engine.queue_callback(end)
+            self.open = weakref.ref(end)
             if self.clip is not None:
                 self.clip.begin(self.devices, [b.dtype for b in self.buffers])
         group = self.shards[p].group
@@ -153,10 +176,34 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
         self.applied = True
         self.keep_padding_zero()
 
+    def refuse(self, p):
+        """The first gradient of a backward pass begun after one that raised (whose end never came), with neither
+        ``zero_grad()`` nor ``step()`` since: FSDP2 adds it to what the failed pass left in ``.grad``. Drop it and
+        raise, before anything of this pass is stepped; later passes are refused too until one of them is called."""
+        p.grad = None
+        raise RuntimeError(
+            f"{self.cls}(in_backward=True) over FSDP2: a backward pass started after the previous one raised, "
+            "without opt.zero_grad() or opt.step() in between. Call opt.zero_grad() (and FSDP2's "
+            "model.reset_iter_state() on the root module, where torch has it) before running backward again: as "
+            "with torch.optim, a retry would otherwise add its gradients to those the failed pass left. Nothing was "
+            "updated by this backward pass"
+        )
+
+    def abandon(self):
+        """Called outside backward (``zero_grad()``, ``step()``): a pass that began but never ended (its backward
+        raised) is dropped, so that the next backward pass begins afresh, with its own end-of-pass step. The
+        groups it had stepped stay stepped; the gradients it left in ``.grad`` stay there (``zero_grad()`` drops
+        them, ``step()`` steps them), and its running norm (``max_grad_norm``) is dropped."""
+        if self.open is not None:
+            self.open = None
+            self.arrived = {}
+            if self.clip is not None:
+                self.clip.drop()
+
     def end_pass(self):
         """At the end of the backward pass: step what the groups left (gradients of groups not complete), and
         record the pass's total norm (``max_grad_norm``)."""
-        self.end_queued = False
+        self.open = None
         self.arrived = {}
         if any(p.grad is not None for ps in self.group_members.values() for p in ps):
             self.step_pending(all_known=False)
@@ -188,6 +235,7 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
                 f"{self.cls}(in_backward=True) cannot be used with torch.amp.GradScaler: the parameters were updated "
                 "during backward; train in bfloat16 without a GradScaler, or use in_backward=False"
             )
+        self.abandon()
         loss = self.run_closure(closure)
         if any(p.grad is not None for ps in self.group_members.values() for p in ps):
             self.step_pending(all_known=True)
@@ -197,6 +245,7 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
         return loss
 
     def zero_grad(self, set_to_none):
+        self.abandon()
         super().zero_grad(set_to_none)
         self.applied = False
 
