@@ -109,7 +109,7 @@ def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, f
         rows = hparams.tolist()
         for start, end, group, steps in runs(meta, param.numel()):
             if end > start:
-                piece_step(_segments(start, end, grad, own, meta), rule.named(rows[group]), steps, grad_scale)
+                piece_step(_segments(start, end, grad, own), rule.named(rows[group]), steps, grad_scale)
     advance_steps(meta, ok)
     if not in_place:
         _unscaled_back(grad, sources, grad_scale, found_inf)
@@ -136,7 +136,8 @@ CUTS_MAX = 1024  # slices kept per StepMeta (a layout's pieces need a few per pa
 def _cut(meta, t, s, e):
     """``t[s:e]``, kept in ``meta.cuts`` for the next step (a slice costs about a microsecond of host time, and a
     step takes a few per parameter read in place). An entry holds ``t`` itself, so its ``id`` is not reused while
-    the entry lives; the buffers are the launch's, which the meta describes."""
+    the entry lives; the buffers are the launch's, which the meta describes. For the parameters' and the states'
+    buffers only, which are never released: a view kept of the gradient buffer would hold its storage."""
     key = (id(t), s, e)
     hit = meta.cuts.get(key)
     if hit is not None and hit[0] is t:
@@ -148,21 +149,22 @@ def _cut(meta, t, s, e):
     return v
 
 
-def _segments(start, end, grad, own, meta):
+def _segments(start, end, grad, own):
     """Elements ``[start, end)`` as ``(s, e, gradient)`` runs: the gradients of ``own`` (sorted, each within one
-    piece: a piece is whole parameters) and the slices of ``grad`` between them."""
+    piece: a piece is whole parameters) and the slices of ``grad`` between them. (Not kept as :func:`_cut` keeps
+    slices: a view kept of the gradient buffer would hold its storage through ``zero_grad()``.)"""
     if not own:
-        return [(start, end, _cut(meta, grad, start, end))]
+        return [(start, end, grad[start:end])]
     out, at = [], start
     for s, e, g in own[bisect.bisect_left(own, (start,)) :]:
         if s >= end:
             break
         if s > at:
-            out.append((at, s, _cut(meta, grad, at, s)))
+            out.append((at, s, grad[at:s]))
         out.append((s, e, g))
         at = e
     if at < end:
-        out.append((at, end, _cut(meta, grad, at, end)))
+        out.append((at, end, grad[at:end]))
     return out
 
 
