@@ -15,6 +15,7 @@ flatopt resumes exactly. Loading copies every state into the optimizer's own sto
 never changes the dtype the states are kept in.
 """
 
+import warnings
 from copy import deepcopy
 
 import torch
@@ -169,6 +170,22 @@ class CheckpointMixin:
         if saved is None or float(saved["norm_type"]) != clip.norm_type:
             return True, None  # a norm of another order tells nothing of this one: unknown, as at a run's start
         return True, saved["prev_norm"]
+
+    def _warn_prev_norm_dropped(self):
+        """A state dict keyed by parameter names (torch.distributed.checkpoint's set_optimizer_state_dict gives one)
+        and without the ``"flatopt"`` entry: torch.distributed.checkpoint carries ``"state"`` and ``"param_groups"``
+        only, so N_prev, if the checkpoint was saved after a stepped pass, did not come with it."""
+        warnings.warn(
+            f"{type(self).__name__}(in_backward=True, max_grad_norm=...) loaded a state dict keyed by parameter names "
+            f"and without its '{COMPACT_KEY}' entry, as torch.distributed.checkpoint's get_optimizer_state_dict / "
+            "set_optimizer_state_dict make it: they carry only 'state' and 'param_groups', and in-backward clipping's "
+            f"N_prev (the previous stepped pass's total gradient norm) lives in '{COMPACT_KEY}'. N_prev is unknown "
+            "now: the next pass is clipped by its own running norm, as a run's first pass is, where the uninterrupted "
+            "run would clip it by max(N_prev, its norm). To resume bit for bit, save opt.state_dict() on each rank "
+            "(torch.save) and load it with opt.load_state_dict() on the same number of ranks. See docs/distributed.md, "
+            "'Checkpoints'",
+            stacklevel=4,
+        )
 
     def _codes(self):
         """{parameter: {name: view}} of the 8-bit codes and scales of the parameters whose states have them."""
@@ -420,6 +437,8 @@ class CheckpointMixin:
             self.rounding_seed = seed
         if clips:
             self.engine.restore_prev_norm(prev_norm)
+            if COMPACT_KEY not in state_dict and any(isinstance(k, str) for k in id_map):
+                self._warn_prev_norm_dropped()
         for p, (step, tensors) in parsed.items():
             if p in placed or not tensors:  # no tensors: no state (saved as {}), as at the first step
                 continue
