@@ -13,6 +13,10 @@ options, stochastic rounding's seed, the step counts, each parameter's master co
 (int16), and 8-bit states' codes and scales (exported dequantized, as float32, in torch.optim's part), so that
 flatopt resumes exactly. Loading copies every state into the optimizer's own storage: a checkpoint
 never changes the dtype the states are kept in.
+
+In in-backward mode with ``max_grad_norm`` the ``"flatopt"`` entry (then present with the default options too)
+also carries, once a pass was clipped, ``"clip"``: the previous pass's total norm ``N_prev`` that the next pass
+is clipped by (:mod:`flatopt.engines.backward_clip`), so that a resumed run clips as the uninterrupted one.
 """
 
 import warnings
