@@ -13,12 +13,18 @@ options, stochastic rounding's seed, the step counts, each parameter's master co
 (int16), and 8-bit states' codes and scales (exported dequantized, as float32, in torch.optim's part), so that
 flatopt resumes exactly. Loading copies every state into the optimizer's own storage: a checkpoint
 never changes the dtype the states are kept in.
+
+In in-backward mode with ``max_grad_norm`` the ``"flatopt"`` entry (then present with the default options too)
+also carries, once a pass was clipped, ``"clip"``: the previous pass's total norm ``N_prev`` that the next pass
+is clipped by (:mod:`flatopt.engines.backward_clip`), so that a resumed run clips as the uninterrupted one.
 """
 
+import warnings
 from copy import deepcopy
 
 import torch
 
+from flatopt.options import NORM_TYPES
 from flatopt.precision import SEED_BOUND
 from flatopt.quantize import ABSMAX, dequantize_param
 from flatopt.torch_compat import is_dtensor
@@ -80,8 +86,12 @@ class CheckpointMixin:
             if not isinstance(k, torch.Tensor):
                 state[k] = v
         state_dict = {"state": state, "param_groups": groups}
-        if not self.precision.default:
-            state_dict[COMPACT_KEY] = self._compact_state(index)
+        clip = self._backward_clip()
+        saved_clip = None if clip is None else clip.export()
+        if not self.precision.default or saved_clip is not None:
+            state_dict[COMPACT_KEY] = {} if self.precision.default else self._compact_state(index)
+            if saved_clip is not None:  # in-backward clipping's N_prev, which the next pass is clipped by
+                state_dict[COMPACT_KEY]["clip"] = saved_clip
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             hook_result = post_hook(self, state_dict)
             if hook_result is not None:
@@ -112,6 +122,74 @@ class CheckpointMixin:
             # stochastic rounding's stream advances with them, and torch.optim's SGD and Lion do not save them
             "steps": {index[p]: s for p, s in self.engine.host_steps().items() if p in index},
         }
+
+    def _backward_clip(self):
+        """In-backward clipping's running norm (:class:`flatopt.engines.backward_clip.BackwardClip`), or None
+        without ``max_grad_norm`` (and in step mode)."""
+        return getattr(self.engine, "clip", None)
+
+    def _parse_clip(self, compact):
+        """``N_prev`` from a state dict's ``"flatopt"`` entry, checked: (True, a one-element tensor) when this
+        optimizer clips in backward by a norm of the same ``norm_type``; (True, None) when it clips and the entry
+        has no N_prev (an older state dict, torch.optim's, one saved before the first stepped pass): N_prev is
+        unknown, as at a run's start; (False, None) when it does not clip (N_prev is not taken)."""
+        saved = compact.get("clip") if isinstance(compact, dict) else None
+        what = f"loaded state dict has '{COMPACT_KEY}' 'clip'"
+        if saved is not None:
+            if not isinstance(saved, dict) or set(saved) != {"norm_type", "prev_norm"}:
+                got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+                raise ValueError(
+                    f"{what} {got}; it is the dict state_dict() saves ({{'norm_type': float, 'prev_norm': tensor}}: "
+                    "in-backward clipping's previous pass norm), or absent"
+                )
+            norm_type, prev = saved["norm_type"], saved["prev_norm"]
+            if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or norm_type not in NORM_TYPES:
+                raise ValueError(f"{what} 'norm_type' {norm_type!r}; it is one of {NORM_TYPES}")
+            if not (
+                isinstance(prev, torch.Tensor)
+                and prev.numel() == 1
+                and prev.layout == torch.strided
+                and not prev.is_meta
+                and prev.is_floating_point()
+            ):
+                got = (
+                    f"a {prev.layout} {prev.dtype} tensor of shape {tuple(prev.shape)} on {prev.device}"
+                    if isinstance(prev, torch.Tensor)
+                    else f"a {type(prev).__name__}"
+                )
+                raise ValueError(
+                    f"{what} 'prev_norm' as {got}; it is a one-element floating-point tensor (the previous stepped "
+                    "pass's total gradient norm, saved as a float32 or float64 CPU tensor)"
+                )
+            value = float(prev)
+            if not value >= 0:
+                raise ValueError(
+                    f"{what} 'prev_norm' {value}; a norm is >= 0 (inf included). A NaN norm comes from a pass whose "
+                    f"gradients were not finite, which left the parameters NaN; delete state_dict['{COMPACT_KEY}']"
+                    "['clip'] to load the rest with N_prev unknown, as at a run's start"
+                )
+        clip = self._backward_clip()
+        if clip is None:
+            return False, None
+        if saved is None or float(saved["norm_type"]) != clip.norm_type:
+            return True, None  # a norm of another order tells nothing of this one: unknown, as at a run's start
+        return True, saved["prev_norm"]
+
+    def _warn_prev_norm_dropped(self):
+        """A state dict keyed by parameter names (torch.distributed.checkpoint's set_optimizer_state_dict gives one)
+        and without the ``"flatopt"`` entry: torch.distributed.checkpoint carries ``"state"`` and ``"param_groups"``
+        only, so N_prev, if the checkpoint was saved after a stepped pass, did not come with it."""
+        warnings.warn(
+            f"{type(self).__name__}(in_backward=True, max_grad_norm=...) loaded a state dict keyed by parameter names "
+            f"and without its '{COMPACT_KEY}' entry, as torch.distributed.checkpoint's get_optimizer_state_dict / "
+            "set_optimizer_state_dict make it: they carry only 'state' and 'param_groups', and in-backward clipping's "
+            f"N_prev (the previous stepped pass's total gradient norm) lives in '{COMPACT_KEY}'. N_prev is unknown "
+            "now: the next pass is clipped by its own running norm, as a run's first pass is, where the uninterrupted "
+            "run would clip it by max(N_prev, its norm). To resume bit for bit, save opt.state_dict() on each rank "
+            "(torch.save) and load it with opt.load_state_dict() on the same number of ranks. See docs/distributed.md, "
+            "'Checkpoints'",
+            stacklevel=4,
+        )
 
     def _codes(self):
         """{parameter: {name: view}} of the 8-bit codes and scales of the parameters whose states have them."""
@@ -334,6 +412,7 @@ class CheckpointMixin:
                 )
             parsed[id_map[k]] = self._parse_state(k, id_map[k], saved, *group_of[k])
         masters, seed, steps, codes = self._parse_compact(state_dict.get(COMPACT_KEY), id_map)
+        clips, prev_norm = self._parse_clip(state_dict.get(COMPACT_KEY))
         for k, p in id_map.items():  # the step counts torch.optim's format leaves out (SGD, Lion)
             if p in steps and not self.rule.exported_step:
                 _, tensors = parsed.get(p, (0.0, {}))
@@ -360,6 +439,10 @@ class CheckpointMixin:
                     self.state[p][name].copy_(t)
         if seed is not None:
             self.rounding_seed = seed
+        if clips:
+            self.engine.restore_prev_norm(prev_norm)
+            if COMPACT_KEY not in state_dict and any(isinstance(k, str) for k in id_map):
+                self._warn_prev_norm_dropped()
         for p, (step, tensors) in parsed.items():
             if p in placed or not tensors:  # no tensors: no state (saved as {}), as at the first step
                 continue

@@ -613,6 +613,59 @@ def run_from_four(rank):
     return {"from_four": resume_from("four", rank)}
 
 
+RESUME_SCALES = [1.0, 30.0, 0.03, 1.0]  # pass 2's norm is below pass 1's: N_prev decides pass 2's clip
+
+
+def run_in_backward_clip_resume(rank):
+    """SGD (in_backward=True, max_grad_norm) over FSDP2, two passes, then resumed three ways, each going on two
+    passes beside the original: from opt.state_dict() through opt.load_state_dict() (its "flatopt" entry holds
+    N_prev), and through torch.distributed.checkpoint's get_optimizer_state_dict / set_optimizer_state_dict,
+    sharded and full, which carry "state" and "param_groups" only (the load warns)."""
+    dcp, sd = dcp_api()
+    world = dist.get_world_size()
+    flat_cls, _, hp = OPTIMIZERS["SGD"]
+
+    def make(m):
+        return flat_cls(m, in_backward=True, max_grad_norm=CLIP_NORM, **hp)
+
+    def run_pass(m, o, step):
+        x, y = (t.chunk(world)[rank] for t in batch(200 + step))
+        (RESUME_SCALES[step] * nn.functional.mse_loss(m(x), y)).backward()
+        o.step()
+        o.zero_grad()
+        return float(o.last_grad_norm)
+
+    model = sharded(world)
+    opt = make(model)
+    out = {"norms": [run_pass(model, opt, step) for step in range(2)]}
+    saved = opt.state_dict()
+    out["saved_clip"] = {k: v if k == "norm_type" else v.clone() for k, v in saved["flatopt"]["clip"].items()}
+    full_msd = sd.get_model_state_dict(model, options=dcp_options(True))
+    exported = {
+        "dcp_sharded": sd.get_optimizer_state_dict(model, opt),
+        "dcp_full": sd.get_optimizer_state_dict(model, opt, options=dcp_options(True)),
+    }
+    out["dcp_keys"] = {name: sorted(osd) for name, osd in exported.items()}
+    runs = {"original": (model, opt)}
+    for name in ("load_state_dict", *exported):
+        m = sharded(world)
+        sd.set_model_state_dict(m, full_msd, options=dcp_options(True))
+        o = make(m)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if name == "load_state_dict":
+                o.load_state_dict(saved)
+            else:
+                sd.set_optimizer_state_dict(m, o, exported[name], options=dcp_options(name == "dcp_full"))
+        out[f"{name}_warnings"] = [str(w.message) for w in caught if "N_prev" in str(w.message)]
+        out[f"{name}_last"] = None if o.last_grad_norm is None else float(o.last_grad_norm)
+        runs[name] = (m, o)
+    for name, (m, o) in runs.items():
+        out[name] = [run_pass(m, o, step) for step in range(2, 4)]
+        out[f"{name}_params"] = [full(p).detach().clone() for p in m.parameters()]
+    return out
+
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton kernels run on the CPU (make test sets it)
 MATCH = [
     ("AdamW", None, None),
@@ -636,6 +689,7 @@ SCENARIOS = {
     **{f"in_backward:{a}": (run_in_backward, (a,)) for a in (None, "no_step", "fsdp")},
     **{f"in_backward_clip:{o}-{n}": (run_in_backward_clip, (o, n)) for o, n in IN_BACKWARD_CLIP},
     "in_backward_recover": (run_in_backward_recover, ()),
+    "in_backward_clip_resume": (run_in_backward_clip_resume, ()),
     "errors": (run_errors, ()),
     "checkpoints": (run_checkpoints, ()),
 }
@@ -755,6 +809,33 @@ def test_in_backward_clips_by_the_global_norm(runs, opt_name, norm_type):
         assert "asks for another clipping" in (result["other_max_norm"] or ""), result["other_max_norm"]
         assert result["launches"] == 3 * len(stepped), result["launches"]  # one launch per group and stepped pass
     assert results[0]["last"] == results[1]["last"], "the ranks clipped by different norms"
+
+
+def test_in_backward_clipping_resumes_with_the_previous_norm(runs):
+    """in_backward=True with max_grad_norm over FSDP2: opt.state_dict() holds N_prev (the global total norm of
+    the last stepped pass, the same on every rank) and opt.load_state_dict() restores it, so the resumed run goes
+    on bit-identical to the original, whose first pass after the checkpoint is clipped by N_prev (checked: its
+    norm is smaller). torch.distributed.checkpoint's get_optimizer_state_dict keeps only "state" and
+    "param_groups", sharded and full: set_optimizer_state_dict leaves N_prev unknown and warns, saying how to
+    resume bit for bit; the run then takes another first pass."""
+    results = runs["two"]("in_backward_clip_resume")
+    for rank, result in enumerate(results):
+        what = f"rank {rank}"
+        norms, original = result["norms"], result["original"]
+        assert result["saved_clip"]["norm_type"] == 2.0
+        assert float(result["saved_clip"]["prev_norm"]) == norms[-1], what
+        assert original[0] < norms[-1], f"{what}: the data no longer lets N_prev decide the pass after resuming"
+        assert result["load_state_dict_last"] == norms[-1] and result["load_state_dict_warnings"] == [], what
+        assert result["load_state_dict"] == original, what
+        for p, q in zip(result["load_state_dict_params"], result["original_params"]):
+            assert torch.equal(p, q), f"{what}: the run resumed from opt.state_dict() differs by {(p - q).abs().max()}"
+        for name in ("dcp_sharded", "dcp_full"):
+            assert result["dcp_keys"][name] == ["param_groups", "state"], (what, name, result["dcp_keys"][name])
+            assert result[f"{name}_last"] is None, (what, name)
+            warned = result[f"{name}_warnings"]
+            assert len(warned) == 1 and "torch.distributed.checkpoint" in warned[0], warned
+            assert not all(torch.equal(p, q) for p, q in zip(result[f"{name}_params"], result["original_params"]))
+    assert results[0]["norms"] == results[1]["norms"] and results[0]["original"] == results[1]["original"]
 
 
 def test_in_backward_recovers_from_a_backward_pass_that_raised(runs):

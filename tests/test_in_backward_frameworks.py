@@ -10,6 +10,7 @@ reference."""
 
 import copy
 import gc
+import io
 import math
 
 import pytest
@@ -331,6 +332,186 @@ def test_max_grad_norm_with_accumulation_clips_the_window_sum_and_step_clips_a_s
         theirs.zero_grad()
         torch.testing.assert_close(ours.last_grad_norm, prev, **TORCH_TOL, msg=lambda m: f"window {number}: {m}")
         assert_matches(twin, model, ours, theirs, f"window {number}")
+
+
+# ---------------------------------------------------------------------- max_grad_norm: N_prev in checkpoints
+# The loss is 30 times smaller from pass 4 on: pass 4's norm is below pass 3's, so N_prev decides its clip.
+RESUME_SCALES = [1, 1, 30, 0.03, 0.03, 1]
+
+
+def clipped(dtype=torch.float32, backend="torch", **kwargs):
+    """A model and its in-backward SGD with max_grad_norm (SGD's update is linear in the clip coefficient)."""
+    torch.manual_seed(0)
+    model = MLP().to(device_for(backend), dtype)
+    options = dict(in_backward=True, bucket_size=200, backend=backend, max_grad_norm=0.05)
+    return model, PAIRS["sgd"][0](model, **{**options, **kwargs})
+
+
+def run_passes(model, opt, data):
+    """One stepped pass per batch; the total norm of each (opt.last_grad_norm)."""
+    dtype, norms = next(model.parameters()).dtype, []
+    for x, y, scale in data:
+        loss_of(model, (x.to(dtype), y.to(dtype), scale)).backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm)
+    return norms
+
+
+def saved_and_loaded(state_dict):
+    """``state_dict`` through torch.save and torch.load, as a checkpoint file holds it."""
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+def resumed_from(model, opt_state, backend="torch", **kwargs):
+    twin, opt = clipped(next(model.parameters()).dtype, backend, **kwargs)
+    twin.load_state_dict(model.state_dict())
+    opt.load_state_dict(opt_state)
+    return twin, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_a_resumed_run_is_clipped_by_the_saved_previous_norm_bit_for_bit(backend, norm_type, dtype):
+    """state_dict() after pass 3 holds N_prev (pass 3's total norm, a CPU tensor of the norms' dtype) in its
+    "flatopt" entry; the run resumed from it (through torch.save) ends bit-identical to the uninterrupted one,
+    whose pass 4 is clipped by N_prev (checked: its own norm is smaller)."""
+    data = batches(6, device_for(backend), scales=RESUME_SCALES)
+    model, opt = clipped(dtype, backend, norm_type=norm_type)
+    norms = run_passes(model, opt, data[:3])
+    saved = opt.state_dict()
+    prev = saved["flatopt"]["clip"]["prev_norm"]
+    assert saved["flatopt"]["clip"]["norm_type"] == norm_type and set(saved["flatopt"]) == {"clip"}
+    assert prev.device.type == "cpu" and prev.dtype == dtype and torch.equal(prev, norms[-1].cpu())
+    twin, resumed = resumed_from(model, saved_and_loaded(saved), backend, norm_type=norm_type)
+    assert torch.equal(resumed.last_grad_norm, norms[-1]) and resumed.last_grad_norm.device == norms[-1].device
+    whole = run_passes(model, opt, data[3:])
+    assert float(whole[0]) < float(norms[-1]), "the data no longer lets N_prev decide the first pass after resuming"
+    again = run_passes(twin, resumed, data[3:])
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), f"{name} differs by {(p - q).abs().max()} after resuming"
+    assert [float(n) for n in again] == [float(n) for n in whole]
+
+
+def test_state_dict_holds_no_previous_norm_before_the_first_stepped_pass_nor_without_max_grad_norm():
+    """Default storage options: no "flatopt" entry, as torch.optim's state dict, until a pass was clipped."""
+    model, opt = clipped()
+    assert "flatopt" not in opt.state_dict()
+    run_passes(model, opt, batches(1))
+    assert "clip" in opt.state_dict()["flatopt"]
+    model, opt = clipped(max_grad_norm=None)
+    run_passes(model, opt, batches(1))
+    assert "flatopt" not in opt.state_dict()
+
+
+def bad_clip_entries():
+    good = torch.tensor(0.5)
+    return {
+        "not_a_dict": (0.5, r"'flatopt' 'clip' float"),
+        "missing_norm": ({"norm_type": 2.0}, r"'flatopt' 'clip' \['norm_type'\]"),
+        "norm_type": ({"norm_type": 3.0, "prev_norm": good}, r"'norm_type' 3.0; it is one of"),
+        "float": ({"norm_type": 2.0, "prev_norm": 0.5}, r"'prev_norm' as a float; it is a one-element floating"),
+        "integer": ({"norm_type": 2.0, "prev_norm": torch.tensor(1)}, r"'prev_norm' as a torch.strided torch.int64"),
+        "two_elements": ({"norm_type": 2.0, "prev_norm": torch.ones(2)}, r"'prev_norm' as .* of shape \(2,\)"),
+        "meta": ({"norm_type": 2.0, "prev_norm": torch.empty((), device="meta")}, r"'prev_norm' as .* on meta"),
+        "negative": ({"norm_type": 2.0, "prev_norm": torch.tensor(-1.0)}, r"'prev_norm' -1.0; a norm is >= 0"),
+        "nan": ({"norm_type": 2.0, "prev_norm": torch.tensor(float("nan"))}, r"'prev_norm' nan; a norm is >= 0"),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_clip_entries()))
+def test_load_of_a_bad_previous_norm_is_refused_and_changes_nothing(case):
+    """The entry is checked with everything else, before anything changes: the optimizer keeps its states, hyper-
+    parameters and N_prev, and its next pass is the one it would have taken."""
+    entry, match = bad_clip_entries()[case]
+    data = batches(5, scales=RESUME_SCALES[1:])
+    model, opt = clipped()
+    run_passes(model, opt, data[:2])
+    saved = opt.state_dict()
+    bad = copy.deepcopy(saved)
+    bad["flatopt"]["clip"] = entry
+    bad["param_groups"][0]["lr"] = 0.5
+    for entry_state in bad["state"].values():
+        entry_state["momentum_buffer"] = entry_state["momentum_buffer"] + 1
+    twin, same = resumed_from(model, saved)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0]["lr"] == same.param_groups[0]["lr"]
+    assert torch.equal(opt.last_grad_norm, same.last_grad_norm)
+    run_passes(model, opt, data[2:])
+    run_passes(twin, same, data[2:])
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), f"{name}: the refused load changed something"
+
+
+@pytest.mark.parametrize("source", ["older_flatopt", "torch_optim"])
+def test_a_state_dict_without_the_previous_norm_leaves_it_unknown(source):
+    """An older flatopt state dict (no "clip" in its "flatopt" entry) or torch.optim's, loaded into an optimizer
+    that has clipped passes of its own: N_prev is unknown, as at a run's start (opt.last_grad_norm is None), so
+    the next pass is clipped by its own norm, as in a new optimizer that loads the same state dict."""
+    data = batches(6, scales=RESUME_SCALES)
+    model, opt = clipped()
+    before = run_passes(model, opt, data[:3])
+    if source == "torch_optim":
+        ref = PAIRS["sgd"][1](model.parameters())
+        ref.load_state_dict(opt.state_dict())
+        saved = ref.state_dict()
+    else:
+        saved = opt.state_dict()
+        del saved["flatopt"]["clip"]
+    assert "clip" not in saved.get("flatopt", {})
+    fresh_model, fresh = resumed_from(model, saved)
+    opt.load_state_dict(saved)
+    assert opt.last_grad_norm is None and fresh.last_grad_norm is None
+    first = run_passes(model, opt, data[3:])
+    run_passes(fresh_model, fresh, data[3:])
+    for (name, p), q in zip(model.named_parameters(), fresh_model.parameters()):
+        assert torch.equal(p, q), f"{name}: the optimizer kept its own N_prev"
+    assert float(first[0]) < float(before[-1]), "the data no longer lets N_prev decide the pass after loading"
+
+
+def loaded_into(target, params):
+    """An SGD like :func:`clipped`'s, but in step mode, without max_grad_norm, or with another norm or threshold."""
+    if target == "step_mode":
+        return PAIRS["sgd"][0](params, backend="torch")
+    options = dict(in_backward=True, bucket_size=200, backend="torch", max_grad_norm=0.05)
+    options.update(
+        {
+            "in_backward_without_max_grad_norm": dict(max_grad_norm=None),
+            "another_norm_type": dict(norm_type=math.inf),
+            "another_max_grad_norm": dict(max_grad_norm=0.5),
+        }[target]
+    )
+    return PAIRS["sgd"][0](params, **options)
+
+
+@pytest.mark.parametrize(
+    "target", ["step_mode", "in_backward_without_max_grad_norm", "another_norm_type", "another_max_grad_norm"]
+)
+def test_a_saved_previous_norm_is_taken_only_by_in_backward_clipping_of_the_same_norm_type(target):
+    """N_prev is a norm of one order: an optimizer that clips in backward by a norm of another order starts with
+    it unknown; one that does not clip in backward (step mode, or no max_grad_norm) has no use for it and loads
+    the rest, as torch.optim ignores the entry; one with another max_grad_norm takes it (a norm does not depend
+    on the threshold)."""
+    model, opt = clipped()
+    run_passes(model, opt, batches(3, scales=RESUME_SCALES))
+    saved = opt.state_dict()
+    assert "clip" in saved["flatopt"]
+    torch.manual_seed(0)
+    twin = MLP()
+    loaded = loaded_into(target, twin)
+    loaded.load_state_dict(saved)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(opt.state[p]["momentum_buffer"], loaded.state[q]["momentum_buffer"])
+    if target == "another_max_grad_norm":
+        assert torch.equal(loaded.last_grad_norm, opt.last_grad_norm)
+        assert torch.equal(loaded.state_dict()["flatopt"]["clip"]["prev_norm"], saved["flatopt"]["clip"]["prev_norm"])
+    else:
+        assert loaded.last_grad_norm is None
+        assert "flatopt" not in loaded.state_dict()
 
 
 # ---------------------------------------------------------------------- torch.nn.utils.clip_grad_norm_ in frameworks

@@ -382,10 +382,6 @@ def test_lightning_example_main(lit, capsys):
 # by a callback (Trainer) or in configure_gradient_clipping (Lightning), and matches to float32 noise; torch's
 # exact clip of the same runs differs by far more (figures in each test).
 NAN_NORM = r"ignore:clip_grad_norm_\(max_norm=inf\) asks for the norm only"
-RESUME_FORGETS_N_PREV = (
-    "the state dict does not hold N_prev, the previous pass's norm that in-backward clipping uses: the first pass "
-    "after resuming is clipped by its own norm, as a run's first pass is"
-)
 
 
 def assert_bit_identical(a, b, what):
@@ -497,9 +493,9 @@ def test_hf_in_backward_clipping_is_the_documented_method_and_trainer_logs_its_n
 @pytest.mark.filterwarnings(NAN_NORM)
 @pytest.mark.parametrize("max_grad_norm", [0, 1.0], ids=["no-clip", "clip"])
 def test_hf_in_backward_resume_is_bit_identical(hf, tmp_path, max_grad_norm):
-    """Resumed at step 8, the run ends bit-identical to the uninterrupted one. With clipping that holds because
-    step 9's norm is at least step 8's (checked): the checkpoint does not hold the previous pass's norm
-    N_prev, so the first pass after resuming is clipped by its own norm alone (see the next test)."""
+    """Resumed at step 8, the run ends bit-identical to the uninterrupted one. With clipping, step 9's norm is at
+    least step 8's (checked), so step 9 is clipped by its own norm in either run (the next test resumes where the
+    previous pass's norm N_prev, which the checkpoint holds, decides)."""
     knobs = dict(in_backward=True, max_grad_norm=max_grad_norm, save_at=8)
     whole = hf.train("flatopt", output_dir=str(tmp_path / "whole"), **knobs)
     checkpoint = os.path.join(whole["output_dir"], "checkpoint-8")
@@ -509,10 +505,11 @@ def test_hf_in_backward_resume_is_bit_identical(hf, tmp_path, max_grad_norm):
     assert_bit_identical(resumed, whole, f"in-backward run resumed at step 8, max_grad_norm={max_grad_norm}")
 
 
-@pytest.mark.xfail(strict=True, reason=RESUME_FORGETS_N_PREV)
 def test_hf_in_backward_resume_with_clipping_where_the_previous_norm_decides(hf, tmp_path):
     """Resumed at step 9, where step 10's norm is below step 9's: the uninterrupted run clips step 10 by step 9's
-    norm, the resumed one by step 10's own. Seen: the parameters differ by 5.8e-4 at the end."""
+    norm N_prev, and so does the resumed one, whose checkpoint holds N_prev (the optimizer state dict's "flatopt"
+    entry). Without it the resumed run clipped step 10 by its own norm; the parameters differed by 5.8e-4 at the
+    end."""
     knobs = dict(in_backward=True, save_at=9)
     whole = hf.train("flatopt", output_dir=str(tmp_path / "whole"), **knobs)
     assert whole["grad_norms"][8] > whole["grad_norms"][9] > 1.0, "the data no longer exercises N_prev here"
@@ -661,13 +658,13 @@ def test_lightning_own_clipping_call_gets_the_pass_norm(lit):
 
 @pytest.mark.parametrize(
     "clip",
-    [0, pytest.param(1.0, marks=pytest.mark.xfail(strict=True, reason=RESUME_FORGETS_N_PREV))],
+    [0, 1.0],
     ids=["no-clip", "clip"],
 )
 def test_lightning_in_backward_resume_is_bit_identical(lit, tmp_path, clip):
     """Resumed at step 8 (an epoch's end), with a per-step LR schedule. With clipping, step 9's norm is below
-    step 8's here (checked), so the uninterrupted run clips step 9 by step 8's norm and the resumed one by step
-    9's own."""
+    step 8's here (checked), so the uninterrupted run clips step 9 by step 8's norm N_prev, and so does the
+    resumed one: the checkpoint holds N_prev."""
     knobs = dict(in_backward=True, clip=clip, save_at=8, scheduler=True)
     whole = lit.train("flatopt", output_dir=str(tmp_path / "whole"), **knobs)
     resumed = lit.train("flatopt", resume_from=whole["checkpoint"], output_dir=str(tmp_path / "resumed"), **knobs)

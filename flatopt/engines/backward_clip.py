@@ -57,8 +57,30 @@ class BackwardClip:
     def begin(self, devices, dtypes):
         """A pass begins (its first gradient, or step() stepping what ``.grad`` holds)."""
         self.running = self.exact = None
+        self.place(devices, dtypes)
+
+    def place(self, devices, dtypes):
+        """Where the norms are kept: the first device of the parameters, in float64 when a buffer is float64."""
         self.device = devices[0] if devices else None
         self.dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+
+    def export(self):
+        """What a state dict keeps of the clip (its ``"flatopt"`` entry's ``"clip"``): None before the first stepped
+        pass; then ``norm_type`` and ``prev_norm``, ``N_prev`` as a CPU tensor of the norms' dtype (its exact value:
+        a host copy, made when the state dict is)."""
+        if self.prev is None:
+            return None
+        return {"norm_type": self.norm_type, "prev_norm": self.prev.detach().to("cpu", copy=True)}
+
+    def restore(self, prev, devices, dtypes):
+        """A loaded state dict's ``N_prev`` (a checked one-element tensor), or None (unknown, as at a run's start):
+        put where the norms are kept, once, so that no pass copies it."""
+        self.running = self.exact = None
+        if prev is None:
+            self.prev = self.last = None
+            return
+        self.place(devices, dtypes)
+        self.prev = self.last = prev.detach().reshape(()).to(self.device, self.dtype, copy=True)
 
     def norm_of(self, grads):
         """The total norm of ``grads`` (torch.nn.utils.clip_grad_norm_'s), on the device, in the norms' dtype."""
@@ -125,6 +147,12 @@ class ClipCalls:
     def pending_norm(self):
         """The total norm of the gradients still in ``.grad`` (with ``max_grad_norm``), without clipping them."""
         raise NotImplementedError
+
+    def restore_prev_norm(self, prev):
+        """``load_state_dict()``: the loaded ``N_prev`` (a checked one-element tensor), or None (unknown), on the
+        device and in the dtype this engine keeps its norms in (with ``max_grad_norm``)."""
+        if self.clip is not None:
+            self.clip.restore(prev, self.devices, [b.dtype for b in self.buffers])
 
     def clip_call(self, max_norm, norm_type, error_if_nonfinite, run_torch):
         """A call of torch.nn.utils.clip_grad_norm_ (or of ``opt.clip_grad_norm_``) over this optimizer's
