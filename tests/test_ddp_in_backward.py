@@ -22,8 +22,7 @@ from contextlib import nullcontext
 import pytest
 import ranks
 import torch
-from conftest import LionReference
-from test_ddp import snapshot, values
+from test_ddp import OPTIMIZERS, snapshot, values
 from torch import nn
 
 import flatopt
@@ -43,11 +42,15 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch.distributed with the gloo backend, which this torch build lacks",
 )
 
-OPTIMIZERS = {
-    "AdamW": (flatopt.AdamW, torch.optim.AdamW, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.1)),
-    "SGD": (flatopt.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.1)),
-    "Lion": (flatopt.Lion, LionReference, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
-}
+
+def train_step(models, opts, x, y):
+    """A step of each model on the same batch (its backward, then each optimizer's step and zero_grad())."""
+    for d in models:
+        nn.functional.mse_loss(d(x), y).backward()
+    for o in opts:
+        o.step()
+    for o in opts:
+        o.zero_grad()
 
 
 def _ddp():
@@ -203,12 +206,7 @@ def run_second_pass(rank):
     opt.zero_grad()
     for step in range(1, 3):
         x, y = batch(rank, step)
-        for d in (ddp, ref_ddp):
-            nn.functional.mse_loss(d(x), y).backward()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        train_step((ddp, ref_ddp), (opt, ref_opt), x, y)
     out["after"] = {"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)}
     return out
 
@@ -230,12 +228,7 @@ def run_recreated(rank):
         for _ in range(2):
             x, y = batch(rank, step)
             step += 1
-            for d in (ddp, ref_ddp):
-                nn.functional.mse_loss(d(x), y).backward()
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
+            train_step((ddp, ref_ddp), (opt, ref_opt), x, y)
         out["phases"].append((phase, values(model), values(ref)))
         del opt  # gone before the next phase: its hooks must no longer step
     return out
