@@ -6,13 +6,18 @@ order, in one group of processes (a spawn costs seconds of imports); each scenar
 traceback it raised, goes to a file per rank, and the tests read them with :class:`Results`. An exception
 in a rank stops that rank, so that the others never wait in a collective that will not come (gloo's
 timeout ends their wait); the scenarios after it then fail saying so. The whole run has a deadline, past
-which the ranks are killed.
+which the ranks are killed. Each rank prints every thread's Python stack if it dies of a signal (faulthandler).
+A run in which a rank died of a signal (a crash inside torch.distributed or a kernel, not an exception) is
+started once more, with a warning quoting the crash; a second crash fails the tests as any abort does.
 """
 
+import faulthandler
+import glob
 import importlib
 import os
 import time
 import traceback
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -30,6 +35,7 @@ def gloo_available():
 def worker(rank, world, module, table, store_file, out_dir):
     """One rank: every scenario of ``module``'s ``table`` in order; results (or the traceback) to
     ``out_dir/<scenario>.rank<r>.pt``."""
+    faulthandler.enable()  # a crash prints where each thread was
     torch.set_num_threads(1)
     scenarios = getattr(importlib.import_module(module), table)
     dist.init_process_group(
@@ -71,11 +77,23 @@ class Results:
 
 def run(module, world, out_dir, timeout_s, table="SCENARIOS"):
     """Run the scenarios of test module ``module`` (its dict ``table``) on ``world`` ranks; returns their
-    :class:`Results`."""
+    :class:`Results`. Once more if a rank died of a signal (see the module docstring)."""
+    abort, crashed = _run_once(module, world, out_dir, timeout_s, table)
+    if crashed:
+        warnings.warn(f"ranks.run({module!r}, {world}): {abort}; running its scenarios once more", stacklevel=2)
+        for path in glob.glob(os.path.join(out_dir, "*.rank*.pt")) + [os.path.join(out_dir, "store")]:
+            if os.path.exists(path):
+                os.remove(path)
+        abort, _ = _run_once(module, world, out_dir, timeout_s, table)
+    return Results(out_dir, world, abort)
+
+
+def _run_once(module, world, out_dir, timeout_s, table):
+    """One run: (why it stopped early or None, whether a rank died of a signal)."""
     ctx = mp.start_processes(
         worker, args=(world, module, table, os.path.join(out_dir, "store"), out_dir), nprocs=world, join=False
     )
-    abort = None
+    abort, crashed = None, False
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):
@@ -85,9 +103,11 @@ def run(module, world, out_dir, timeout_s, table="SCENARIOS"):
                         p.kill()
                 abort = f"the ranks did not finish within {timeout_s} s and were killed"
                 break
+    except mp.ProcessExitedException as e:  # a rank died without raising: a signal, or os._exit
+        abort, crashed = f"{type(e).__name__}: {e}", e.signal_name is not None
     except Exception as e:  # torch.multiprocessing's ProcessRaisedException carries the rank's traceback
         abort = f"{type(e).__name__}: {e}"
-    return Results(out_dir, world, abort)
+    return abort, crashed
 
 
 def assert_history(ours, theirs, what, **tol):
