@@ -318,13 +318,8 @@ def test_cpu_benchmark_quick_run_then_plot(plot, tmp_path, capsys):
         else:
             assert ours.get("ratio") is None
     assert len(record["targets"]) == len(cases)
-    capsys.readouterr()
-    assert plot.main([str(path)]) == 2  # a smoke run is not drawn as a result
-    png, md = tmp_path / "cpu.png", tmp_path / "cpu.md"
-    assert plot.main([str(path), "--allow-smoke", "--png", str(png), "--markdown", str(md)]) == 0
-    text = md.read_text()
-    assert text.startswith("> **SMOKE RUN") and "AdamW, `step()` alone:" in text and "Lion, `zero_grad()`" in text
-    assert_png(png, capsys)
+    text = drawn_smoke(plot, path, tmp_path / "cpu", capsys)
+    assert "AdamW, `step()` alone:" in text and "Lion, `zero_grad()`" in text
     page = import_benchmark("report").render(tmp_path, tmp_path / "performance.md", allow_smoke=True)
     section = page[page.index("## On the CPU") :]
     assert f"Result: [`{path.name}`]" in section and "No stored result yet" not in section.split("\n## ")[0]
@@ -773,6 +768,19 @@ def assert_png(png, capsys):
         assert png.read_bytes()[:8] == PNG_MAGIC
     else:
         assert "PNG skipped" in capsys.readouterr().out
+
+
+def drawn_smoke(plot, path, stem, capsys):
+    """plot.py refuses the smoke run at ``path`` as a result, then draws it with --allow-smoke to ``stem``.png and
+    ``stem``.md; returns the markdown, which says it is a smoke run."""
+    capsys.readouterr()
+    assert plot.main([str(path)]) == 2  # a smoke run is not drawn as a result
+    png, md = stem.with_suffix(".png"), stem.with_suffix(".md")
+    assert plot.main([str(path), "--allow-smoke", "--png", str(png), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert text.startswith("> **SMOKE RUN")
+    assert_png(png, capsys)
+    return text
 
 
 @pytest.mark.parametrize("kind", ["memory", "capture"])
@@ -1275,13 +1283,8 @@ def test_convergence_tiny_run_on_cpu(convergence, plot, report, tmp_path, capsys
     assert set(targets) == {"bf16-remainder", "bf16-sr-int8"} and targets["bf16-remainder"]["met"] is True
     assert targets["bf16-sr-int8"]["met"] is not None  # evaluated against fp32's mean
     assert path.with_suffix(".png").exists() or "PNG skipped" in capsys.readouterr().out
-    capsys.readouterr()
-    assert plot.main([str(path)]) == 2  # a smoke run is not drawn as a result
-    png, md = tmp_path / "c.png", tmp_path / "c.md"
-    assert plot.main([str(path), "--allow-smoke", "--png", str(png), "--markdown", str(md)]) == 0
-    text = md.read_text()
-    assert text.startswith("> **SMOKE RUN") and "| bf16-remainder |" in text and "- seed 1: identical" in text
-    assert_png(png, capsys)
+    text = drawn_smoke(plot, path, tmp_path / "c", capsys)
+    assert "| bf16-remainder |" in text and "- seed 1: identical" in text
     page = report.render(tmp_path, tmp_path / "performance.md", allow_smoke=True)
     section = page[page.index("## Convergence") :].split("\n## ")[0]
     assert f"Result: [`{path.name}`]" in section and "No stored result yet" not in section
