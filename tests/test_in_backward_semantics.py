@@ -132,6 +132,29 @@ def test_zero_grad_after_a_backward_that_raised_lets_the_retry_match_torch(opt, 
     assert all(p.grad is None for p in twin.parameters())
 
 
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+@pytest.mark.parametrize("cause", ["function", "user hook"])
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_step_after_a_backward_that_raised_steps_what_it_left_as_torch(opt, cause, bucket_size):
+    """step() instead of zero_grad() after the failed pass: torch.optim steps the gradients that pass had
+    accumulated (c's). flatopt had moved them into a bucket it had not stepped (the biases' shared bucket with
+    bucket_size=512, the only bucket with the default size) or stepped c.weight's bucket already: either way
+    every gradient the failed pass delivered is stepped once, and training then matches torch.optim."""
+    model, theirs, twin, ours = pair(opt, bucket_size=bucket_size)
+    data = batches(4)
+    for step, batch in enumerate(data, 1):
+        if step == 2:
+            for m, o in ((model, theirs), (twin, ours)):
+                fail(m, batch, cause)
+                o.step()
+                o.zero_grad()
+            assert_matches_torch(twin, model, ours, theirs, "after the failed pass")
+        torch_step(model, theirs, batch)
+        torch_step(twin, ours, batch)
+        assert_matches_torch(twin, model, ours, theirs, step)
+    assert all(p.grad is None for p in twin.parameters())
+
+
 def test_a_retry_after_buckets_were_stepped_goes_on_training():
     """With one bucket per weight, the failed pass had stepped c.weight before it raised: that update
     stays (it cannot be undone), and zero_grad() then the retry work as documented."""

@@ -202,8 +202,8 @@ class DDPInBackwardEngine(InBackwardEngine):
         super().step_pending()
         self.dirty = True  # skip_unused may have stepped part of a bucket: the runs' UNIFORM flags are recomputed
 
-    def abandon(self):
-        super().abandon()
+    def abandon(self, give_back=False):
+        super().abandon(give_back)
         self.pass_task = self.mode = self.refusal = None
 
     # ------------------------------------------------------------------ a backward pass

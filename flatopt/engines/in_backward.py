@@ -236,7 +236,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 "infs could be checked. Train in bfloat16 without a GradScaler, or use in_backward=False (the "
                 "parameters of this step have been updated with scaled gradients: restart from a checkpoint)"
             )
-        self.abandon()
+        self.abandon(give_back=True)
         self.follow_members()  # parameters unfrozen or added since: laid out, and their .grad stepped below
         loss = self.run_closure(closure)
         # Gradients in p.grad: accumulated under no_step() or by the first passes of an accumulation window (a
@@ -324,14 +324,31 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             self.held -= bucket.grad.numel()
         bucket.close()
 
-    def abandon(self):
+    def abandon(self, give_back=False):
         """Called outside backward (zero_grad, step): a pass that began but never ended (its backward
         raised, out of memory say) is dropped, so the next backward starts afresh. Buckets it had
-        stepped stay stepped; the others are not, and the gradients moved into them are lost. Gradients
-        it had not taken stay in ``p.grad``: ``zero_grad()`` drops them, ``step()`` steps them."""
-        if self.task is not None:
-            with self.lock:
-                self.reset()
+        stepped stay stepped (an update cannot be undone). ``give_back`` (step()): the gradients it had
+        moved into the buckets it had not stepped go back to ``p.grad``, beside those it had not taken,
+        so that step() steps every gradient the failed pass left, as torch.optim's step() would;
+        ``zero_grad()`` drops them all."""
+        if self.task is None:
+            return
+        with self.lock:
+            if give_back:
+                self._give_back()
+            self.reset()
+
+    def _give_back(self):
+        """The gradients taken into the open buckets, back in ``p.grad`` as views of the staging gradient (or the
+        parameter's own gradient, for a one-parameter bucket), with the parameter's shape and strides."""
+        for b in self.buckets:
+            if b.done or not b.arrived:
+                continue
+            for p in b.arrived:
+                if b.direct is not None:  # p's own gradient, flattened by _take
+                    p.grad = b.direct.as_strided(p.shape, p.stride(), b.direct.storage_offset())
+                else:
+                    p.grad = b.grad.as_strided(p.shape, p.stride(), self.bucket_of[p][1])
 
     def _arrive(self, p):
         """The gradient of ``p`` in a stepping backward pass: begin the pass at its first gradient, or
