@@ -5,6 +5,7 @@ case either matches torch.optim stepping a copy of the same model, or is refused
 changes: no parameter or state updated, no gradient left in ``.grad``."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -417,6 +418,27 @@ def test_reentrant_checkpointing_after_layers_outside_it_is_refused_before_any_u
         torch_step(model, theirs, batch)
         torch_step(twin, ours, batch)
         assert_matches_torch(twin, model, ours, theirs, step)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("bucket_size", [64, 512])
+def test_reentrant_checkpointing_on_cuda_is_refused_before_any_update(bucket_size):
+    """On CUDA the autograd engine runs the gradient hooks on the device's worker thread, not on the thread
+    that called backward(): the pass's roots are read from that caller's frames (flatopt.engines.nesting)."""
+    torch.manual_seed(0)
+    twin = Tail().cuda()
+    ours = flatopt.AdamW(twin, lr=1e-2, weight_decay=0.1, in_backward=True, bucket_size=bucket_size)
+    before = snapshot(twin, ours)
+    x, y = (t.cuda() for t in batches(1)[0])
+    out, threads = twin(x), set()
+    out.register_hook(lambda g: threads.add(threading.get_ident()))
+    with pytest.raises(RuntimeError, match=r"by CheckpointFunction's backward.*use_reentrant=False.*No parameter was"):
+        nn.functional.mse_loss(out, y).backward()
+    assert threads and threading.get_ident() not in threads, "the backward pass ran on the calling thread"
+    assert_unchanged(twin, ours, before, "the refused pass")
+    assert [n for n, p in twin.named_parameters() if p.grad is not None] == [], "a gradient was left"
+    engine = flatopt.inspect(ours).engine
+    assert engine.launches == 0 and engine.held == 0 and engine.task is None
 
 
 def test_reentrant_checkpointing_in_the_stepping_pass_of_a_window_is_refused_before_any_update():
