@@ -393,24 +393,25 @@ RECOVER_STEPS = 6  # steps of run_in_backward_recover: passes stepped in backwar
 RECOVERIES = {1: "zero_grad", 3: "step"}  # the steps whose pass raises, and the call that recovers from it
 
 
-def run_in_backward_recover(rank):
-    """flatopt.SGD (in_backward=True, max_grad_norm=CLIP_NORM) on an FSDP2 model through backward passes that raise
-    part way, against torch.optim on another model through the same failed passes. The passes of the steps of
-    RECOVERIES raise in a post-accumulate-grad hook of model[0].weight that runs after flatopt's (so that flatopt
-    has taken the gradient, its group left part arrived), when the model[2] and root groups have been stepped;
-    then reset_fsdp() (FSDP2's reset_iter_state()) and the recovery: opt.zero_grad() (step 1), or opt.step()
-    alone (step 3), which steps the gradients the failed pass left in .grad (the next pass follows it with no
-    opt.zero_grad() in between). The reference steps, for a failed pass, the groups flatopt stepped, each clipped
-    by the running norm of the pass so far, and, for opt.step(), the gradients left in .grad, clipped by their own
-    global norm (an exact step of what .grad holds); the next pass's N_prev is the last completed pass's norm
-    after zero_grad(), that global norm after step(). The other steps are passes stepped in backward, clipped by
-    the definition. Apart, on a third model: a backward pass
-    after one that raised, with neither opt.zero_grad() nor opt.step() in between, is refused before anything is
-    updated, and the pass after opt.zero_grad() is stepped."""
+def run_in_backward_recover(rank, skip_unused):
+    """flatopt.SGD (in_backward=True, max_grad_norm=CLIP_NORM, skip_unused) on an FSDP2 model through backward
+    passes that raise part way, against torch.optim on another model through the same failed passes. The passes of
+    the steps of RECOVERIES raise in a post-accumulate-grad hook of model[0].weight that runs after flatopt's (so
+    that flatopt has taken the gradient, its group left part arrived), when the model[2] and root groups have been
+    stepped; then reset_fsdp() (FSDP2's reset_iter_state()) and the recovery: opt.zero_grad() (step 1), or
+    opt.step() alone (step 3), which steps the gradients the failed pass left in .grad (the next pass follows it
+    with no opt.zero_grad() in between). The reference steps, for a failed pass, the groups flatopt stepped, each
+    clipped by the running norm of the pass so far, and, for opt.step(), the gradients left in .grad, clipped by
+    their own global norm (an exact step of what .grad holds), and, with skip_unused=False, the other parameters of
+    the group the failed pass did not step, with a zero gradient; the next pass's N_prev is the last completed
+    pass's norm after zero_grad(), that global norm after step(). The other steps are passes stepped in backward,
+    clipped by the definition. Apart, on a third model: a backward pass after one that raised, with neither
+    opt.zero_grad() nor opt.step() in between, is refused before anything is updated, and the pass after
+    opt.zero_grad() is stepped."""
     world = dist.get_world_size()
     flat_cls, ref_cls, hp = OPTIMIZERS["SGD"]
     model, ref = sharded(world), sharded(world)
-    opt = flat_cls(model, in_backward=True, max_grad_norm=CLIP_NORM, **hp)
+    opt = flat_cls(model, in_backward=True, max_grad_norm=CLIP_NORM, skip_unused=skip_unused, **hp)
     ref_opt = ref_cls(ref.parameters(), **hp)
     engine = flatopt.inspect(opt).engine
     arrivals = []  # the reference model's parameters, as FSDP2 runs their post-accumulate-grad hooks
@@ -460,8 +461,10 @@ def run_in_backward_recover(rank):
             complete = [g for g in groups if all(p in order for p in g)]
             complete.sort(key=lambda g: order[g[0]])
             failed["arrived"], failed["complete"] = len(order), len(complete)
-            left = [p for g in groups if not any(g is c for c in complete) for p in g if p.grad is not None]
+            unstepped = [p for g in groups if not any(g is c for c in complete) for p in g]
+            left = [p for p in unstepped if p.grad is not None]
             failed["ref_left_in_grad"] = len(left)
+            failed["unstepped"] = [any(q is p for p in unstepped) for q in ref.parameters()]
             running = None
             with torch.no_grad():
                 for g in complete:
@@ -474,6 +477,10 @@ def run_in_backward_recover(rank):
                     prev = global_norm_of(left, 2.0)
                     for p in left:
                         p.grad.mul_(torch.clamp(CLIP_NORM / (prev + 1e-6), max=1.0))
+                    if not skip_unused:  # the others of the groups the failed pass did not step: a zero gradient
+                        for p in unstepped:
+                            if p.grad is None:
+                                p.grad = torch.zeros_like(p)
                 else:
                     for p in left:
                         p.grad = None  # dropped by zero_grad(): torch.optim skips a parameter without a gradient
@@ -709,7 +716,7 @@ SCENARIOS = {
     **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH if m[2] != "triton" or INTERPRETED},
     **{f"in_backward:{a}": (run_in_backward, (a,)) for a in (None, "no_step", "fsdp")},
     **{f"in_backward_clip:{o}-{n}": (run_in_backward_clip, (o, n)) for o, n in IN_BACKWARD_CLIP},
-    "in_backward_recover": (run_in_backward_recover, ()),
+    **{f"in_backward_recover:{s}": (run_in_backward_recover, (s,)) for s in (True, False)},
     "in_backward_clip_resume": (run_in_backward_clip_resume, ()),
     "errors": (run_errors, ()),
     "checkpoints": (run_checkpoints, ()),
@@ -859,18 +866,20 @@ def test_in_backward_clipping_resumes_with_the_previous_norm(runs):
     assert results[0]["norms"] == results[1]["norms"] and results[0]["original"] == results[1]["original"]
 
 
-def test_in_backward_recovers_from_a_backward_pass_that_raised(runs):
+@pytest.mark.parametrize("skip_unused", [True, False])
+def test_in_backward_recovers_from_a_backward_pass_that_raised(runs, skip_unused):
     """A backward pass that raised part way (after flatopt had stepped two fully_shard groups and taken one
     gradient of the third) leaves the groups it stepped stepped and nothing else, with the gradients of the third
     in .grad; after FSDP2's reset_iter_state() and either recovery, each backward pass is one pass again, ended as
     one: every gradient stepped and freed by its end, one launch per group, its global total norm recorded.
-    opt.zero_grad() drops the failed pass's running norm and gradients; opt.step() steps those gradients and no
-    other (clipped by their own global norm, which becomes N_prev), frees them, and the next pass, with no
-    opt.zero_grad() before it, is stepped. Parameters and states equal
-    torch.optim's through the same failed passes (stepping what flatopt stepped, clipped by the definition) at
-    every step. A backward pass after one that raised, with neither opt.zero_grad() nor opt.step() in between, is
-    refused and updates nothing; after opt.zero_grad() the next is stepped."""
-    for rank, result in enumerate(runs["two"]("in_backward_recover")):
+    opt.zero_grad() drops the failed pass's running norm and gradients; opt.step() steps those gradients (clipped
+    by their own global norm, which becomes N_prev), with skip_unused=False also the other parameters of the group
+    the failed pass did not step (a zero gradient), and never again a group the failed pass stepped; it frees them,
+    and the next pass, with no opt.zero_grad() before it, is stepped. Parameters and states equal torch.optim's
+    through the same failed passes (stepping what flatopt stepped, clipped by the definition) at every step. A
+    backward pass after one that raised, with neither opt.zero_grad() nor opt.step() in between, is refused and
+    updates nothing; after opt.zero_grad() the next is stepped."""
+    for rank, result in enumerate(runs["two"](f"in_backward_recover:{skip_unused}")):
         what = f"rank {rank}"
         hist = result["history"]
         assert len(hist) == RECOVER_STEPS, what
@@ -883,8 +892,11 @@ def test_in_backward_recovers_from_a_backward_pass_that_raised(runs):
             assert failed["left_in_grad"] == failed["ref_left_in_grad"] > 0, f"{what}, {how}: {failed}"
         assert result["failed"]["zero_grad"]["zeroed"], f"{what}: gradients left after opt.zero_grad()"
         by_step = result["failed"]["step"]
-        # opt.step() moved exactly the parameters whose gradients the failed pass left in .grad, and freed them
-        assert by_step["moved"] == by_step["had_grad"] and by_step["freed"], f"{what}: opt.step() after it: {by_step}"
+        # opt.step() moved exactly the parameters whose gradients the failed pass left in .grad (with
+        # skip_unused=False, every parameter of the groups it did not step, and not those it stepped), and freed them
+        moves = [had or (not skip_unused and u) for had, u in zip(by_step["had_grad"], by_step["unstepped"])]
+        assert by_step["moved"] == moves and by_step["freed"], f"{what}: opt.step() after it: {by_step}"
+        assert moves != by_step["had_grad"] or skip_unused, f"{what}: no parameter without a gradient to step"
         # every other pass ended as one
         assert all(result["freed"]), f"{what}: gradients left in .grad after a pass: {result['freed']}"
         passes = RECOVER_STEPS - len(RECOVERIES)
