@@ -15,8 +15,13 @@ on the gloo backend, started once for the whole module (tests/ranks.py).
   accumulation_steps, find_unused_parameters with skip_unused=True, a DDP that has a communication hook already,
   parameters DDP does not average, and ``ddp.module`` (or a model wrapped after the optimizer was created) instead of
   the wrapper.
+* A backward pass that raised part way: the bucket averaged before it raised is stepped, on both ranks, by the time
+  opt.zero_grad() returns (also when its all-reduce was still under way); DDP refuses its next forward pass until
+  ``ddp.reducer._reset_state()``; opt.step() and a second backward pass are refused; after the reset and
+  opt.zero_grad() training goes on as torch.optim's through the same failed pass (taking the same partial step).
 """
 
+import time
 from contextlib import nullcontext
 
 import pytest
@@ -211,6 +216,125 @@ def run_second_pass(rank):
     return out
 
 
+class Raised(Exception):
+    """What the backward pass that fails in :func:`run_failed_pass` raises."""
+
+
+def raise_in_backward(module):
+    """Make the next backward pass raise at the gradient of ``module``'s output, once the parameters after ``module``
+    have their gradients (autograd runs an AccumulateGrad before the other nodes that are ready); returns the
+    handle of the forward hook to remove."""
+
+    def fail(grad):
+        raise Raised("a tensor hook raised during backward")
+
+    def hook(mod, inputs, output):
+        output.register_hook(fail)  # returns None: the output stays as it is
+
+    return module.register_forward_hook(hook)
+
+
+def delay_backward(module, seconds):
+    """Make the next backward passes wait ``seconds`` at the gradient of ``module``'s output; returns the handle of
+    the forward hook to remove."""
+
+    def hook(mod, inputs, output):
+        output.register_hook(lambda grad: time.sleep(seconds))  # returns None: the gradient stays as it is
+
+    return module.register_forward_hook(hook)
+
+
+FAILURES = {1: "at_once", 3: "refusals"}  # the steps of run_failed_pass whose first pass raises, and what follows
+FAILED_STEPS = 5
+LATE_S = 1.0  # how late rank 1 sends its first bucket in the first failed pass
+
+
+def run_failed_pass(rank):
+    """Backward passes that raise part way under DDP, then the recovery, against torch.optim under DDP through the
+    same failed passes. At each step of FAILURES a tensor hook on model[0]'s output raises, after model[2]'s bucket
+    was averaged and handed to flatopt's hook (DDP rebuilt its buckets after step 0: model[2]'s parameters, then
+    model[0]'s), before model[0]'s gradients exist. DDP itself then refuses a forward pass until its reducer is
+    reset (``ddp.reducer._reset_state()``, on both models). The recovery is that reset and opt.zero_grad(), then the
+    failed batch again.
+
+    * "at_once": rank 1 sends model[2]'s bucket LATE_S late (its backward waits at the output), so that on rank 0
+      the bucket's all-reduce, and its step, are still under way when backward raises; the reset and
+      opt.zero_grad() come at once, and opt.zero_grad() must have waited for that step.
+    * "refusals": opt.step() is refused, and so is a second backward pass, before either updates anything; then
+      the reset and opt.zero_grad().
+
+    The reference takes, for a failed pass, the step flatopt took in it: torch.optim steps model[2]'s parameters
+    with the failed batch's gradient averaged by DDP (a pass of its own), model[0]'s left without one."""
+    import torch.distributed as dist
+
+    DDP = _ddp()
+    flat_cls, ref_cls, hp = OPTIMIZERS["AdamW"]
+    model, ref = mlp(0), mlp(0)
+    ddp, ref_ddp = DDP(model, bucket_cap_mb=1e-4), DDP(ref, bucket_cap_mb=1e-4)
+    opt = flat_cls(ddp, in_backward=True, backend="torch", **hp)
+    ref_opt = ref_cls(ref.parameters(), **hp)
+    engine = flatopt.inspect(opt).engine
+    out = {"history": [], "raised": 0, "ddp_refused": [], "moved": {}, "launches": {}, "recovered": {}}
+    for step in range(FAILED_STEPS):
+        x, y = batch(rank, step)
+        how = FAILURES.get(step)
+        if how is not None:
+            before, launches = values(model), engine.launches
+            for m, d in ((model, ddp), (ref, ref_ddp)):
+                handles = [raise_in_backward(m[0])]
+                if how == "at_once" and m is model and rank == 1:
+                    handles.append(delay_backward(m[2], LATE_S))
+                try:
+                    nn.functional.mse_loss(d(x), y).backward()
+                except Raised:
+                    out["raised"] += 1
+                for h in handles:
+                    h.remove()
+                if m is ref:
+                    # the failed pass's all-reduces may still be under way: flatopt's zero_grad() waits for them,
+                    # torch.optim's does not, and DDP's next pass would then average wrong values (seen on gloo);
+                    # gloo's barrier waits for every collective before it
+                    dist.barrier()
+                if how == "at_once":
+                    d.reducer._reset_state()  # what DDP needs before its next forward pass
+                    (opt if m is model else ref_opt).zero_grad()
+                    if m is model:  # at once, before any other collective could let the bucket's step finish
+                        out["moved"][how] = [not torch.equal(a, b) for a, b in zip(before, values(model))]
+                    continue
+                try:  # DDP's own state after a backward pass that raised
+                    d(x)
+                    out["ddp_refused"].append(None)
+                except RuntimeError as e:
+                    out["ddp_refused"].append(str(e))
+                d.reducer._reset_state()
+            if how == "refusals":
+                out["step_refused"] = None
+                try:
+                    opt.step()
+                except RuntimeError as e:
+                    out["step_refused"] = error_of(e)
+                try:  # a second backward pass, with neither opt.step() nor opt.zero_grad() since the one that raised
+                    nn.functional.mse_loss(ddp(x), y).backward()
+                    out["second_refused"] = None
+                except RuntimeError as e:
+                    out["second_refused"] = error_of(e)
+                out["grads_none_after_refused"] = all(p.grad is None for p in model.parameters())
+                opt.zero_grad()
+                out["moved"][how] = [not torch.equal(a, b) for a, b in zip(before, values(model))]
+                ref_opt.zero_grad()
+            out["launches"][how] = engine.launches - launches
+            # the reference takes the step flatopt took in the failed pass: model[2]'s parameters, averaged by DDP
+            nn.functional.mse_loss(ref_ddp(x), y).backward()
+            for p in ref[0].parameters():
+                p.grad = None
+            ref_opt.step()
+            ref_opt.zero_grad()
+            out["recovered"][how] = {"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)}
+        train_step((ddp, ref_ddp), (opt, ref_opt), x, y)  # the failed batch again, after a failed pass
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+    return out
+
+
 def run_recreated(rank):
     """An in-backward optimizer deleted, then torch.optim in step mode on the same DDP model (flatopt's hook, its
     optimizer gone, puts DDP's averages in .grad as DDP would), then a new in-backward optimizer (it takes the
@@ -328,6 +452,7 @@ MATCH_IDS = [match_id(*m) for m in MATCH]
 SCENARIOS = {
     **{f"match:{i}": (run_match, m) for i, m in zip(MATCH_IDS, MATCH)},
     "second_pass": (run_second_pass, ()),
+    "failed_pass": (run_failed_pass, ()),
     "clip": (run_clip_after_pass, ()),
     "recreated": (run_recreated, ()),
     "construction": (run_construction_refusals, ()),
@@ -399,6 +524,39 @@ def test_second_backward_pass_is_refused_and_ddp_goes_on(results):
         assert result["grads_none"], f"rank {rank}: the refused pass left gradients"
         after = result["after"]
         ranks.assert_history([after["flat"]], [after["ref"]], f"rank {rank}, after the refusal", **TOL)
+
+
+def test_backward_pass_that_raised_then_zero_grad(results):
+    """A backward pass that raised part way has stepped the DDP bucket averaged before it raised, the same on both
+    ranks, and nothing else, by the time opt.zero_grad() returns (also when the bucket's all-reduce was still under
+    way when backward raised); DDP refuses its next forward pass until its reducer is reset, as it does under
+    torch.optim; opt.step() and a second backward pass after the failed one are refused, updating nothing; after
+    the reset and opt.zero_grad() the retry and the steps after it match torch.optim, which took the same partial
+    steps, and the ranks stay bit-identical."""
+    r0, r1 = results("failed_pass")
+    for rank, result in enumerate((r0, r1)):
+        what = f"rank {rank}"
+        assert result["raised"] == 2 * len(FAILURES), f"{what}: the failing passes did not all raise"
+        assert len(result["ddp_refused"]) == 2, result["ddp_refused"]
+        for refused in result["ddp_refused"]:  # torch's behaviour, which docs/distributed.md describes
+            assert "Expected to have finished reduction in the prior iteration" in (refused or ""), refused
+        err = result["step_refused"]
+        assert err is not None and "opt.step() after a backward pass that raised" in err["message"], err
+        err = result["second_refused"]
+        assert err is not None and "started after the previous one raised" in err["message"], err
+        assert result["grads_none_after_refused"], f"{what}: the refused pass left gradients"
+        for how in FAILURES.values():
+            # model[2]'s bucket (weight and bias) stepped in the failed pass, by one launch; model[0]'s untouched
+            assert result["moved"][how] == [False, False, True, True], (what, how, result["moved"][how])
+            assert result["launches"][how] == 1, (what, how, result["launches"][how])
+            recovered = result["recovered"][how]
+            ranks.assert_history([recovered["flat"]], [recovered["ref"]], f"{what}, after the failed pass", **TOL)
+        hist = result["history"]
+        assert len(hist) == FAILED_STEPS, what
+        ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"{what}, flatopt vs torch", **TOL)
+    for how in FAILURES.values():
+        ranks.assert_history([r0["recovered"][how]["flat"]], [r1["recovered"][how]["flat"]], "rank 0 vs 1", **SAME)
+    ranks.assert_history([h["flat"] for h in r0["history"]], [h["flat"] for h in r1["history"]], "rank 0 vs 1", **SAME)
 
 
 def test_optimizer_recreated_on_the_same_ddp_model(results):

@@ -389,24 +389,29 @@ def reset_fsdp(model):
         model.reset_iter_state()
 
 
-RECOVER_STEPS = 5  # steps of run_in_backward_recover: a pass stepped in backward, the failed one, three more
+RECOVER_STEPS = 6  # steps of run_in_backward_recover: passes stepped in backward but for the failed ones
+RECOVERIES = {1: "zero_grad", 3: "step"}  # the steps whose pass raises, and the call that recovers from it
 
 
-def run_in_backward_recover(rank):
-    """flatopt.SGD (in_backward=True, max_grad_norm=CLIP_NORM) on an FSDP2 model through a backward pass that raises
-    part way, against torch.optim on another model through the same failed pass. Step 1's pass raises in a
-    post-accumulate-grad hook of model[0].weight that runs after flatopt's (so that flatopt has taken the
-    gradient, its group left part arrived), when the model[2] and root groups have been stepped; then
-    reset_fsdp() (FSDP2's reset_iter_state()), opt.zero_grad() (the recovery), and passes stepped in backward.
-    The reference steps, for the failed pass, the groups flatopt stepped, each clipped by the running norm of the
-    pass so far, and no other; after it, every pass by the definition, with the last completed pass's norm as
-    N_prev (the failed pass's running norm dropped). Apart, on a third model: a backward pass after one that
-    raised, with neither opt.zero_grad() nor opt.step() in between, is refused before anything is updated, and
-    the pass after opt.zero_grad() is stepped."""
+def run_in_backward_recover(rank, skip_unused):
+    """flatopt.SGD (in_backward=True, max_grad_norm=CLIP_NORM, skip_unused) on an FSDP2 model through backward
+    passes that raise part way, against torch.optim on another model through the same failed passes. The passes of
+    the steps of RECOVERIES raise in a post-accumulate-grad hook of model[0].weight that runs after flatopt's (so
+    that flatopt has taken the gradient, its group left part arrived), when the model[2] and root groups have been
+    stepped; then reset_fsdp() (FSDP2's reset_iter_state()) and the recovery: opt.zero_grad() (step 1), or
+    opt.step() alone (step 3), which steps the gradients the failed pass left in .grad (the next pass follows it
+    with no opt.zero_grad() in between). The reference steps, for a failed pass, the groups flatopt stepped, each
+    clipped by the running norm of the pass so far, and, for opt.step(), the gradients left in .grad, clipped by
+    their own global norm (an exact step of what .grad holds), and, with skip_unused=False, the other parameters of
+    the group the failed pass did not step, with a zero gradient; the next pass's N_prev is the last completed
+    pass's norm after zero_grad(), that global norm after step(). The other steps are passes stepped in backward,
+    clipped by the definition. Apart, on a third model: a backward pass after one that raised, with neither
+    opt.zero_grad() nor opt.step() in between, is refused before anything is updated, and the pass after
+    opt.zero_grad() is stepped."""
     world = dist.get_world_size()
     flat_cls, ref_cls, hp = OPTIMIZERS["SGD"]
     model, ref = sharded(world), sharded(world)
-    opt = flat_cls(model, in_backward=True, max_grad_norm=CLIP_NORM, **hp)
+    opt = flat_cls(model, in_backward=True, max_grad_norm=CLIP_NORM, skip_unused=skip_unused, **hp)
     ref_opt = ref_cls(ref.parameters(), **hp)
     engine = flatopt.inspect(opt).engine
     arrivals = []  # the reference model's parameters, as FSDP2 runs their post-accumulate-grad hooks
@@ -417,21 +422,20 @@ def run_in_backward_recover(rank):
     def data(step):
         return (t.chunk(world)[rank] for t in batch(200 + step))
 
-    out = {"history": [], "last": [], "ref_total": [], "freed": [], "launches": [], "raised": 0}
+    out = {"history": [], "last": [], "ref_total": [], "freed": [], "launches": [], "raised": 0, "failed": {}}
     prev = None
     for step in range(RECOVER_STEPS):
         x, y = data(step)
         launches = engine.launches
-        if step != 1:
+        how = RECOVERIES.get(step)
+        if how is None:
             nn.functional.mse_loss(model(x), y).backward()
             # the pass ended as one: every gradient stepped and freed, its total norm recorded (end of pass)
             out["freed"].append(all(p.grad is None for p in model.parameters()))
             out["launches"].append(engine.launches - launches)
-            out["last"].append(float(opt.last_grad_norm))
             arrivals.clear()
             nn.functional.mse_loss(ref(x), y).backward()
             prev, _, _ = reference_clip(ref, arrivals, 2.0, prev, exact=False)
-            out["ref_total"].append(float(prev))
         else:
             handles = [m[0].weight.register_post_accumulate_grad_hook(raising) for m in (model, ref)]
             for m in (model, ref):
@@ -443,16 +447,24 @@ def run_in_backward_recover(rank):
                 reset_fsdp(m)
             for h in handles:
                 h.remove()
-            out["failed_launches"] = engine.launches - launches
-            out["last_after_failure"] = float(opt.last_grad_norm)
-            opt.zero_grad()  # the recovery: drops the failed pass, and the gradients it left in .grad
-            out["zeroed"] = all(p.grad is None for p in model.parameters())
+            failed = out["failed"][how] = {
+                "launches": engine.launches - launches,
+                "last": float(opt.last_grad_norm),  # the failed pass records no total norm
+                "left_in_grad": sum(p.grad is not None for p in model.parameters()),
+            }
+            if how == "zero_grad":
+                opt.zero_grad()  # the recovery: drops the failed pass, and the gradients it left in .grad
+                failed["zeroed"] = all(p.grad is None for p in model.parameters())
             # the reference: the groups complete when the hook raised were stepped, by the running norm so far
             groups = [[ref[2].weight, ref[2].bias], [ref[0].weight, ref[0].bias], [ref.skip.bias]]
             order = {p: i for i, p in enumerate(arrivals)}
             complete = [g for g in groups if all(p in order for p in g)]
             complete.sort(key=lambda g: order[g[0]])
-            out["arrived_in_failed_pass"], out["complete_in_failed_pass"] = len(order), len(complete)
+            failed["arrived"], failed["complete"] = len(order), len(complete)
+            unstepped = [p for g in groups if not any(g is c for c in complete) for p in g]
+            left = [p for p in unstepped if p.grad is not None]
+            failed["ref_left_in_grad"] = len(left)
+            failed["unstepped"] = [any(q is p for p in unstepped) for q in ref.parameters()]
             running = None
             with torch.no_grad():
                 for g in complete:
@@ -461,14 +473,30 @@ def run_in_backward_recover(rank):
                     coef = torch.clamp(CLIP_NORM / (torch.maximum(prev, running) + 1e-6), max=1.0)
                     for p in g:
                         p.grad.mul_(coef)
-            for g in groups:
-                if not any(g is c for c in complete):
-                    for p in g:
-                        p.grad = None  # not stepped: torch.optim skips a parameter without a gradient
+                if how == "step":  # opt.step(): what .grad holds, clipped by its own global norm, which is N_prev next
+                    prev = global_norm_of(left, 2.0)
+                    for p in left:
+                        p.grad.mul_(torch.clamp(CLIP_NORM / (prev + 1e-6), max=1.0))
+                    if not skip_unused:  # the others of the groups the failed pass did not step: a zero gradient
+                        for p in unstepped:
+                            if p.grad is None:
+                                p.grad = torch.zeros_like(p)
+                else:
+                    for p in left:
+                        p.grad = None  # dropped by zero_grad(): torch.optim skips a parameter without a gradient
+        before = [full(p).detach().clone() for p in model.parameters()]
+        had_grad = [p.grad is not None for p in model.parameters()]
         opt.step()
-        opt.zero_grad()
+        if how == "step":  # which parameters opt.step() moved, and whether it freed every gradient
+            out["failed"][how]["had_grad"] = had_grad
+            out["failed"][how]["moved"] = [not torch.equal(a, full(p)) for a, p in zip(before, model.parameters())]
+            out["failed"][how]["freed"] = all(p.grad is None for p in model.parameters())
+        else:  # after the recovery by opt.step(), the next backward pass comes with no opt.zero_grad() before it
+            opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
+        out["last"].append(float(opt.last_grad_norm))
+        out["ref_total"].append(float(prev))
         out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
 
     # refused: a backward pass after one that raised, with neither opt.zero_grad() nor opt.step() in between
@@ -688,7 +716,7 @@ SCENARIOS = {
     **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH if m[2] != "triton" or INTERPRETED},
     **{f"in_backward:{a}": (run_in_backward, (a,)) for a in (None, "no_step", "fsdp")},
     **{f"in_backward_clip:{o}-{n}": (run_in_backward_clip, (o, n)) for o, n in IN_BACKWARD_CLIP},
-    "in_backward_recover": (run_in_backward_recover, ()),
+    **{f"in_backward_recover:{s}": (run_in_backward_recover, (s,)) for s in (True, False)},
     "in_backward_clip_resume": (run_in_backward_clip_resume, ()),
     "errors": (run_errors, ()),
     "checkpoints": (run_checkpoints, ()),
@@ -838,29 +866,44 @@ def test_in_backward_clipping_resumes_with_the_previous_norm(runs):
     assert results[0]["norms"] == results[1]["norms"] and results[0]["original"] == results[1]["original"]
 
 
-def test_in_backward_recovers_from_a_backward_pass_that_raised(runs):
+@pytest.mark.parametrize("skip_unused", [True, False])
+def test_in_backward_recovers_from_a_backward_pass_that_raised(runs, skip_unused):
     """A backward pass that raised part way (after flatopt had stepped two fully_shard groups and taken one
-    gradient of the third) leaves the groups it stepped stepped and nothing else; after FSDP2's reset_iter_state()
-    and opt.zero_grad(), each backward pass is one pass again, ended as one: every gradient stepped and freed
-    by its end, one launch per group, its global total norm recorded, and the failed pass's running norm dropped.
-    Parameters and states equal torch.optim's through the same failed pass (stepping the groups flatopt stepped,
-    clipped by the definition) at every step. A backward pass after one that raised, with neither
-    opt.zero_grad() nor opt.step() in between, is refused and updates nothing; after opt.zero_grad() the next is
-    stepped."""
-    for rank, result in enumerate(runs["two"]("in_backward_recover")):
+    gradient of the third) leaves the groups it stepped stepped and nothing else, with the gradients of the third
+    in .grad; after FSDP2's reset_iter_state() and either recovery, each backward pass is one pass again, ended as
+    one: every gradient stepped and freed by its end, one launch per group, its global total norm recorded.
+    opt.zero_grad() drops the failed pass's running norm and gradients; opt.step() steps those gradients (clipped
+    by their own global norm, which becomes N_prev), with skip_unused=False also the other parameters of the group
+    the failed pass did not step (a zero gradient), and never again a group the failed pass stepped; it frees them,
+    and the next pass, with no opt.zero_grad() before it, is stepped. Parameters and states equal torch.optim's
+    through the same failed passes (stepping what flatopt stepped, clipped by the definition) at every step. A
+    backward pass after one that raised, with neither opt.zero_grad() nor opt.step() in between, is refused and
+    updates nothing; after opt.zero_grad() the next is stepped."""
+    for rank, result in enumerate(runs["two"](f"in_backward_recover:{skip_unused}")):
         what = f"rank {rank}"
         hist = result["history"]
         assert len(hist) == RECOVER_STEPS, what
         ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], what, **TOL)
-        assert result["raised"] == 3, f"{what}: the failing passes did not all raise: {result['raised']}"
-        # the failed pass: model[2]'s and the root's groups stepped, model[0]'s with one gradient of two taken
-        assert (result["arrived_in_failed_pass"], result["complete_in_failed_pass"]) == (4, 2), result
-        assert result["failed_launches"] == 2, f"{what}: launches in the failed pass: {result['failed_launches']}"
-        assert result["zeroed"], f"{what}: gradients left after opt.zero_grad()"
-        # every pass after it ended as one
+        assert result["raised"] == 5, f"{what}: the failing passes did not all raise: {result['raised']}"
+        assert result["failed"].keys() == {"zero_grad", "step"}, result["failed"]
+        for how, failed in result["failed"].items():
+            # model[2]'s and the root's groups stepped, model[0]'s with one gradient of two taken
+            assert (failed["arrived"], failed["complete"], failed["launches"]) == (4, 2, 2), f"{what}, {how}: {failed}"
+            assert failed["left_in_grad"] == failed["ref_left_in_grad"] > 0, f"{what}, {how}: {failed}"
+        assert result["failed"]["zero_grad"]["zeroed"], f"{what}: gradients left after opt.zero_grad()"
+        by_step = result["failed"]["step"]
+        # opt.step() moved exactly the parameters whose gradients the failed pass left in .grad (with
+        # skip_unused=False, every parameter of the groups it did not step, and not those it stepped), and freed them
+        moves = [had or (not skip_unused and u) for had, u in zip(by_step["had_grad"], by_step["unstepped"])]
+        assert by_step["moved"] == moves and by_step["freed"], f"{what}: opt.step() after it: {by_step}"
+        assert moves != by_step["had_grad"] or skip_unused, f"{what}: no parameter without a gradient to step"
+        # every other pass ended as one
         assert all(result["freed"]), f"{what}: gradients left in .grad after a pass: {result['freed']}"
-        assert result["launches"] == [3] * (RECOVER_STEPS - 1), f"{what}: launches per pass: {result['launches']}"
-        assert result["last_after_failure"] == result["last"][0], f"{what}: the failed pass set last_grad_norm"
+        passes = RECOVER_STEPS - len(RECOVERIES)
+        assert result["launches"] == [3] * passes, f"{what}: launches per pass: {result['launches']}"
+        for how, step in ((h, s) for s, h in RECOVERIES.items()):  # a failed pass records no total norm
+            assert result["failed"][how]["last"] == result["last"][step - 1], f"{what}: {how}'s failed pass set it"
+        # last_grad_norm after each step: the pass's total, unchanged by zero_grad(), what opt.step() stepped
         torch.testing.assert_close(result["last"], result["ref_total"], rtol=1e-6, atol=1e-6, msg=what)
         # refused without opt.zero_grad(), updating nothing; stepped after it
         assert "a backward pass started after the previous one raised, without opt.zero_grad()" in (

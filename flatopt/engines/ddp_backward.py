@@ -35,6 +35,11 @@ per run::
 * A pass that cannot be stepped (a second one without ``step()`` or ``zero_grad()``, one after a pass that raised)
   still lets DDP finish its all-reduces, steps nothing, drops its gradients, and raises when DDP's end-of-backward
   work is done, so that the reducer is left ready for the next iteration.
+* A pass that raised (a hook's exception, out of memory) never reaches DDP's end-of-backward work: the buckets whose
+  all-reduce it had launched (on every rank alike) are stepped in their futures' callbacks, possibly after the
+  exception reached the caller; ``zero_grad()`` waits for them, then drops the pass. ``step()`` after it is refused:
+  the gradients the pass left in ``.grad`` were never averaged. DDP itself refuses its next forward pass until its
+  reducer is reset (``ddp.reducer._reset_state()``, the caller's to call).
 """
 
 import weakref
@@ -134,7 +139,10 @@ def comm_hook(state, bucket):
             e.after_reduce(bucket, mode)
         return tensor
 
-    return future.then(after)
+    chained = future.then(after)
+    if engine is not None:
+        engine.track(chained)
+    return chained
 
 
 class DDPInBackwardEngine(InBackwardEngine):
@@ -150,6 +158,7 @@ class DDPInBackwardEngine(InBackwardEngine):
         self.refusal = None  # the exception the pass ends with, when refused
         self.copied = 0  # gradient elements copied from DDP's buckets into staging gradients
         self.direct = 0  # runs stepped straight from DDP's bucket, with no copy
+        self.futures = []  # the buckets' futures (the step in their callbacks) of passes whose end has not come
         super().__init__(opt)
 
     def check_ranks(self):
@@ -202,9 +211,43 @@ class DDPInBackwardEngine(InBackwardEngine):
         super().step_pending()
         self.dirty = True  # skip_unused may have stepped part of a bucket: the runs' UNIFORM flags are recomputed
 
+    def step(self, closure, grad_scale, found_inf):
+        if self.task is not None or self.pass_task is not None:
+            raise RuntimeError(
+                f"{self.cls}(in_backward=True) over DistributedDataParallel: opt.step() after a backward pass that "
+                "raised. The gradients that pass left in .grad are this rank's own (DDP averages a bucket only once "
+                "every gradient of it is ready), so stepping them would make the replicas differ. Call "
+                "opt.zero_grad() instead (and ddp.reducer._reset_state(), which DDP needs before its next forward "
+                "pass), then run the backward pass again. Nothing was updated by this call"
+            )
+        return super().step(closure, grad_scale, found_inf)
+
+    def track(self, future):
+        """From the communication hook: the future whose callback steps (or lands, or drops) a bucket."""
+        with self.lock:
+            self.futures.append(future)
+
     def abandon(self, give_back=False):
+        """``zero_grad()`` (or ``step()``) after a pass that raised: wait for the callbacks of the buckets whose
+        all-reduce the pass launched (launched on every rank, so stepped on every rank), which run on the
+        communication thread and may still be running: once it returns they have stepped, in the same order on
+        every rank, and none steps during the next pass. Then drop the pass, as in single-process mode."""
+        with self.lock:
+            futures, self.futures = self.futures, []
+        failed = None
+        for future in futures:
+            try:
+                future.wait()
+            except Exception as e:  # the bucket's all-reduce or its step raised
+                failed = failed or e
         super().abandon(give_back)
         self.pass_task = self.mode = self.refusal = None
+        if failed is not None:
+            raise RuntimeError(
+                f"{self.cls}(in_backward=True) over DistributedDataParallel: a bucket of the backward pass that raised "
+                f"could not be averaged or stepped on this rank ({failed}), so the replicas may now differ: restart "
+                "from a checkpoint. The pass was dropped"
+            ) from failed
 
     # ------------------------------------------------------------------ a backward pass
     def on_bucket(self):
@@ -330,6 +373,7 @@ class DDPInBackwardEngine(InBackwardEngine):
         with self.lock:
             mode, refusal = self.mode, self.refusal
             self.pass_task = self.mode = self.refusal = None
+            self.futures = [f for f in self.futures if not f.done()]  # a pass that raised before may have some left
             if mode == "land":
                 return
             for p in self.bucket_of:

@@ -155,7 +155,7 @@ class FSDPStepEngine(FlatEngine):
             unused = [p for p, _ in without if p.requires_grad]
             if unused:
                 self.warn_unused(unused)
-        idle = self._set_masks(without) if opt.skip_unused else ()
+        idle = self._set_masks(self.untouched(without))
         with torch.no_grad():
             for b, buf in enumerate(self.buffers):
                 if b in idle:
@@ -168,6 +168,11 @@ class FSDPStepEngine(FlatEngine):
                 release_grad(buf)
         self.keep_padding_zero()
         return loss
+
+    def untouched(self, without):
+        """The (parameter, None) pairs this step leaves untouched: those of ``without`` (the parameters whose
+        ``.grad`` is None) under ``skip_unused``, torch.optim's rule; none otherwise (stepped with a zero gradient)."""
+        return without if self.opt.skip_unused else []
 
     def sources(self, buf):
         """The addresses of ``buf``'s local gradient shards for the gathering launch; a shard that cannot be

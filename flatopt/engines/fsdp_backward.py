@@ -25,7 +25,9 @@ the run; then every ``p.grad`` of the group is set to None, which frees FSDP2's 
 * A backward pass that raised (an exception in a hook, out of memory, an interrupt) never reaches its end: the
   groups it stepped stay stepped, the others are not, and their gradients stay in ``.grad``. ``zero_grad()``
   drops it (and its running norm), so the next pass is a pass of its own, with its own end; ``step()`` does too,
-  and steps what is in ``.grad``. A pass begun with neither in between is refused at its first gradient, which
+  and steps what is in ``.grad``. Neither that ``step()`` nor the end of a pass steps again a group the pass
+  stepped, also with ``skip_unused=False`` (:meth:`untouched`), under which the step engine would step every
+  parameter without a gradient. A pass begun with neither in between is refused at its first gradient, which
   is dropped, before anything is stepped (:class:`PassEnd` tells the failed pass from a running one).
 * ``clip_grad_norm_`` (``opt``'s, or torch's, which :mod:`flatopt.clip_patch` routes here) after a stepped pass
   returns the norm that pass was clipped by (with ``max_grad_norm``, the same value and ``norm_type``) or raises;
@@ -76,6 +78,7 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
         self.runs = {}  # fully_shard group -> [Bucket]: its parameters' runs, one per flat buffer
         self.group_members = {}  # fully_shard group -> its trainable parameters
         self.arrived = {}  # fully_shard group -> parameters whose gradient arrived in this pass
+        self.stepped_groups = set()  # fully_shard groups stepped in this pass (or in one that raised, until dropped)
         self.open = None  # weak reference to the PassEnd of the pass in progress (dead once that pass raised)
         self.applied = False  # a pass stepped (and freed) gradients since the last step() or zero_grad()
         self.launches = 0
@@ -135,6 +138,7 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
         if self.open is not None and self.open() is None:
             self.refuse(p)  # the pass begun by an earlier gradient raised, and nothing dropped it since
         if self.open is None:
+            self.stepped_groups = set()
             end = PassEnd(self)
             torch.autograd.Variable._execution_engine.queue_callback(end)
             self.open = weakref.ref(end)
@@ -173,6 +177,7 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
             for p in bucket.params:
                 p.grad = None  # FSDP2's sharded gradient is freed
         self.arrived.pop(group, None)
+        self.stepped_groups.add(group)
         self.applied = True
         self.keep_padding_zero()
 
@@ -207,8 +212,17 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
         self.arrived = {}
         if any(p.grad is not None for ps in self.group_members.values() for p in ps):
             self.step_pending(all_known=False)
+        self.stepped_groups = set()
         if self.clip is not None:
             self.clip.end()
+
+    def untouched(self, without):
+        """The step engine's rule, and also every parameter of the groups this pass (or the pass that raised, for
+        ``step()`` after it) stepped already: with ``skip_unused=False`` the step engine would step them again, with a
+        zero gradient."""
+        left = super().untouched(without)
+        seen = {p for p, _ in left}
+        return left + [(p, None) for g in self.stepped_groups for p in self.group_members[g] if p not in seen]
 
     def step_pending(self, all_known):
         """Step every parameter whose ``.grad`` is not None, as the step engine does, and free the gradients.
@@ -238,15 +252,17 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
         self.abandon()
         loss = self.run_closure(closure)
         if any(p.grad is not None for ps in self.group_members.values() for p in ps):
-            self.step_pending(all_known=True)
+            self.step_pending(all_known=True)  # not the groups a pass that raised stepped (stepped_groups)
             if self.clip is not None:
                 self.clip.end()
+        self.stepped_groups = set()
         self.applied = False
         return loss
 
     def zero_grad(self, set_to_none):
         self.abandon()
         super().zero_grad(set_to_none)
+        self.stepped_groups = set()
         self.applied = False
 
     def holds(self, p):
