@@ -6,9 +6,11 @@ order, in one group of processes (a spawn costs seconds of imports); each scenar
 traceback it raised, goes to a file per rank, and the tests read them with :class:`Results`. An exception
 in a rank stops that rank, so that the others never wait in a collective that will not come (gloo's
 timeout ends their wait); the scenarios after it then fail saying so. The whole run has a deadline, past
-which the ranks are killed. Each rank prints every thread's Python stack if it dies of a signal (faulthandler).
+which the ranks are killed. Each rank writes every thread's Python stack to ``crash.rank<r>.txt`` in the output
+directory if it dies of a signal (faulthandler; a file, since pytest drops a passing test's captured output).
 A run in which a rank died of a signal (a crash inside torch.distributed or a kernel, not an exception) is
-started once more, with a warning quoting the crash; a second crash fails the tests as any abort does.
+started once more, with a warning quoting the crash and those stacks; a second crash fails the tests as any
+abort does, with the stacks in its message.
 """
 
 import faulthandler
@@ -35,7 +37,8 @@ def gloo_available():
 def worker(rank, world, module, table, store_file, out_dir):
     """One rank: every scenario of ``module``'s ``table`` in order; results (or the traceback) to
     ``out_dir/<scenario>.rank<r>.pt``."""
-    faulthandler.enable()  # a crash prints where each thread was
+    crash_log = open(os.path.join(out_dir, f"crash.rank{rank}.txt"), "w")  # noqa: SIM115 (open until the rank exits)
+    faulthandler.enable(file=crash_log)  # a crash writes where each thread was
     torch.set_num_threads(1)
     scenarios = getattr(importlib.import_module(module), table)
     dist.init_process_group(
@@ -81,7 +84,7 @@ def run(module, world, out_dir, timeout_s, table="SCENARIOS"):
     abort, crashed = _run_once(module, world, out_dir, timeout_s, table)
     if crashed:
         warnings.warn(f"ranks.run({module!r}, {world}): {abort}; running its scenarios once more", stacklevel=2)
-        for path in glob.glob(os.path.join(out_dir, "*.rank*.pt")) + [os.path.join(out_dir, "store")]:
+        for path in glob.glob(os.path.join(out_dir, "*.rank*.*")) + [os.path.join(out_dir, "store")]:
             if os.path.exists(path):
                 os.remove(path)
         abort, _ = _run_once(module, world, out_dir, timeout_s, table)
@@ -104,10 +107,21 @@ def _run_once(module, world, out_dir, timeout_s, table):
                 abort = f"the ranks did not finish within {timeout_s} s and were killed"
                 break
     except mp.ProcessExitedException as e:  # a rank died without raising: a signal, or os._exit
-        abort, crashed = f"{type(e).__name__}: {e}", e.signal_name is not None
+        abort, crashed = f"{type(e).__name__}: {e}{_crash_stacks(out_dir)}", e.signal_name is not None
     except Exception as e:  # torch.multiprocessing's ProcessRaisedException carries the rank's traceback
         abort = f"{type(e).__name__}: {e}"
     return abort, crashed
+
+
+def _crash_stacks(out_dir):
+    """What faulthandler wrote for each rank that crashed (see :func:`worker`), or ""."""
+    out = ""
+    for path in sorted(glob.glob(os.path.join(out_dir, "crash.rank*.txt"))):
+        with open(path) as f:
+            text = f.read().strip()
+        if text:
+            out += f"\n--- {os.path.basename(path)}:\n{text}"
+    return out
 
 
 def assert_history(ours, theirs, what, **tol):

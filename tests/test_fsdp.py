@@ -737,11 +737,9 @@ def runs(tmp_path_factory):
         (tmp / name).mkdir()
     os.environ[CKPT_ENV] = str(tmp)  # inherited by the spawned ranks
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            two = ranks.run("test_fsdp", 2, str(tmp / "two_ranks"), RUN_TIMEOUT_S)
-            four = ranks.run("test_fsdp", 4, str(tmp / "four_ranks"), RUN_TIMEOUT_S, table="FOUR")
-            back = ranks.run("test_fsdp", 2, str(tmp / "back"), RUN_TIMEOUT_S, table="BACK_TO_TWO")
+        two = ranks.run("test_fsdp", 2, str(tmp / "two_ranks"), RUN_TIMEOUT_S)
+        four = ranks.run("test_fsdp", 4, str(tmp / "four_ranks"), RUN_TIMEOUT_S, table="FOUR")
+        back = ranks.run("test_fsdp", 2, str(tmp / "back"), RUN_TIMEOUT_S, table="BACK_TO_TWO")
     finally:
         del os.environ[CKPT_ENV]
     return {"two": two, "four": four, "back": back}
