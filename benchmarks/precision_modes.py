@@ -22,6 +22,7 @@ elements keep float32 states under "int8": the measured bytes per parameter (:fu
 
 import torch
 
+from benchmarks import harness
 from flatopt.quantize import QBLOCK
 
 STATES = {"adamw": 2, "sgd": 1, "lion": 1}  # state tensors per parameter element (SGD: with momentum)
@@ -34,7 +35,7 @@ MODES = {
     "bf16-sr": ("bf16", dict(stochastic_rounding=True, state_dtype=torch.bfloat16)),
     "bf16-sr-int8": ("bf16", dict(stochastic_rounding=True, state_dtype="int8")),
 }
-# The issue's targets, bytes held per parameter (AdamW): fp32 12, remainder 12 (bit-identical to fp32), stochastic
+# flatopt's targets, bytes held per parameter (AdamW): fp32 12, remainder 12 (bit-identical to fp32), stochastic
 # rounding with bf16 states 6, with int8 states at most 4.2.
 HELD_TARGETS = {"fp32": 12.0, "bf16-remainder": 12.0, "bf16-sr": 6.0, "bf16-sr-int8": 4.2}
 
@@ -68,7 +69,7 @@ def moved_bytes_per_element(optimizer, mode, grad_write=False):
 def held_bytes(opt):
     """Bytes a flatopt optimizer holds in its flat buffers: parameters, masters, states and scales (not gradients)."""
     total = 0
-    for buf in opt.engine.buffers:
+    for buf in harness.internals(opt).buffers:
         tensors = [buf.data, *buf.states.values()] + ([buf.master] if buf.master is not None else [])
         total += sum(t.numel() * t.element_size() for t in tensors)
     return total
