@@ -14,9 +14,9 @@ class Inspection:
             it has ``launches`` (kernel launches so far), ``peak_held`` (the most staging-gradient
             elements allocated at once) and ``buckets``.
         buffers (list[flatopt.layout.FlatBuffer]): the flat buffers (empty with ``flat=False``). In step
-            mode ``zero_grad()`` releases the storage of each gradient buffer (``buf.grad``) until the next
-            gradient arrives: reading it then crashes the process; ``landing.slots.acquire()`` brings it
-            back (its values undefined until the next backward or step).
+            mode on a GPU ``zero_grad()`` releases the storage of each gradient buffer (``buf.grad``) until the
+            next gradient arrives (the CPU keeps it): reading it then crashes the process;
+            ``landing.slots.acquire()`` brings it back (its values undefined until the next backward or step).
         tables (dict): device -> the hyper-parameter table, one row per param group (float64 on a device
             with float64 parameters, float32 otherwise).
         landing: the :class:`flatopt.grads.GradLanding` of the flat step engine, else None.

@@ -1021,7 +1021,7 @@ def test_loop_targets_and_floor(bench):
 def test_only_the_harness_reads_flatopt_internals():
     """Every read of a private attribute or module of flatopt goes through harness.internals (FlatoptInternals)."""
     private = re.compile(
-        r"\._(buffers|in_backward|hp|step_graph|check_bindings|refresh_hparams|devices|landing)\b"
+        r"\._(buffers|in_backward|hp|step_graph|check_bindings|refresh_hparams|devices|landing)\b|\.engine\b"
         r"|flatopt\.(layout|step_graph|kernels|grads|in_backward|optimizer)\b|from flatopt import kernels"
     )
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
