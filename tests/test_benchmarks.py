@@ -1343,13 +1343,13 @@ def test_report_from_smoke_results(report, plot, loop_smoke, eager_smoke, memory
     assert report.main(["--results", str(results), "--out", str(doc)]) == 0  # smoke runs left out
     text = doc.read_text()
     assert (
-        text.count("No stored result yet") == 7 and "SMOKE RUN" not in text
-    )  # step (2 variants), eager, ..., convergence
+        text.count("No stored result yet") == 8 and "SMOKE RUN" not in text
+    )  # step (2 variants), eager, ..., fsdp, convergence
     assert report.main(["--results", str(results), "--out", str(doc), "--allow-smoke"]) == 0
     text = doc.read_text()
     assert (
-        text.count("No stored result yet") == 6
-    )  # the step variant, eager on a GPU, capture, memory, cpu, convergence
+        text.count("No stored result yet") == 7
+    )  # the step variant, eager on a GPU, capture, memory, fsdp, cpu, convergence
     assert "### On the CPU: flatopt.demo's model" in text  # an eager result of a CPU run has its own place
     assert "### The training loop's step" in text and "AdamW, `step`:" not in text
     assert "Result: [`step-cpu-1.json`](../results/step-cpu-1.json)" in text
