@@ -63,6 +63,7 @@ Markdown tables of a stored result: ``python3 benchmarks/bench_fsdp.py --report 
 import argparse
 import faulthandler
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -311,6 +312,21 @@ def repo_on_path():
             sys.path.remove(root)
 
 
+@contextmanager
+def stopped_by_sigterm():
+    """SIGTERM (``timeout`` stopping the run) raises SystemExit in this process, so that run_world kills the ranks on
+    the way out instead of leaving them on the device."""
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def read_ranks(out_dir, world):
     """Every rank's file (None for a rank that wrote none)."""
     out = []
@@ -336,15 +352,15 @@ def run_world(world, args, seconds):
         try:
             while not ctx.join(timeout=1.0, grace_period=KILL_GRACE_S):
                 if time.monotonic() - t0 > seconds + KILL_MARGIN_S:
-                    for p in ctx.processes:
-                        if p.is_alive():
-                            p.kill()
-                    for p in ctx.processes:
-                        p.join()
                     why = f"the ranks did not finish within {seconds + KILL_MARGIN_S:.0f} s and were killed"
                     break
         except Exception as e:  # a rank exited with an error; torch stopped the others
             why = f"{type(e).__name__}: {harness.first_line(str(e), 300)}"
+        finally:  # also on SystemExit (stopped_by_sigterm) and KeyboardInterrupt
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
         ranks = read_ranks(tmp, world)
     errors = [f"rank {r['rank']}: {r.get('reason')}" for r in ranks if r is not None and r.get("status") == "failed"]
     missing = [str(i) for i, r in enumerate(ranks) if r is None]
@@ -569,6 +585,26 @@ def main(argv=None):
     return harness.main(argv, parse_args, run, markdown)
 
 
+def run_group(world, args, record, path, start):
+    """Run a group of ``world`` ranks (unless the budget is spent) and add its records to ``record``."""
+    left = args.budget_s - (time.monotonic() - start)
+    if left <= 0:
+        info = harness.budget_spent(dict(ranks=world, backend=args.backend, device=str(rank_device(args.device)),
+                                         shared_device=world > 1, seconds=0.0), args)  # fmt: skip
+        ranks = [None] * world
+    else:
+        info, ranks = run_world(world, args, left)
+    record["worlds"].append(info)
+    rows = [combine(c, world, [case_row(r, i) for r in ranks], info) for i, c in enumerate(args.cases)]
+    record["results"] += rows
+    paired = dict(ranks=world, status="skipped", reason="--no-paired")
+    if args.paired:
+        paired = combine_paired(world, [(r or {}).get("paired") for r in ranks], info)
+    record["paired"].append(paired)
+    print_world(info, rows, paired)
+    harness.write_json(path, record)
+
+
 def run(args, argv):
     start = time.monotonic()
     device = torch.device(args.device)
@@ -599,22 +635,9 @@ def run(args, argv):
         targets=[],
     )  # fmt: skip
     harness.announce(record, path)
-    for world in args.ranks:
-        left = args.budget_s - (time.monotonic() - start)
-        if left <= 0:
-            info = harness.budget_spent(dict(ranks=world, backend=args.backend, device=str(rank_device(args.device)),
-                                             shared_device=world > 1, seconds=0.0), args)  # fmt: skip
-            ranks = [None] * world
-        else:
-            info, ranks = run_world(world, args, left)
-        record["worlds"].append(info)
-        rows = [combine(c, world, [case_row(r, i) for r in ranks], info) for i, c in enumerate(args.cases)]
-        record["results"] += rows
-        paired = combine_paired(world, [(r or {}).get("paired") for r in ranks], info) if args.paired else dict(
-            ranks=world, status="skipped", reason="--no-paired")  # fmt: skip
-        record["paired"].append(paired)
-        print_world(info, rows, paired)
-        harness.write_json(path, record)
+    with stopped_by_sigterm():
+        for world in args.ranks:
+            run_group(world, args, record, path, start)
     record["targets"] = evaluate_targets(record)
     failed = [r for r in record["results"] if r["ours"] and r["status"] in ("failed", "oom")]
     return harness.finish(record, path, args, markdown, failed, start)
