@@ -2,10 +2,11 @@
 quantiles, parameter sets and their decay split, targets) give the right numbers; every script's main path runs on
 the CPU in smoke mode at tiny sizes and writes a JSON with the fields and plausible values it promises (the step
 benchmark's two variants and two param-group cases, the eager benchmark's models and ratios, the memory and capture
-benchmarks, the two profile scripts), records failures per case, and feeds plot.py (PNG and markdown); a smoke result
-cannot be drawn as a measurement. The loop variant's gradients land as autograd lands them. Only harness.py reads
-flatopt's private attributes. The stored results under benchmarks/results/ are drawable, and docs/performance.md is
-what benchmarks/report.py generates from them. The environment record takes its commit from FLATOPT_GIT_COMMIT."""
+benchmarks, the FSDP2 benchmark on two gloo ranks, the two profile scripts), records failures per case, and feeds
+plot.py (PNG and markdown); a smoke result cannot be drawn as a measurement. The loop variant's gradients land as
+autograd lands them. Only harness.py reads flatopt's private attributes. The stored results under benchmarks/results/
+are drawable, and docs/performance.md is what benchmarks/report.py generates from them. The environment record takes
+its commit from FLATOPT_GIT_COMMIT."""
 
 import importlib
 import importlib.util
@@ -843,7 +844,7 @@ def test_plot_refuses_what_it_cannot_read(plot, tmp_path, capsys):
     path.write_text(json.dumps(dict(base, benchmark="latency")))
     capsys.readouterr()
     assert plot.main([str(path)]) == 2 and "unknown benchmark" in capsys.readouterr().err
-    for kind in ("memory", "capture", "eager"):
+    for kind in ("memory", "capture", "eager", "fsdp"):
         path.write_text(json.dumps(dict(base, benchmark=kind, models={}, paired=[])))
         assert plot.main([str(path), "--png", str(tmp_path / "empty.png")]) == 2
         assert "nothing to draw" in capsys.readouterr().err and not (tmp_path / "empty.png").exists()
