@@ -586,7 +586,8 @@ def main(argv=None):
 
 
 def run_group(world, args, record, path, start):
-    """Run a group of ``world`` ranks (unless the budget is spent) and add its records to ``record``."""
+    """Run a group of ``world`` ranks (unless the budget is spent), add its records to ``record`` and evaluate the
+    targets, and write the JSON: a run stopped in a later group keeps this one's results and targets."""
     left = args.budget_s - (time.monotonic() - start)
     if left <= 0:
         info = harness.budget_spent(dict(ranks=world, backend=args.backend, device=str(rank_device(args.device)),
@@ -601,6 +602,7 @@ def run_group(world, args, record, path, start):
     if args.paired:
         paired = combine_paired(world, [(r or {}).get("paired") for r in ranks], info)
     record["paired"].append(paired)
+    record["targets"] = evaluate_targets(record)
     print_world(info, rows, paired)
     harness.write_json(path, record)
 
@@ -638,7 +640,6 @@ def run(args, argv):
     with stopped_by_sigterm():
         for world in args.ranks:
             run_group(world, args, record, path, start)
-    record["targets"] = evaluate_targets(record)
     failed = [r for r in record["results"] if r["ours"] and r["status"] in ("failed", "oom")]
     return harness.finish(record, path, args, markdown, failed, start)
 
