@@ -4,11 +4,11 @@ and how much lower is in-backward mode's peak memory than step mode's?
 
 Model: bench_capture.py's GPT-2 small (12 layers, d=768, 12 heads, vocab 50257, 512 positions, head tied to the token
 embedding: 124,046,592 parameters in 148 tensors), batch 8 x 512 tokens on every rank (each rank its own batches),
-float32 parameters. Sharding: ``fully_shard`` on each block, then
-on the root (embeddings and final LayerNorm), over a 1-D mesh of all the ranks, with
-``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``, torchtitan's default: bf16
-all-gathers and compute, fp32 reduce-scatters, fp32 sharded parameters, gradients and optimizer states. The GPT's
-own bf16 autocast stays on in its forward, as in bench_capture.py (it keeps layer norms and the loss in fp32).
+float32 parameters. Sharding: ``fully_shard`` on each block, then on the root (embeddings and final LayerNorm), over
+a 1-D mesh of all the ranks, with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``,
+torchtitan's default: bf16 all-gathers and compute, fp32 reduce-scatters, fp32 sharded parameters, gradients and
+optimizer states. The GPT's own bf16 autocast stays on in its forward, as in bench_capture.py (under it layer norms
+run in fp32; the loss is computed in fp32).
 
 Cases, each on a fresh sharded model built from the same seed and trained on the same batches; every training step is
 zero_grad(), forward, backward, step():
@@ -49,7 +49,8 @@ flatopt's targets, per group of ranks (reported with margins, not asserted):
     flatopt-in-backward peak <= flatopt step-mode peak - its sharded gradient bytes (per rank; the rank with the
     smallest margin is reported)
 
-GPU run from the repository root (one rank, then two ranks sharing the GPU):
+GPU run from the repository root (one rank, then two ranks sharing the GPU; its time on a GPU has not been measured
+yet, and --budget-s, default 300 s, skips what would start after it):
 
     PYTHONPATH=. python3 benchmarks/bench_fsdp.py --ranks 1,2 [--json PATH] [--markdown PATH]
 
