@@ -17,6 +17,9 @@ kind of result is read from the JSON's "benchmark" field (results of bench_step.
     cpu       bench_cpu.py: per variant (step alone; zero_grad + backward + step) and optimizer, each implementation's
               median time relative to the case's fastest baseline that steps right, flatopt's ratio written above
               its bar, the target (1.0) dashed; an implementation found to step wrong in a case is hatched there
+    fsdp      bench_fsdp.py: per group of ranks, the training step of each case alone, opt.step() (CUDA events in
+              the step), the time each case adds to forward + backward (paired) and the peak memory per rank, with
+              in-backward mode's peak target; flatopt's targets under the panels
     convergence  convergence.py: per precision mode, the smoothed training loss of every seed, the validation loss
               (mean over the seeds, their range shaded), and each seed's final validation loss against fp32's
               spread and the 2 % band, with each mode's verdict
@@ -68,7 +71,7 @@ SAME_BYTES = "copy-same-bytes"  # bench_step.py's reference row: dst.copy_(src) 
 SMOKE_LABEL = "SMOKE RUN: NOT A MEASUREMENT"
 
 
-KINDS = ("step", "memory", "capture", "eager", "cpu", "convergence")
+KINDS = ("step", "memory", "capture", "eager", "cpu", "fsdp", "convergence")
 MODULES = {"convergence": "benchmarks.convergence"}  # the script of a kind, where it is not benchmarks.bench_KIND
 SCHEMAS = (1,)
 
@@ -672,6 +675,99 @@ def plot_eager_png(record, path):
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------------------------- fsdp result
+FSDP_COLORS = {"fwd-bwd": "#b0b0b0", "torch-fused": "tab:orange", "flatopt": "tab:blue",
+               "flatopt-in-backward": "tab:green"}  # fmt: skip
+FSDP_PANELS = (
+    ("median_ms", "training step, alone (ms, p20-p80)"),
+    ("step_median_ms", "opt.step(): CUDA events in the step (ms)"),
+    ("added", "added to fwd-bwd, paired (ms, p20-p80)"),
+    ("peak", "peak memory, the largest rank (GiB)"),
+)
+
+
+def fsdp_slots(record, ranks, key):
+    """Bars of one group of ranks: (case, value or None, low, high, gap label). ``key``: "median_ms" (alone),
+    "step_median_ms" (opt.step() alone), "added" (paired, against fwd-bwd) or "peak" (GiB)."""
+    rows = [r for r in record["results"] if r["ranks"] == ranks]
+    paired = next((p for p in record["paired"] if p["ranks"] == ranks), None)
+    slots = []
+    for r in rows:
+        case, ok = r["case"], r["status"] == "ok"
+        if key == "peak":
+            value = r["peak_bytes"] / GIB if ok and r.get("peak_bytes") is not None else None
+            slots.append((case, value, None, None, gap_label(r, "no peak:\nnot a CUDA run")))
+            continue
+        if key == "added":
+            done = paired is not None and paired["status"] == "ok"
+            t = ((paired or {}).get("added") or {}).get(case) if done else None
+            gap = gap_label(paired) if not done else ("the baseline" if case == "fwd-bwd" else "not measured")
+        else:
+            prefix = key[: -len("median_ms")]
+            t = {f"{q}_ms": r.get(f"{prefix}{q}_ms") for q in ("median", "q20", "q80")} if ok else None
+            t = t if t and t["median_ms"] is not None else None
+            gap = gap_label(r, "no optimizer" if prefix else "not measured")
+        slots.append((case, *((t["median_ms"], t["q20_ms"], t["q80_ms"]) if t else (None, None, None)), gap))
+    return slots
+
+
+def fsdp_caption(record):
+    """flatopt's targets, one line each: the group of ranks, value against threshold, met or missed, margin."""
+    lines = ["flatopt targets (lower is better):"]
+    for t in record.get("targets") or []:
+        head = f"{t.get('ranks')} rank(s), {t['target']}:"
+        if t.get("met") is None:
+            lines.append(f"{head} n/a ({harness.first_line(t.get('note'), 140)})")
+        else:
+            unit = t["unit"]
+            lines.append(f"{head} {_fmt3(t['value'])} {unit} against {_fmt3(t['threshold'])} {unit}, {_met(t)} "
+                         f"({t['margin']:+.3f} {unit})")  # fmt: skip
+    return "\n".join(lines) if len(lines) > 1 else None
+
+
+def plot_fsdp_png(record, path):
+    """One row per group of ranks: the training step of each case alone, opt.step() alone, the time each case adds to
+    forward + backward (paired) and the peak memory, with in-backward mode's peak target as a red line over its bar."""
+    worlds = record.get("worlds") or []
+    if not worlds:
+        raise ValueError("the fsdp result has no group of ranks: nothing to draw")
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(worlds), len(FSDP_PANELS), figsize=(4.4 * len(FSDP_PANELS), 3.9 * len(worlds)),
+                             squeeze=False)  # fmt: skip
+    for row, info in enumerate(worlds):
+        peak_target = next((t for t in record.get("targets") or [] if t.get("ranks") == info["ranks"]
+                            and t["unit"] == "GiB" and t.get("threshold") is not None), None)  # fmt: skip
+        for col, (key, label) in enumerate(FSDP_PANELS):
+            ax = axes[row, col]
+            slots = fsdp_slots(record, info["ranks"], key)
+            values = [v for _, v, *_ in slots if v is not None] + [hi for *_, hi, _ in slots if hi is not None]
+            values += [peak_target["threshold"]] if key == "peak" and peak_target else []
+            top = 1.3 * max(values) if values and max(values) > 0 else 1.0
+            drawn = _draw_bars(ax, slots, FSDP_COLORS, top)
+            for bar in drawn.values():
+                h = bar.get_height()
+                ax.text(bar.get_x() + bar.get_width() / 2, max(h, 0) + 0.01 * top, _fmt3(h), ha="center",
+                        va="bottom", fontsize=7)  # fmt: skip
+            names = [n for n, *_ in slots]
+            if key == "peak" and peak_target and "flatopt-in-backward" in names:
+                x = names.index("flatopt-in-backward")
+                ax.hlines(peak_target["threshold"], x - 0.45, x + 0.45, color="crimson", lw=2.0,
+                          label="target: step-mode peak\n- sharded gradients")  # fmt: skip
+                ax.legend(fontsize=7, loc="upper left", frameon=False)
+            ax.axhline(0, color="black", lw=0.6)
+            ax.set_xticks(range(len(names)), [n.replace("-", "\n", 1) for n in names], fontsize=7)
+            ax.set_xlim(-0.6, len(names) - 0.4)
+            low = min([0.0] + [lo for _, _, lo, _, _ in slots if lo is not None])
+            ax.set_ylim(1.3 * low, top)
+            title = label if col else f"{info['ranks']} rank(s), {info['backend']}, {info['status']}: {label}"
+            ax.set_title(title, loc="left", fontsize=8)
+    m = record.get("model") or {}
+    title = (f"FSDP2 on one device: AdamW on a sharded GPT ({m.get('params', 0) / 1e6:.1f}M parameters, "
+             f"{m.get('tensors')} tensors), bf16 mixed precision\n{harness.env_line(record)}")  # fmt: skip
+    _finish(fig, record, title, path, fsdp_caption(record))
+    plt.close(fig)
+
+
 # -------------------------------------------------------------------------------------------- cpu result
 CPU_COLORS = {"torch-foreach": "#9ecae1", "torch-fused": "#3182bd", "lion-pytorch": "#fdae6b", "flatopt": "#31a354"}
 
@@ -841,14 +937,14 @@ def draw(record, path, kind=None):
     """Draw ``record`` (of any kind) to the PNG ``path``."""
     kind = kind or kind_of(record)
     draw_kind = {"step": plot_png, "memory": plot_memory_png, "capture": plot_capture_png, "eager": plot_eager_png}
-    draw_kind.update(cpu=plot_cpu_png, convergence=plot_convergence_png)
+    draw_kind.update(cpu=plot_cpu_png, fsdp=plot_fsdp_png, convergence=plot_convergence_png)
     draw_kind[kind](record, path)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", type=Path, help="a JSON written by bench_step.py, bench_memory.py, bench_capture.py, "
-                   "bench_eager.py, bench_cpu.py or convergence.py")  # fmt: skip
+                   "bench_eager.py, bench_cpu.py, bench_fsdp.py or convergence.py")  # fmt: skip
     p.add_argument("--png", type=Path, default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-png", action="store_true", help="do not draw the PNG")
     p.add_argument("--markdown", nargs="?", const="-", default=None, help="write the markdown table (default: stdout)")

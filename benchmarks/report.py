@@ -1,9 +1,9 @@
 """Generate docs/performance.md from the results stored under benchmarks/results/, so that the page says only what
 a stored result measured, with the device, library versions, date, commit and command it was measured with.
 
-For each kind of benchmark (step, eager, capture, memory, cpu, convergence) the page takes the latest stored result
-(by the date in its environment record), links its JSON and its plot, counts flatopt's targets met, missed and not
-evaluated, and gives the benchmark script's own tables (percent of the floor, timings, targets). A kind with no
+For each kind of benchmark (step, eager, capture, memory, fsdp, cpu, convergence) the page takes the latest stored
+result (by the date in its environment record), links its JSON and its plot, counts flatopt's targets met, missed and
+not evaluated, and gives the benchmark script's own tables (percent of the floor, timings, targets). A kind with no
 stored result says so and gives the command that produces one. Then the other stored records: profiles (latest per
 kind), the test run's JUnit XML and the GPU run's log. Smoke runs are never reported as results (``--allow-smoke``
 includes them, labelled, for checks of this script).
@@ -33,6 +33,8 @@ SECTIONS = (  # kind, title, the command that produces a result of that kind (on
      "FLATOPT_SECTIONS=\"tests capture\" bash benchmarks/run_gpu.sh"),
     ("memory", "In-backward mode: peak memory on a 1B-parameter model",
      "FLATOPT_SECTIONS=\"step memory\" bash benchmarks/run_gpu.sh"),
+    ("fsdp", "FSDP2 on one GPU: flatopt.AdamW against torch's fused AdamW on the same shards (see docs/distributed.md)",
+     "FLATOPT_SECTIONS=fsdp bash benchmarks/run_gpu.sh"),
     ("cpu", "On the CPU: backend='cpu' against torch.optim and lion-pytorch (see docs/optimizers.md)",
      "pip install lion-pytorch; PYTHONPATH=. python3 benchmarks/bench_cpu.py --threads N --out benchmarks/results"),
     ("convergence", "Convergence of the precision modes: final loss against float32 AdamW (see docs/precision.md)",

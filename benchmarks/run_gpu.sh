@@ -8,15 +8,17 @@
 #   loop      bench_step.py --variants loop --groups 1,2: zero_grad + gradient landing + step  not yet measured
 #   eager     bench_eager.py: eager training steps against torch fused and foreach AdamW   not yet measured
 #   memory    bench_memory.py: in-backward mode's peak memory on a 1B model                about 40 s
+#   fsdp      bench_fsdp.py --ranks 1,2: FSDP2 on one GPU, flatopt against torch fused AdamW  not yet measured
 #   convergence  convergence.py: final loss of each precision mode against fp32 AdamW, 3 seeds  not yet measured
 #
-# A command on the GPU machine may run 600 s and return 8 files, so the sections go in four calls:
+# A command on the GPU machine may run 600 s and return 8 files, so the sections go in five calls:
 #
 #   FLATOPT_GIT_COMMIT=$(git rev-parse HEAD) FLATOPT_SECTIONS="loop eager" benchmarks/run_gpu.sh
 #   FLATOPT_GIT_COMMIT=$(git rev-parse HEAD) FLATOPT_SECTIONS="step memory" benchmarks/run_gpu.sh [--no-compile]
 #   FLATOPT_GIT_COMMIT=$(git rev-parse HEAD) benchmarks/run_gpu.sh                     # "tests capture"
 #   FLATOPT_GIT_COMMIT=$(git rev-parse HEAD) FLATOPT_SECTIONS=convergence benchmarks/run_gpu.sh
-#   FLATOPT_DRY_RUN=1 FLATOPT_SECTIONS="tests step loop eager memory capture convergence" benchmarks/run_gpu.sh  # CPU
+#   FLATOPT_GIT_COMMIT=$(git rev-parse HEAD) FLATOPT_SECTIONS=fsdp benchmarks/run_gpu.sh
+#   FLATOPT_DRY_RUN=1 FLATOPT_SECTIONS="tests step loop eager memory fsdp capture convergence" benchmarks/run_gpu.sh  # CPU
 #
 # Extra arguments go to bench_step.py (the step and loop sections). FLATOPT_DRY_RUN=1 runs every section as a CPU
 # smoke run (the test section runs tests/test_benchmarks.py only): it checks this script and measures nothing.
@@ -27,15 +29,17 @@
 # Time: everything ends within FLATOPT_RUN_BUDGET_S seconds (default 560; the device stops commands at 600).
 # Before each section the time left (minus FLATOPT_RESERVE_S, default 25, for the plots and summary) is shared
 # among the sections still to run in proportion to their weights, FLATOPT_SHARE_TESTS / _STEP / _LOOP / _EAGER /
-# _MEMORY / _CAPTURE / _CONVERGENCE (defaults 220 / 150 / 300 / 220 / 60 / 250 / 360), so time a section does not use
-# goes to the next ones. Each benchmark gets its share as --budget-s (minus 15 s for writing) and is stopped by
-# `timeout` at its share; the step section runs with --quick when its share is under 240 s, the loop section always.
+# _MEMORY / _FSDP / _CAPTURE / _CONVERGENCE (defaults 220 / 150 / 300 / 220 / 60 / 200 / 250 / 360), so time a
+# section does not use goes to the next ones. Each benchmark gets its share as --budget-s (minus 15 s for writing) and
+# is stopped by `timeout` at its share; the step section runs with --quick when its share is under 240 s, the loop
+# section always.
 #
 # Writes to $OUT (default: benchmarks/results), every name stamped with the run's UTC time: run-STAMP.log
 # (everything printed, nvidia-smi included), junit-STAMP.xml (tests), step-STAMP.json (step), step-loop-STAMP.json
-# (loop), eager-STAMP.json, memory-STAMP.json, capture-STAMP.json, convergence-STAMP.json, a PNG beside each JSON,
-# and summary-STAMP.md (the benchmarks' markdown tables). Commit the JSON and PNG files to benchmarks/results/ (with the device in the name,
-# e.g. eager-h100-STAMP.json) and run `python3 benchmarks/report.py` to regenerate docs/performance.md.
+# (loop), eager-STAMP.json, memory-STAMP.json, fsdp-STAMP.json, capture-STAMP.json, convergence-STAMP.json, a PNG
+# beside each JSON, and summary-STAMP.md (the benchmarks' markdown tables). Commit the JSON and PNG files to
+# benchmarks/results/ (with the device in the name, e.g. eager-h100-STAMP.json) and run `python3 benchmarks/report.py`
+# to regenerate docs/performance.md.
 # Exit status: non-zero when a test failed, a benchmark failed (a flatopt case failed), or a plot failed.
 set -uo pipefail
 
@@ -52,10 +56,11 @@ SECTIONS=${FLATOPT_SECTIONS:-tests capture}
 if [ "${FLATOPT_SKIP_TESTS:-0}" = 1 ]; then SECTIONS=${SECTIONS//tests/}; fi
 declare -A SHARE=([tests]=${FLATOPT_SHARE_TESTS:-220} [step]=${FLATOPT_SHARE_STEP:-150}
   [loop]=${FLATOPT_SHARE_LOOP:-300} [eager]=${FLATOPT_SHARE_EAGER:-220} [memory]=${FLATOPT_SHARE_MEMORY:-60}
-  [capture]=${FLATOPT_SHARE_CAPTURE:-250} [convergence]=${FLATOPT_SHARE_CONVERGENCE:-360})
+  [fsdp]=${FLATOPT_SHARE_FSDP:-200} [capture]=${FLATOPT_SHARE_CAPTURE:-250}
+  [convergence]=${FLATOPT_SHARE_CONVERGENCE:-360})
 for s in $SECTIONS; do
   if [ -z "${SHARE[$s]+x}" ]; then
-    echo "run_gpu.sh: unknown section '$s' in FLATOPT_SECTIONS; expected some of: tests step loop eager memory capture convergence" >&2
+    echo "run_gpu.sh: unknown section '$s' in FLATOPT_SECTIONS; expected some of: tests step loop eager memory fsdp capture convergence" >&2
     exit 2
   fi
 done
@@ -76,11 +81,13 @@ if [ "$DRY" = 1 ]; then
   PY=${PYTHON:-python3}
   BENCH_DEV=(--device cpu --smoke)
   EAGER_MODELS=(--models small,gpt2,llama,convnet,mlp3000,demo)
+  FSDP_RANKS=() # bench_fsdp.py's CPU default: two gloo ranks
   PLOT_SMOKE=(--allow-smoke)
 else
   PY=python3
   BENCH_DEV=()
   EAGER_MODELS=()
+  FSDP_RANKS=(--ranks 1,2) # one rank, then two sharing the GPU (recorded as not run when NCCL refuses them)
   PLOT_SMOKE=()
   unset TRITON_INTERPRET # the kernels run on the GPU here
 fi
@@ -199,6 +206,10 @@ for s in $SECTIONS; do
     run_section memory "$secs" $PY benchmarks/bench_memory.py --json "$DEST/memory-$STAMP.json" \
       --markdown "$WORK/memory.md" --budget-s "$inner" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"}
     ;;
+  fsdp)
+    run_section fsdp "$secs" $PY benchmarks/bench_fsdp.py --json "$DEST/fsdp-$STAMP.json" \
+      --markdown "$WORK/fsdp.md" --budget-s "$inner" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"} ${FSDP_RANKS[@]+"${FSDP_RANKS[@]}"}
+    ;;
   capture)
     run_section capture "$secs" $PY benchmarks/bench_capture.py --json "$DEST/capture-$STAMP.json" \
       --markdown "$WORK/capture.md" --budget-s "$inner" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"}
@@ -225,7 +236,7 @@ for json in "$DEST"/*-"$STAMP".json; do
   timeout 60 $PY benchmarks/plot.py "$json" --png "${json%.json}.png" ${PLOT_SMOKE[@]+"${PLOT_SMOKE[@]}"} || plot_rc=$?
 done
 if [ "$plot_rc" != 0 ]; then RC[plot]=$plot_rc; fi
-for part in step loop eager memory capture convergence; do
+for part in step loop eager memory fsdp capture convergence; do
   if [ -f "$WORK/$part.md" ]; then
     printf '\n## %s\n\n' "$part" >>"$SUMMARY"
     cat "$WORK/$part.md" >>"$SUMMARY"

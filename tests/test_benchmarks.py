@@ -2,10 +2,11 @@
 quantiles, parameter sets and their decay split, targets) give the right numbers; every script's main path runs on
 the CPU in smoke mode at tiny sizes and writes a JSON with the fields and plausible values it promises (the step
 benchmark's two variants and two param-group cases, the eager benchmark's models and ratios, the memory and capture
-benchmarks, the two profile scripts), records failures per case, and feeds plot.py (PNG and markdown); a smoke result
-cannot be drawn as a measurement. The loop variant's gradients land as autograd lands them. Only harness.py reads
-flatopt's private attributes. The stored results under benchmarks/results/ are drawable, and docs/performance.md is
-what benchmarks/report.py generates from them. The environment record takes its commit from FLATOPT_GIT_COMMIT."""
+benchmarks, the FSDP2 benchmark on two gloo ranks, the two profile scripts), records failures per case, and feeds
+plot.py (PNG and markdown); a smoke result cannot be drawn as a measurement. The loop variant's gradients land as
+autograd lands them. Only harness.py reads flatopt's private attributes. The stored results under benchmarks/results/
+are drawable, and docs/performance.md is what benchmarks/report.py generates from them. The environment record takes
+its commit from FLATOPT_GIT_COMMIT."""
 
 import importlib
 import importlib.util
@@ -843,7 +844,7 @@ def test_plot_refuses_what_it_cannot_read(plot, tmp_path, capsys):
     path.write_text(json.dumps(dict(base, benchmark="latency")))
     capsys.readouterr()
     assert plot.main([str(path)]) == 2 and "unknown benchmark" in capsys.readouterr().err
-    for kind in ("memory", "capture", "eager"):
+    for kind in ("memory", "capture", "eager", "fsdp"):
         path.write_text(json.dumps(dict(base, benchmark=kind, models={}, paired=[])))
         assert plot.main([str(path), "--png", str(tmp_path / "empty.png")]) == 2
         assert "nothing to draw" in capsys.readouterr().err and not (tmp_path / "empty.png").exists()
@@ -1214,6 +1215,133 @@ def test_plot_draws_eager_results(plot, eager_smoke, tmp_path, capsys):
     assert_png(png, capsys)
 
 
+# ------------------------------------------------------------------------------------------------- bench_fsdp.py
+@pytest.fixture(scope="module")
+def fsdp():
+    return import_benchmark("bench_fsdp")
+
+
+def test_fsdp_smoke_run_on_two_gloo_ranks(fsdp, plot, report, tmp_path, capsys):
+    """Two gloo ranks sharing the CPU, the tiny GPT sharded over them: every case alone and paired on both ranks, the
+    sharded gradients measured (none left in in-backward mode), the three targets per group of ranks, the record's
+    fields; plot.py and report.py take the JSON only as a smoke run."""
+    path = tmp_path / "fsdp.json"
+    assert fsdp.main(["--device", "cpu", "--smoke", "--ranks", "2", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["benchmark"] == "fsdp" and record["schema"] == 1 and record["kind"] == "smoke"
+    assert record["env"]["device_name"] and "bench_fsdp.py --device cpu --smoke --ranks 2" in record["command"]
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in record["precision"]
+    assert record["settings"]["ranks"] == [2] and record["settings"]["backend"] == "gloo"
+    (world,) = record["worlds"]
+    assert world["ranks"] == 2 and world["status"] == "ok" and world["shared_device"] is True, world
+    rows = {r["case"]: r for r in record["results"]}
+    assert list(rows) == list(fsdp.CASES) and all(r["ranks"] == 2 for r in rows.values())
+    numel = record["model"]["params"]
+    for case, r in rows.items():
+        assert r["status"] == "ok" and len(r["per_rank"]) == 2, r
+        assert 0 < r["q20_ms"] <= r["median_ms"] <= r["q80_ms"] and r["iters"] == 2
+        assert r["median_ms"] == max(q["median_ms"] for q in r["per_rank"])  # the slowest rank's
+        assert ("step_median_ms" in r) == (case != "fwd-bwd") and "peak_bytes" not in r  # no peak on the CPU
+        shards = [q["grad_shard_bytes"] for q in r["per_rank"]]
+        if case == "flatopt-in-backward":
+            assert shards == [0, 0]  # each group's gradient shards freed once stepped
+        else:
+            assert sum(shards) == 4 * numel and min(shards) > 0  # fp32 gradients, sharded over the two ranks
+    losses = [rows[c]["final_loss"] for c in ("torch-fused", "flatopt", "flatopt-in-backward")]
+    assert max(losses) - min(losses) <= 1e-3 * max(losses), losses  # same model, data and steps
+    assert rows["flatopt"]["final_loss"] != rows["fwd-bwd"]["final_loss"]  # the optimizers step
+    (paired,) = record["paired"]
+    assert paired["status"] == "ok" and paired["cases"] == list(fsdp.CASES) and paired["rounds"] == 2
+    assert all(len(paired["round_ms"][c]) == 2 for c in fsdp.CASES)
+    assert set(paired["added"]) == {"torch-fused", "flatopt", "flatopt-in-backward"}
+    base = paired["round_ms"]["fwd-bwd"]
+    added = sorted(a - b for a, b in zip(paired["round_ms"]["flatopt"], base, strict=True))
+    assert paired["added"]["flatopt"]["median_ms"] == pytest.approx(sum(added) / 2)
+    targets = {t["target"]: t for t in record["targets"]}
+    assert len(targets) == 3 and all(t["ranks"] == 2 for t in targets.values())
+    step = targets["flatopt step() / torch-fused step() <= 0.5x"]
+    assert step["value"] == pytest.approx(rows["flatopt"]["step_median_ms"] / rows["torch-fused"]["step_median_ms"])
+    peak = targets["flatopt-in-backward peak <= flatopt step-mode peak - sharded gradient bytes"]
+    assert peak["met"] is None and "CUDA" in peak["note"]
+    text = drawn_smoke(plot, path, tmp_path / "f", capsys)
+    assert "| 2 | flatopt-in-backward |" in text and "| 2 | gloo | cpu | ok |" in text
+    page = report.render(tmp_path, tmp_path / "performance.md", allow_smoke=True)
+    section = page[page.index("## FSDP2") :].split("\n## ")[0]
+    assert f"Result: [`{path.name}`]" in section and "No stored result yet" not in section
+
+
+def test_fsdp_group_that_cannot_start_is_recorded(fsdp):
+    """A group of ranks whose process group cannot start (as NCCL refuses two ranks on one GPU) is recorded with the
+    reason, its cases as not run, and no target evaluated; the run goes on."""
+    args = fsdp.parse_args(["--device", "cpu", "--smoke", "--ranks", "1", "--cases", "fwd-bwd,flatopt"])
+    args.backend = "no-such-backend"
+    info, ranks = fsdp.run_world(1, args, seconds=60)
+    assert info["status"] == "failed" and "rank 0:" in info["reason"] and "no-such-backend" in info["reason"], info
+    assert ranks[0]["status"] == "failed" and ranks[0]["results"] == []
+    row = fsdp.combine("flatopt", 1, [fsdp.case_row(ranks[0], 1)], info)
+    assert row["status"] == "skipped" and row["reason"].startswith("not run: rank 0:") and row["ours"]
+    paired = fsdp.combine_paired(1, [ranks[0]["paired"]], info)
+    assert paired["status"] == "skipped" and "no-such-backend" in paired["reason"]
+    record = dict(worlds=[info], results=[row], paired=[paired])
+    assert all(t["met"] is None for t in fsdp.evaluate_targets(record))
+
+
+def test_fsdp_targets(fsdp):
+    """The targets from per-rank rows: the slowest rank's times, the rank with the smallest peak margin, the added
+    times' ratio, and no ratio when torch's step added nothing."""
+    gib = 2**30
+
+    def rank_row(case, median, step=None, peak=None, grads=0):
+        row = dict(case=case, status="ok", median_ms=median, q20_ms=median, q80_ms=median, iters=3, final_loss=1.0,
+                   grad_shard_bytes=grads, seconds=1.0)  # fmt: skip
+        if step is not None:
+            row.update(step_median_ms=step, step_q20_ms=step, step_q80_ms=step)
+        return row if peak is None else dict(row, peak_bytes=peak)
+
+    info = dict(ranks=2, status="ok")
+    per_rank = {
+        "torch-fused": [rank_row("torch-fused", 10.0, 2.0, 5 * gib, gib),
+                        rank_row("torch-fused", 10.5, 2.2, 5 * gib, gib)],
+        "flatopt": [rank_row("flatopt", 9.0, 1.0, 5 * gib, gib), rank_row("flatopt", 9.2, 1.2, 5.5 * gib, gib)],
+        "flatopt-in-backward": [rank_row("flatopt-in-backward", 9.0, 0.1, 3.5 * gib),
+                                rank_row("flatopt-in-backward", 9.0, 0.1, 4.75 * gib)],
+    }  # fmt: skip
+    rows = [fsdp.combine(c, 2, r, info) for c, r in per_rank.items()]
+    assert rows[0]["median_ms"] == 10.5 and rows[0]["step_median_ms"] == 2.2 and rows[1]["peak_bytes"] == 5.5 * gib
+    rounds = {"fwd-bwd": [8.0, 8.0, 8.0], "torch-fused": [10.0, 10.0, 10.0], "flatopt": [9.0, 9.0, 9.0],
+              "flatopt-in-backward": [8.8, 9.0, 8.9]}  # fmt: skip
+    slow = {c: [x + 0.5 for x in v] for c, v in rounds.items()}  # rank 1 slower in every round
+    ranked = [dict(status="ok", cases=list(rounds), rounds=3, round_ms=r) for r in (rounds, slow)]
+    paired = fsdp.combine_paired(2, ranked, info)
+    assert paired["fwd-bwd"]["median_ms"] == 8.5  # each round's slowest rank
+    assert paired["added"]["flatopt-in-backward"]["median_ms"] == pytest.approx(0.9)
+    by = {t["target"]: t for t in fsdp.evaluate_targets(dict(worlds=[info], results=rows, paired=[paired]))}
+    t = by["flatopt step() / torch-fused step() <= 0.5x"]
+    assert t["value"] == pytest.approx(1.2 / 2.2) and t["met"] is False
+    t = by["flatopt-in-backward added time / torch-fused added time <= 0.5x (paired)"]
+    assert t["value"] == pytest.approx(0.9 / 2.0) and t["met"] is True
+    t = by["flatopt-in-backward peak <= flatopt step-mode peak - sharded gradient bytes"]
+    assert (t["value"], t["threshold"]) == (4.75, 4.5) and t["met"] is False  # rank 1: 4.75 > 5.5 - 1
+    flat = dict(paired, added=dict(paired["added"], **{"torch-fused": dict(median_ms=-0.1, q20_ms=0, q80_ms=0)}))
+    by = {t["target"]: t for t in fsdp.evaluate_targets(dict(worlds=[info], results=rows, paired=[flat]))}
+    t = by["flatopt-in-backward added time / torch-fused added time <= 0.5x (paired)"]
+    assert t["met"] is None and "torch-fused added no time" in t["note"]
+
+
+def test_fsdp_options(fsdp, capsys):
+    args = fsdp.parse_args(["--device", "cpu", "--smoke"])
+    assert args.ranks == [2] and args.backend == "gloo" and args.paired and args.cases == list(fsdp.CASES)
+    assert fsdp.parse_args(["--device", "cpu", "--smoke", "--ranks", "1,2"]).ranks == [1, 2]
+    for bad, message in ((["--ranks", "0"], "expected rank counts"), (["--ranks", "x"], "expected rank counts"),
+                         (["--backend", "nccl"], "--backend nccl needs --device cuda"), ([], None)):  # fmt: skip
+        argv = ["--device", "cpu", *bad] + (["--smoke"] if bad else [])
+        with pytest.raises(SystemExit):
+            fsdp.parse_args(argv)
+        err = capsys.readouterr().err
+        assert message is None or message in err, err
+    assert "needs a CUDA GPU" in err  # a CPU run that is not a smoke run
+
+
 # ---------------------------------------------------------------------------------------------- convergence.py
 @pytest.fixture(scope="module")
 def convergence():
@@ -1343,13 +1471,13 @@ def test_report_from_smoke_results(report, plot, loop_smoke, eager_smoke, memory
     assert report.main(["--results", str(results), "--out", str(doc)]) == 0  # smoke runs left out
     text = doc.read_text()
     assert (
-        text.count("No stored result yet") == 7 and "SMOKE RUN" not in text
-    )  # step (2 variants), eager, ..., convergence
+        text.count("No stored result yet") == 8 and "SMOKE RUN" not in text
+    )  # step (2 variants), eager, ..., fsdp, convergence
     assert report.main(["--results", str(results), "--out", str(doc), "--allow-smoke"]) == 0
     text = doc.read_text()
     assert (
-        text.count("No stored result yet") == 6
-    )  # the step variant, eager on a GPU, capture, memory, cpu, convergence
+        text.count("No stored result yet") == 7
+    )  # the step variant, eager on a GPU, capture, memory, fsdp, cpu, convergence
     assert "### On the CPU: flatopt.demo's model" in text  # an eager result of a CPU run has its own place
     assert "### The training loop's step" in text and "AdamW, `step`:" not in text
     assert "Result: [`step-cpu-1.json`](../results/step-cpu-1.json)" in text
