@@ -467,3 +467,17 @@ def test_benchmark_smoke_run_on_cuda(tmp_path):
     compiled = [r for r in record["results"] if r["impl"] == "torch-compile"]
     assert compiled[0]["status"] == "ok", compiled[0]  # eager backend in a subprocess
     assert all(r["status"] == "skipped" for r in compiled[1:])
+
+
+def test_fsdp_benchmark_smoke_run_on_one_nccl_rank(tmp_path):
+    """bench_fsdp.py on the GPU (one NCCL rank): every case runs, with a peak measured, before the fsdp section of
+    benchmarks/run_gpu.sh spends its time on the full sizes."""
+    bench = import_benchmark("bench_fsdp")
+    path = tmp_path / "fsdp.json"
+    assert bench.main(["--device", "cuda", "--smoke", "--ranks", "1", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["kind"] == "smoke" and record["settings"]["backend"] == "nccl", record["settings"]
+    (world,) = record["worlds"]
+    assert world["status"] == "ok", world
+    for r in record["results"]:
+        assert r["status"] == "ok" and r["peak_bytes"] > 0, r
