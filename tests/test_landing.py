@@ -806,7 +806,9 @@ def test_torch_compile_uses_the_original_forward():
 
 def test_compiled_autograd_gets_the_gradients_returned():
     """Compiled autograd traces the backward into a graph that does not replay a .grad set inside a Function's
-    backward: the layers return their gradients there (torch's), and the eager model then lands them again."""
+    backward: the layers return their gradients there (torch's way), and the eager model then lands them again.
+    Where the returned gradient ends in .grad depends on torch: torch 2.13's graph puts tensors of its own there,
+    torch 2.11's the very tensor the layer returned, its slot's; either way the slots' record says which."""
     from torch._dynamo import compiled_autograd
 
     torch.manual_seed(0)
@@ -820,7 +822,8 @@ def test_compiled_autograd_gets_the_gradients_returned():
             model(x).sum().backward()
         ref(x).sum().backward()
         assert_grads(model, ref, "compiled autograd")
-        assert slots.landed_count(0) == 0
+        owned = [slots.owns_grad(p) for p in model.parameters()]
+        assert len(set(owned)) == 1 and slots.landed_count(0) == sum(owned), (owned, slots.landed_count(0))
     finally:
         torch._dynamo.reset()
     slots.zero_grad()
