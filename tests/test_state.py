@@ -427,3 +427,66 @@ def test_load_of_a_state_dict_with_a_key_that_is_no_parameter(engine):
         assert opt.state["test"] == 1 and opt.state["ran_load_state_dict_post_hook"] is True
     pair.run(2, "after the load")
     assert pair.opt.state_dict()["state"]["test"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- the caller's keys
+
+
+def assert_same_value(ours, theirs, what):
+    """``ours`` is ``theirs``'s value: of the same type, tensors of the same dtype, device and values (exactly)."""
+    assert type(ours) is type(theirs), f"{what}: {type(ours).__name__}, torch.optim has {type(theirs).__name__}"
+    if isinstance(theirs, torch.Tensor):
+        assert (ours.dtype, ours.device) == (theirs.dtype, theirs.device), (
+            f"{what}: {ours.dtype} on {ours.device}, torch.optim has {theirs.dtype} on {theirs.device}"
+        )
+        torch.testing.assert_close(ours, theirs, atol=0, rtol=0, msg=lambda m: f"{what}: {m}")
+    elif isinstance(theirs, dict):
+        assert ours.keys() == theirs.keys(), f"{what}: keys {sorted(ours)}, torch.optim has {sorted(theirs)}"
+        for k in theirs:
+            assert_same_value(ours[k], theirs[k], f"{what}[{k!r}]")
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs), f"{what}: {len(ours)} items, torch.optim has {len(theirs)}"
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same_value(a, b, f"{what}[{i}]")
+    else:
+        assert ours == theirs, f"{what}: {ours!r}, torch.optim has {theirs!r}"
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_callers_keys_survive_a_new_layout_and_a_state_that_starts(engine):
+    """flatopt's own changes of the layout (a param group added, a parameter unfrozen) and of the states (SGD's
+    momentum turned on) keep the caller's keys, as torch.optim, which has no such changes, keeps them."""
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(s)) for s in SHAPES]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = flatopt.SGD(ours[:2], lr=0.05, backend="torch", **ENGINES[engine])
+    ref = torch.optim.SGD(theirs[:2], lr=0.05)
+    ours[3].requires_grad_(False)
+    theirs[3].requires_grad_(False)
+
+    def train(step):
+        for o in (opt, ref):
+            Pair.backward([p for g in o.param_groups for p in g["params"] if p.requires_grad], step)
+            o.step()
+            o.zero_grad()
+
+    train(1)
+    for o, ps in ((opt, ours), (ref, theirs)):
+        for i in (0, 1):
+            o.state[ps[i]].update(note=i, ema=torch.ones(2))
+    for step, change in enumerate(("add_group", "unfreeze", "momentum"), start=2):
+        for o, ps in ((opt, ours), (ref, theirs)):
+            if change == "add_group":
+                o.add_param_group({"params": ps[2:]})
+                o.state[ps[3]]["note"] = 3  # frozen: not laid out yet
+            elif change == "unfreeze":
+                ps[3].requires_grad_(True)
+            else:
+                for group in o.param_groups:
+                    group["momentum"] = 0.9
+        train(step)
+        for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
+            mine = {k: v for k, v in opt.state.get(p, {}).items() if k != "momentum_buffer"}
+            torchs = {k: v for k, v in ref.state.get(q, {}).items() if k != "momentum_buffer"}
+            assert_same_value(mine, torchs, f"after {change}: params[{i}]")
+            assert_same(p.detach(), q.detach(), step, f"after {change}: params[{i}]")

@@ -326,15 +326,27 @@ class FlatEngine(Engine):
         return state
 
     def put_state(self, p, buf, i, extra=None):
-        """``opt.state[p]`` as views into the buffers (and ``extra``: the caller's keys that are no state of
-        the rule); no entry where there is none (SGD without momentum), as torch.optim keeps none."""
+        """``opt.state[p]`` as views into the buffers, with ``extra``: the caller's keys that are no state of the
+        rule (``opt.state[p]["note"] = 1``), kept as they are, as torch.optim keeps every key; None keeps those
+        the entry holds now (a new layout, a state that starts to be used). No entry where there is none (SGD
+        without momentum and no key of the caller's), as torch.optim keeps none."""
         state = self.own_state()
         views = self.state_of(buf, i)
+        if extra is None:
+            extra = self.extra_keys(p, state.get(p), views)
         self.views[p] = views
         if views or extra:
-            state.put(p, ParamState({**views, **(extra or {})}, state.changes, p))
+            state.put(p, ParamState({**views, **extra}, state.changes, p))
         else:
             state.drop(p)
+
+    def extra_keys(self, p, entry, views):
+        """The keys of ``entry`` (``p``'s ``opt.state`` entry, reconciled) that the caller put there: those that
+        are neither ``views`` nor what :meth:`put_state` placed before."""
+        if not isinstance(entry, Mapping):
+            return {}
+        placed = self.views.get(p, {})
+        return {k: v for k, v in entry.items() if k not in views and k not in placed}
 
     def own_state(self):
         """``opt.state`` as the OptimizerState this engine keeps track of. At the first call it takes over
