@@ -81,6 +81,13 @@ class Engine:
         new ``opt.state`` that holds the parameters placed; returns them."""
         raise NotImplementedError
 
+    def load_extra(self, extra):
+        """After :meth:`load`: ``extra`` ({parameter it placed: {key: value}}) holds the keys of a loaded state that
+        are no state of the rule (checked and cast already); they join the parameters' ``opt.state`` entries
+        beside the states, as torch.optim keeps every key of a parameter's state."""
+        for p, keys in extra.items():
+            self.opt.state[p].update(keys)
+
     def sync_state(self):
         """Bring the engine in line with ``opt.state`` after the caller edited it (reset a parameter's state,
         assigned a tensor): called where a step begins and by ``state_dict()``; raises, changing nothing,
@@ -567,6 +574,11 @@ class FlatEngine(Engine):
             for i, p in enumerate(buf.params):
                 self.put_state(p, buf, i)
         return placed
+
+    def load_extra(self, extra):
+        slots = self.slots_of()
+        for p, keys in extra.items():
+            self.put_state(p, *slots[p], keys)
 
     def _set_masks(self, without):
         """torch.optim's rule (``skip_unused=True``): the parameters whose ``.grad`` is None (``without``: the
