@@ -769,3 +769,23 @@ def test_callers_keys_through_torch_distributed_checkpoint_as_torch(flatten):
     for (source, target), keys in loaded.items():
         assert_same_value(keys, loaded["torch", "torch"], f"{source} -> {target}")
     assert loaded["torch", "torch"].keys() == (set() if flatten else {"count", "ema"})
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_on_the_gpu_callers_keys_of_a_cpu_checkpoint_go_to_the_parameters_device(engine):
+    """The caller's tensors of a state dict saved on the CPU load onto the parameter's device, as torch.optim's."""
+    pair = Pair("adamw", engine, backend=None, device="cuda")
+    pair.run(2, "before")
+    sd = copy.deepcopy(pair.ref.state_dict())
+    sd = {
+        "state": {k: {n: t.cpu() for n, t in e.items()} for k, e in sd["state"].items()},
+        "param_groups": sd["param_groups"],
+    }
+    for i, p in enumerate(pair.ours):
+        sd["state"][i].update(callers_keys(p.cpu(), f"params[{i}]", with_step=False))
+    pair.opt.load_state_dict(copy.deepcopy(sd))
+    pair.ref.load_state_dict(copy.deepcopy(sd))
+    assert_extras_as_torch(pair, "a CPU checkpoint", {i: {"note": f"params[{i}]"} for i in range(len(SHAPES))})
+    assert pair.opt.state[pair.ours[0]]["ema"].device.type == "cuda"
+    pair.run(2, "after loading a CPU checkpoint")
