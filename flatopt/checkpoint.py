@@ -4,7 +4,9 @@ A state_dict saved by flatopt loads into the matching torch.optim optimizer and 
 parameters are numbered across groups in order, a parameter has state once it has been stepped,
 AdamW's ``step`` is a float32 CPU tensor, SGD keeps only ``momentum_buffer`` (when momentum is
 on) and Lion only ``exp_avg``. State tensors are views of the flat buffers, live like
-torch.optim's own state tensors.
+torch.optim's own state tensors. Any other key of a parameter's ``opt.state`` entry (the caller's:
+``opt.state[p]["note"] = 1``) is exported as it is and loaded back as torch.optim loads it (a tensor cast to
+the parameter's device, and dtype if the parameter is floating point), beside the states (:meth:`_cast_extra`).
 
 With fewer bytes per parameter (:mod:`flatopt.precision`) the states are exported in the dtype they are
 stored in (float32 or bfloat16: torch.optim casts them to the parameters' dtype when it loads them), and a
@@ -64,6 +66,7 @@ class CheckpointMixin:
         # torch.optim's step tensors: float64 under torch.set_default_dtype(torch.float64), float32 otherwise
         step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         state = {}
+        own_keys = self._own_keys()
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 own = self.state.get(p, {})
@@ -71,7 +74,10 @@ class CheckpointMixin:
                     if own:
                         state[index[p]] = own
                     continue
+                extra = {k: v for k, v in own.items() if k not in own_keys}  # the caller's keys, as they are
                 if steps[p] == 0 and not self.engine.exports_unstepped:
+                    if extra:  # no state yet, as in torch.optim, whose entry then holds the caller's keys only
+                        state[index[p]] = extra
                     continue
                 entry = {
                     n: self.engine.export_state(p, self._exported(own, n, p))
@@ -80,6 +86,7 @@ class CheckpointMixin:
                 }
                 if self.rule.exported_step:
                     entry = {"step": torch.tensor(steps[p], dtype=step_dtype), **entry}
+                entry.update(extra)
                 if entry:
                     state[index[p]] = entry
         for k, v in self.state.items():  # keys that are no parameter (a hook's opt.state["test"]), as torch.optim
@@ -104,6 +111,39 @@ class CheckpointMixin:
         or, for 8-bit codes (``state_dtype="int8"``), their float32 values."""
         scales = own.get(name + ABSMAX)
         return own[name] if scales is None else dequantize_param(own[name], scales, p.shape, p.stride())
+
+    def _own_keys(self):
+        """The keys of a parameter's ``opt.state`` entry that are flatopt's: the rule's states (with
+        ``state_dtype="int8"``, their 8-bit scales too) and ``step`` where torch.optim's state has one. Every other
+        key is the caller's, carried through state dicts as torch.optim carries it."""
+        rule = self.rule
+        keys = set(rule.state_names) | ({"step"} if rule.exported_step else set())
+        if self.precision.state_dtype == "int8":
+            keys |= {n + ABSMAX for n in rule.state_names}
+        return keys
+
+    @classmethod
+    def _cast_extra(cls, value, p, fused, key=None):
+        """A value of a loaded parameter state under a key that is no state of the rule, as torch.optim's
+        ``load_state_dict`` casts it (``Optimizer._process_value_according_to_param_policy``): a tensor goes to
+        ``p``'s device, and to ``p``'s dtype when ``p`` is floating point, except one under the key ``"step"``,
+        kept as it is unless its saved group is ``fused`` or capturable (then float32 on ``p``'s device); the values
+        of a dict (with their keys), list, tuple or set are cast the same way; anything else is kept as it is (a
+        str too, which torch.optim turns into the text of a generator). A tensor the cast did not copy is copied,
+        so that the optimizer shares no storage with the state dict, as for its states."""
+        if isinstance(value, torch.Tensor):
+            if key == "step":
+                cast = value.to(dtype=torch.float32, device=p.device) if fused else value
+            elif p.is_floating_point():
+                cast = value.to(dtype=p.dtype, device=p.device)
+            else:
+                cast = value.to(device=p.device)
+            return value.clone(memory_format=torch.preserve_format) if cast is value else cast
+        if isinstance(value, dict):
+            return {k: cls._cast_extra(v, p, fused, k) for k, v in value.items()}
+        if type(value) in (list, tuple, set, frozenset):
+            return type(value)(cls._cast_extra(v, p, fused) for v in value)
+        return value
 
     def _compact_state(self, index):
         """The ``"flatopt"`` entry of a state dict: the storage options, stochastic rounding's seed and, by
@@ -261,7 +301,8 @@ class CheckpointMixin:
         return masters, seed if self.rounding_seed is not None else None, steps, codes
 
     def _parse_state(self, k, p, saved, group, saved_group):
-        """Check one parameter's saved state against the parameter; returns (step, {name: tensor})."""
+        """Check one parameter's saved state against the parameter; returns (step, {name: tensor}, {key: value}),
+        the last the keys that are no state of the rule (the caller's), cast as torch.optim casts them."""
         cls = type(self).__name__
         rule = self.rule
         names = [n for n in rule.state_names if rule.uses_state(n, {**group, **saved_group})]
@@ -269,13 +310,34 @@ class CheckpointMixin:
         if not isinstance(saved, dict):
             raise ValueError(f"loaded state dict has state {type(saved).__name__} for parameter {k}; expected a dict")
         if not saved:  # torch.optim saves {} for a parameter whose state was emptied: none, as at its first step
-            return 0.0, {}
-        extra = sorted(set(saved) - allowed)
-        if extra:
-            hint = " (amsgrad state: flatopt.AdamW does not implement amsgrad)" if "max_exp_avg_sq" in extra else ""
+            return 0.0, {}, {}
+        # torch.optim's amsgrad state, which no flatopt optimizer implements, and with 8-bit states the names their
+        # scales are kept under in opt.state: refused rather than carried as the caller's keys
+        scales = self._own_keys() - allowed
+        unexpected = sorted(set(saved) & ({"max_exp_avg_sq"} | scales))
+        if unexpected:
+            if "max_exp_avg_sq" in unexpected:
+                hint = " (amsgrad state: flatopt.AdamW does not implement amsgrad)"
+            else:
+                hint = " (with state_dtype='int8' opt.state keeps the 8-bit states' scales under these names)"
             raise ValueError(
-                f"loaded state dict has unexpected state {extra} for parameter {k}{hint}; {cls} keeps {sorted(allowed)}"
+                f"loaded state dict has unexpected state {unexpected} for parameter {k}{hint}; {cls} keeps "
+                f"{sorted(allowed)}"
             )
+        extra = {}
+        fused = any(saved_group.get(flag, False) for flag in ("fused", "capturable"))  # as torch.optim reads them
+        for key, value in saved.items():
+            if key in allowed:
+                continue
+            try:
+                extra[key] = self._cast_extra(value, p, fused, key)
+            except Exception as e:  # whatever the value is, the load must not stop halfway through
+                raise ValueError(
+                    f"loaded state dict has {key!r} for parameter {k} ({self.names(p)}), which cannot be cast as "
+                    f"torch.optim casts a state (to the parameter's device, {p.device}, and dtype, {p.dtype}): {e}"
+                ) from e
+        if not any(key in allowed for key in saved):  # only the caller's keys: no state, as at the first step
+            return 0.0, {}, extra
         tensors = {}
         # the states the group uses, and any other it carries (checked all the same: torch.optim would keep it)
         for name in names + [n for n in rule.state_names if n not in names and saved.get(n) is not None]:
@@ -312,7 +374,7 @@ class CheckpointMixin:
                 raise ValueError(f"loaded state dict has step {step} for parameter {k}; it must be >= 0")
         else:
             step = 1.0 if tensors else 0.0
-        return step, tensors
+        return step, tensors, extra
 
     @staticmethod
     def _is_step_count(step):
@@ -401,7 +463,7 @@ class CheckpointMixin:
         for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
             self._check_group_tensors(gi, saved)
             self.rule.check({**group, **{k: v for k, v in saved.items() if k != "params"}})
-        parsed, others = {}, {}
+        parsed, extra, others = {}, {}, {}
         for k, saved in state_dict["state"].items():
             if k not in id_map:
                 if not isinstance(k, int):  # no parameter's (a hook's state["test"]): kept as is, as torch.optim
@@ -410,7 +472,10 @@ class CheckpointMixin:
                 raise ValueError(
                     f"loaded state dict has state for parameter {k}, but the optimizer has {len(id_map)} parameters"
                 )
-            parsed[id_map[k]] = self._parse_state(k, id_map[k], saved, *group_of[k])
+            step, tensors, keys = self._parse_state(k, id_map[k], saved, *group_of[k])
+            parsed[id_map[k]] = (step, tensors)
+            if keys:
+                extra[id_map[k]] = keys
         masters, seed, steps, codes = self._parse_compact(state_dict.get(COMPACT_KEY), id_map)
         clips, prev_norm = self._parse_clip(state_dict.get(COMPACT_KEY))
         for k, p in id_map.items():  # the step counts torch.optim's format leaves out (SGD, Lion)
@@ -431,6 +496,7 @@ class CheckpointMixin:
             group.update({k: v for k, v in saved.items() if k != "params"})  # param_names too, as torch.optim
         self.hparams.invalidate()
         placed = self.engine.load(parsed)  # a new opt.state, holding the parameters it placed
+        self.engine.load_extra({p: keys for p, keys in extra.items() if p in placed})
         if hasattr(self.engine, "load_masters"):
             self.engine.load_masters(masters)
         with torch.no_grad():  # the exact 8-bit codes over their quantized float values
@@ -444,11 +510,12 @@ class CheckpointMixin:
             if COMPACT_KEY not in state_dict and any(isinstance(k, str) for k in id_map):
                 self._warn_prev_norm_dropped()
         for p, (step, tensors) in parsed.items():
-            if p in placed or not tensors:  # no tensors: no state (saved as {}), as at the first step
+            keys = extra.get(p, {})
+            if p in placed or not (tensors or keys):  # nothing (saved as {}): no state, as at the first step
                 continue
             own = {n: t.to(p.device, p.dtype).clone(memory_format=torch.preserve_format) for n, t in tensors.items()}
-            if self.rule.exported_step:
+            if tensors and self.rule.exported_step:
                 own["step"] = torch.tensor(step, dtype=torch.float32)
-            self.state[p] = own
+            self.state[p] = {**own, **keys}
         for k, v in others.items():
             self.state[k] = v

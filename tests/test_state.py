@@ -2,7 +2,9 @@
 (or refused, before anything changes, with an error naming the parameter and the key), state_dict()
 exports what the next step uses, load_state_dict() checks every tensor before it changes anything, and
 keys that are no parameter's (a state-dict hook's ``opt.state["test"]``) are kept, as torch.optim keeps
-them. Compared with torch.optim.AdamW and SGD over several steps."""
+them; so are the keys a caller puts in a parameter's entry (``opt.state[p]["note"]``), through state_dict() and
+load_state_dict() (cast as torch.optim casts them). Compared with torch.optim.AdamW and SGD (and Lion with the
+paper's reference, a torch.optim.Optimizer) over several steps."""
 
 import copy
 import re
@@ -10,7 +12,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import assert_same, device_for
+from conftest import LionReference, assert_same, device_for
 from torch import nn
 
 import flatopt
@@ -34,6 +36,14 @@ OPTIMIZERS = {
     ),
 }
 
+WITH_LION = {  # the tests of the caller's keys also run Lion, against the paper's (a torch.optim.Optimizer)
+    **OPTIMIZERS,
+    "lion": (
+        lambda ps, **k: flatopt.Lion(ps, lr=0.01, weight_decay=0.1, **k),
+        lambda ps: LionReference(ps, lr=0.01, weight_decay=0.1),
+    ),
+}
+
 
 class Pair:
     """One set of parameters stepped by flatopt and a copy stepped by torch.optim, from the same gradients."""
@@ -43,7 +53,7 @@ class Pair:
         self.device = device or device_for(backend)
         self.ours = [nn.Parameter(torch.randn(s).to(self.device)) for s in SHAPES]
         self.theirs = [nn.Parameter(p.detach().clone()) for p in self.ours]
-        make_ours, make_theirs = OPTIMIZERS[opt_name]
+        make_ours, make_theirs = WITH_LION[opt_name]
         self.opt = make_ours(self.ours, backend=backend, **ENGINES[engine])
         self.ref = make_theirs(self.theirs)
         self.steps = 0
@@ -67,6 +77,8 @@ class Pair:
         for i, (p, q) in enumerate(zip(self.ours, self.theirs, strict=True)):
             assert_same(p.detach(), q.detach(), self.steps, f"{what}: params[{i}]")
             for key, value in self.ref.state.get(q, {}).items():
+                if key not in own_keys_of(self.ref):
+                    continue  # a key of the caller's: see assert_extras_as_torch
                 mine = self.opt.state[p][key]
                 if key == "step":
                     assert float(mine) == float(value), f"step {self.steps}, {what}: params[{i}] step {float(mine)}"
@@ -325,7 +337,10 @@ def assert_unchanged(before, after):
     for k in state0:
         assert state0[k].keys() == state1[k].keys(), f"state {k}"
         for n in state0[k]:
-            torch.testing.assert_close(state1[k][n], state0[k][n], atol=0, rtol=0, msg=lambda m: f"{k}.{n}: {m}")
+            if isinstance(state0[k][n], torch.Tensor):
+                torch.testing.assert_close(state1[k][n], state0[k][n], atol=0, rtol=0, msg=lambda m: f"{k}.{n}: {m}")
+            else:  # a key of the caller's
+                assert state1[k][n] == state0[k][n], f"{k}.{n}: {state1[k][n]!r}, was {state0[k][n]!r}"
     assert groups1 == groups0
 
 
@@ -427,3 +442,350 @@ def test_load_of_a_state_dict_with_a_key_that_is_no_parameter(engine):
         assert opt.state["test"] == 1 and opt.state["ran_load_state_dict_post_hook"] is True
     pair.run(2, "after the load")
     assert pair.opt.state_dict()["state"]["test"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- the caller's keys
+
+OWN_KEYS = {"adamw": {"step", "exp_avg", "exp_avg_sq"}, "sgd": {"momentum_buffer"}, "lion": {"exp_avg"}}
+
+
+def callers_keys(p, tag, with_step):
+    """Keys a caller puts in ``opt.state[p]``, of every kind torch.optim's load_state_dict treats apart: tensors it
+    casts to the parameter's dtype (float64, int64, bool, in a list, in a dict), one under ``step`` it does not cast
+    (in a dict; at the top for the optimizers whose state has no ``step`` of its own), and values it keeps."""
+    keys = {
+        "note": tag,
+        "count": 3,
+        "nothing": None,
+        "ema": torch.linspace(-1, 1, p.numel(), dtype=torch.float64).reshape(p.shape),
+        "hits": torch.arange(4),
+        "flags": torch.tensor([True, False]),
+        "pair": [torch.full((2,), 1.5, dtype=torch.float16), 7],
+        "span": (1, torch.tensor([2.0])),
+        "nested": {"step": torch.tensor(3), "w": torch.zeros(2, dtype=torch.float64)},
+    }
+    if with_step:
+        keys["step"] = torch.tensor(5)
+    return keys
+
+
+def own_keys_of(opt):
+    """The keys of ``opt``'s states (flatopt's optimizer or its torch.optim counterpart)."""
+    return OWN_KEYS[{"AdamW": "adamw", "SGD": "sgd", "Lion": "lion", "LionReference": "lion"}[type(opt).__name__]]
+
+
+def extras_of(opt, p):
+    """The keys of ``opt.state[p]`` that are no state of the optimizer's."""
+    return {k: v for k, v in opt.state.get(p, {}).items() if k not in own_keys_of(opt)}
+
+
+def assert_same_value(ours, theirs, what):
+    """``ours`` is ``theirs``'s value: of the same type, tensors of the same dtype, device and values (exactly)."""
+    assert type(ours) is type(theirs), f"{what}: {type(ours).__name__}, torch.optim has {type(theirs).__name__}"
+    if isinstance(theirs, torch.Tensor):
+        assert (ours.dtype, ours.device) == (theirs.dtype, theirs.device), (
+            f"{what}: {ours.dtype} on {ours.device}, torch.optim has {theirs.dtype} on {theirs.device}"
+        )
+        torch.testing.assert_close(ours, theirs, atol=0, rtol=0, msg=lambda m: f"{what}: {m}")
+    elif isinstance(theirs, dict):
+        assert ours.keys() == theirs.keys(), f"{what}: keys {sorted(ours)}, torch.optim has {sorted(theirs)}"
+        for k in theirs:
+            assert_same_value(ours[k], theirs[k], f"{what}[{k!r}]")
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs), f"{what}: {len(ours)} items, torch.optim has {len(theirs)}"
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same_value(a, b, f"{what}[{i}]")
+    else:
+        assert ours == theirs, f"{what}: {ours!r}, torch.optim has {theirs!r}"
+
+
+def assert_extras_as_torch(pair, what, strings=None):
+    """Every parameter's keys that are no state of the rule are torch.optim's, value for value. torch.optim's
+    load_state_dict turns a str into the text of a generator; flatopt keeps it: ``strings`` gives it then."""
+    for i, (p, q) in enumerate(zip(pair.ours, pair.theirs, strict=True)):
+        ours, theirs = extras_of(pair.opt, p), extras_of(pair.ref, q)
+        assert ours.keys() == theirs.keys(), f"{what}: params[{i}] has {sorted(ours)}, torch.optim {sorted(theirs)}"
+        for k in theirs:
+            if strings is not None and isinstance(ours[k], str):
+                assert ours[k] == strings[i][k], f"{what}: params[{i}][{k!r}] is {ours[k]!r}"
+                continue
+            assert_same_value(ours[k], theirs[k], f"{what}: params[{i}][{k!r}]")
+
+
+def put_callers_keys(pair, which=(0, 2)):
+    """The same keys in both optimizers' entries of parameters ``which``; returns them, by parameter index."""
+    given = {}
+    with_step = "step" not in own_keys_of(pair.opt)  # SGD's and Lion's: a key of the caller's
+    for i in which:
+        given[i] = callers_keys(pair.ours[i], f"params[{i}]", with_step)
+        pair.opt.state[pair.ours[i]].update(given[i])
+        pair.ref.state[pair.theirs[i]].update(callers_keys(pair.theirs[i], f"params[{i}]", with_step))
+    return given
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("opt_name", list(WITH_LION))
+def test_callers_keys_are_exported_as_torch(opt_name, engine):
+    """state_dict() carries every key of a parameter's entry, as torch.optim does: the caller's as they are (the
+    same objects), beside the states; training goes on as torch.optim's and leaves them alone."""
+    pair = Pair(opt_name, engine)
+    pair.run(2, "before")
+    given = put_callers_keys(pair)
+    ours, theirs = pair.opt.state_dict(), pair.ref.state_dict()
+    assert {k: set(e) for k, e in ours["state"].items()} == {k: set(e) for k, e in theirs["state"].items()}
+    for i, keys in given.items():
+        for k, v in keys.items():
+            assert ours["state"][i][k] is pair.opt.state[pair.ours[i]][k], f"params[{i}][{k!r}] exported as a copy"
+            assert_same_value(ours["state"][i][k], v, f"exported params[{i}][{k!r}]")
+    pair.run(2, "with the caller's keys")
+    assert_extras_as_torch(pair, "after 2 more steps")
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("opt_name", list(WITH_LION))
+@pytest.mark.parametrize("source", ["flatopt", "torch"])
+def test_callers_keys_load_as_torch(source, opt_name, engine):
+    """A state dict with the caller's keys, saved by flatopt or by torch.optim, loads into both as torch.optim
+    loads it: the states into the buffers, the other keys into opt.state[p] (tensors cast to the parameter's dtype,
+    a ``step`` not, copies of the state dict's), and training goes on as torch.optim's."""
+    pair = Pair(opt_name, engine)
+    pair.run(2, "before")
+    given = put_callers_keys(pair)
+    saved = (pair.opt if source == "flatopt" else pair.ref).state_dict()
+    sd = copy.deepcopy(saved)
+    pair.both(lambda opt, ps: opt.state.clear())  # nothing of the keys left but what the state dict brings
+    loaded = copy.deepcopy(sd)
+    pair.opt.load_state_dict(loaded)
+    pair.ref.load_state_dict(copy.deepcopy(sd))
+    strings = {i: {"note": f"params[{i}]"} for i in given}
+    assert_extras_as_torch(pair, f"loaded from {source}", strings)
+    for i in given:
+        for k, v in pair.opt.state[pair.ours[i]].items():
+            if isinstance(v, torch.Tensor) and isinstance(loaded["state"][i].get(k), torch.Tensor):
+                theirs = loaded["state"][i][k].untyped_storage().data_ptr()
+                assert v.untyped_storage().data_ptr() != theirs, f"params[{i}][{k!r}] shares the state dict's storage"
+    pair.compare(f"loaded from {source}")
+    pair.run(2, f"loaded from {source}")
+    assert_extras_as_torch(pair, f"2 steps after loading from {source}", strings)
+    again = pair.opt.state_dict()  # flatopt -> flatopt: what it loaded, it exports
+    for i in given:
+        assert_same_value(again["state"][i]["ema"], sd["state"][i]["ema"].float(), f"params[{i}]['ema']")
+        assert again["state"][i]["note"] == f"params[{i}]"
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("fused", [False, True])
+def test_callers_keys_are_cast_as_torch_casts_them(fused, engine):
+    """Parameters of other dtypes: a tensor goes to the parameter's dtype, except a ``step`` (cast to float32 only
+    when the saved group says fused, as torch.optim does); the same state dict loaded into torch.optim.SGD."""
+    dtypes = [torch.float64, torch.bfloat16, torch.float16]
+    ours = [nn.Parameter(torch.randn(4, 3, dtype=d)) for d in dtypes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = flatopt.SGD(ours, lr=0.1, momentum=0.9, backend="torch", **ENGINES[engine])
+    ref = torch.optim.SGD(theirs, lr=0.1, momentum=0.9)
+    sd = copy.deepcopy(ref.state_dict())
+    sd["param_groups"][0]["fused"] = fused
+    for i, p in enumerate(ours):
+        sd["state"][i] = {"momentum_buffer": torch.ones(4, 3, dtype=torch.float32), **callers_keys(p, "x", True)}
+    opt.load_state_dict(copy.deepcopy(sd))
+    ref.load_state_dict(copy.deepcopy(sd))
+    for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
+        mine = {k: v for k, v in opt.state[p].items() if k not in ("momentum_buffer", "note")}
+        torchs = {k: v for k, v in ref.state[q].items() if k not in ("momentum_buffer", "note")}
+        assert_same_value(mine, torchs, f"params[{i}] ({p.dtype})")
+        assert mine["ema"].dtype == p.dtype
+        assert mine["step"].dtype == (torch.float32 if fused else torch.int64)
+        assert opt.state[p]["note"] == "x"
+
+
+def test_callers_keys_of_a_parameter_not_stepped_yet():
+    """Keys put in the entry of a parameter that has no state yet are its whole entry in the state dict, as in
+    torch.optim; loaded, they stay beside the states that the first step starts."""
+    pair = Pair("adamw")
+    pair.both(lambda opt, ps: opt.state[ps[1]].update(note="kept", count=torch.tensor([1.0, 2.0])))
+    ours, theirs = pair.opt.state_dict(), pair.ref.state_dict()
+    assert set(ours["state"]) == set(theirs["state"]) == {1}
+    assert ours["state"][1].keys() == theirs["state"][1].keys() == {"note", "count"}
+    pair.opt.state.clear()
+    pair.opt.load_state_dict(copy.deepcopy(theirs))
+    assert extras_of(pair.opt, pair.ours[1]).keys() == {"note", "count"}
+    pair.ref.state.clear()  # torch.optim.AdamW fails with a KeyError on an entry without its states
+    pair.run(2, "after loading")
+    assert pair.opt.state[pair.ours[1]]["note"] == "kept"
+    assert set(pair.opt.state_dict()["state"][1]) == {"step", "exp_avg", "exp_avg_sq", "note", "count"}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("reset", list(RESETS))
+def test_a_reset_drops_the_callers_keys_as_torch(reset, engine):
+    """An edit that empties or replaces an entry takes the caller's keys with it, as in torch.optim, where the
+    entry is what the caller left; the other entries keep theirs."""
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    put_callers_keys(pair, which=range(len(SHAPES)))
+    pair.both(RESETS[reset])
+    assert_extras_as_torch(pair, f"after {reset}")
+    pair.run(2, f"after {reset}")
+    assert_extras_as_torch(pair, f"2 steps after {reset}")
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_callers_keys_survive_a_new_layout_and_a_state_that_starts(engine):
+    """flatopt's own changes of the layout (a param group added, a parameter unfrozen) and of the states (SGD's
+    momentum turned on) keep the caller's keys, as torch.optim, which has no such changes, keeps them."""
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(s)) for s in SHAPES]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = flatopt.SGD(ours[:2], lr=0.05, backend="torch", **ENGINES[engine])
+    ref = torch.optim.SGD(theirs[:2], lr=0.05)
+    ours[3].requires_grad_(False)
+    theirs[3].requires_grad_(False)
+
+    def train(step):
+        for o in (opt, ref):
+            Pair.backward([p for g in o.param_groups for p in g["params"] if p.requires_grad], step)
+            o.step()
+            o.zero_grad()
+
+    train(1)
+    for o, ps in ((opt, ours), (ref, theirs)):
+        for i in (0, 1):
+            o.state[ps[i]].update(note=i, ema=torch.ones(2))
+    for step, change in enumerate(("add_group", "unfreeze", "momentum"), start=2):
+        for o, ps in ((opt, ours), (ref, theirs)):
+            if change == "add_group":
+                o.add_param_group({"params": ps[2:]})
+                o.state[ps[3]]["note"] = 3  # frozen: not laid out yet
+            elif change == "unfreeze":
+                ps[3].requires_grad_(True)
+            else:
+                for group in o.param_groups:
+                    group["momentum"] = 0.9
+        train(step)
+        for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
+            mine = {k: v for k, v in opt.state.get(p, {}).items() if k != "momentum_buffer"}
+            torchs = {k: v for k, v in ref.state.get(q, {}).items() if k != "momentum_buffer"}
+            assert_same_value(mine, torchs, f"after {change}: params[{i}]")
+            assert_same(p.detach(), q.detach(), step, f"after {change}: params[{i}]")
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("bad", ["meta_key", "known_shape"])
+def test_a_refused_load_with_callers_keys_changes_nothing(bad, engine):
+    """A state dict that raises (a key of the caller's that cannot be cast to the parameter's device, or a state
+    of another shape) leaves the states, the caller's keys and the groups as they were, whatever came before it
+    in the state dict."""
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    pair.opt.state[pair.ours[0]].update(ema=torch.ones(3), count=3)
+    sd = copy.deepcopy(pair.ref.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5
+    for entry in sd["state"].values():
+        entry["note"] = "loaded"
+        entry["ema"] = torch.zeros(3)
+    if bad == "meta_key":
+        sd["state"][3]["later"] = torch.zeros(3, device="meta")
+        pattern = r"'later' for parameter 3 \(params\[3\] of param group 0 .*\), which cannot be cast as torch\.optim"
+    else:
+        sd["state"][3]["exp_avg"] = torch.zeros(2, 2)
+        pattern = r"'exp_avg' of shape \(2, 2\) for parameter 3"
+    before = snapshot(pair.ours, pair.opt)
+    keys = {i: dict(pair.opt.state[p]) for i, p in enumerate(pair.ours)}
+    with pytest.raises(ValueError, match=pattern):
+        pair.opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot(pair.ours, pair.opt))
+    for i, p in enumerate(pair.ours):
+        assert pair.opt.state[p].keys() == keys[i].keys(), f"params[{i}]: {sorted(pair.opt.state[p])}"
+        assert all(pair.opt.state[p][k] is v for k, v in keys[i].items() if k not in OWN_KEYS["adamw"]), i
+    pair.run(2, "after the failed load")
+
+
+@pytest.mark.parametrize("engine", ["step", "in_backward"])
+def test_callers_keys_beside_8_bit_states(engine):
+    """With ``state_dtype="int8"`` opt.state also holds each state's scales (``exp_avg_absmax``): they are no key of
+    the caller's, so the state dict leaves them out (its ``"flatopt"`` entry carries them), and a state dict that
+    has one under a parameter's state is refused rather than put beside the scales."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(64, 65))
+    opt = flatopt.AdamW([p], lr=0.01, state_dtype="int8", backend="torch", **ENGINES[engine])
+    for step in range(2):
+        Pair.backward([p], step)
+        opt.step()
+        opt.zero_grad()
+    assert "exp_avg_absmax" in opt.state[p]
+    opt.state[p].update(note="kept", ema=torch.ones(3, dtype=torch.float64))
+    sd = copy.deepcopy(opt.state_dict())
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "note", "ema"}
+    del opt.state[p]["note"], opt.state[p]["ema"]
+    opt.load_state_dict(copy.deepcopy(sd))
+    assert opt.state[p]["note"] == "kept" and opt.state[p]["ema"].dtype == torch.float32
+    assert {"exp_avg_absmax", "exp_avg_sq_absmax"} <= set(opt.state[p])
+    before = snapshot([p], opt)
+    sd["state"][0]["exp_avg_absmax"] = torch.ones(3)
+    with pytest.raises(ValueError, match=r"unexpected state \['exp_avg_absmax'\] for parameter 0 \(with state_dtype"):
+        opt.load_state_dict(sd)
+    assert_unchanged(before, snapshot([p], opt))
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_callers_keys_through_torch_distributed_checkpoint_as_torch(flatten):
+    """torch.distributed.checkpoint's get_optimizer_state_dict / set_optimizer_state_dict (one process, a plain
+    model) carry the caller's keys between flatopt and torch.optim as between two torch.optim optimizers: kept in
+    the nested form; left out by the flattened form's load, which takes the keys the loading optimizer's entries
+    have (torch's own behaviour, on both)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    makers = {
+        "flatopt": lambda m: flatopt.AdamW(m, lr=0.1, backend="torch"),
+        "torch": lambda m: torch.optim.AdamW(m.parameters(), lr=0.1),
+    }
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+
+    def trained(name):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        opt = makers[name](model)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        return model, opt
+
+    saved, loaded = {}, {}
+    for source in makers:
+        model, opt = trained(source)
+        opt.state[model[0].weight].update(count=7, ema=torch.ones(2, dtype=torch.float64))
+        saved[source] = get_optimizer_state_dict(model, opt, options=options)
+        for target in makers:
+            model, opt = trained(target)
+            set_optimizer_state_dict(model, opt, copy.deepcopy(saved[source]), options=options)
+            loaded[source, target] = {k: v for k, v in opt.state[model[0].weight].items() if k not in OWN_KEYS["adamw"]}
+    assert saved["flatopt"].keys() == saved["torch"].keys()
+    if not flatten:
+        assert saved["flatopt"]["state"].keys() == saved["torch"]["state"].keys()
+        assert saved["flatopt"]["state"]["0.weight"].keys() == saved["torch"]["state"]["0.weight"].keys()
+    for (source, target), keys in loaded.items():
+        assert_same_value(keys, loaded["torch", "torch"], f"{source} -> {target}")
+    assert loaded["torch", "torch"].keys() == (set() if flatten else {"count", "ema"})
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_on_the_gpu_callers_keys_of_a_cpu_checkpoint_go_to_the_parameters_device(engine):
+    """The caller's tensors of a state dict saved on the CPU load onto the parameter's device, as torch.optim's."""
+    pair = Pair("adamw", engine, backend=None, device="cuda")
+    pair.run(2, "before")
+    sd = copy.deepcopy(pair.ref.state_dict())
+    sd = {
+        "state": {k: {n: t.cpu() for n, t in e.items()} for k, e in sd["state"].items()},
+        "param_groups": sd["param_groups"],
+    }
+    for i, p in enumerate(pair.ours):
+        sd["state"][i].update(callers_keys(p.cpu(), f"params[{i}]", with_step=False))
+    pair.opt.load_state_dict(copy.deepcopy(sd))
+    pair.ref.load_state_dict(copy.deepcopy(sd))
+    assert_extras_as_torch(pair, "a CPU checkpoint", {i: {"note": f"params[{i}]"} for i in range(len(SHAPES))})
+    assert pair.opt.state[pair.ours[0]]["ema"].device.type == "cuda"
+    pair.run(2, "after loading a CPU checkpoint")

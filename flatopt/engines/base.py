@@ -81,6 +81,13 @@ class Engine:
         new ``opt.state`` that holds the parameters placed; returns them."""
         raise NotImplementedError
 
+    def load_extra(self, extra):
+        """After :meth:`load`: ``extra`` ({parameter it placed: {key: value}}) holds the keys of a loaded state that
+        are no state of the rule (checked and cast already); they join the parameters' ``opt.state`` entries
+        beside the states, as torch.optim keeps every key of a parameter's state."""
+        for p, keys in extra.items():
+            self.opt.state[p].update(keys)
+
     def sync_state(self):
         """Bring the engine in line with ``opt.state`` after the caller edited it (reset a parameter's state,
         assigned a tensor): called where a step begins and by ``state_dict()``; raises, changing nothing,
@@ -326,15 +333,27 @@ class FlatEngine(Engine):
         return state
 
     def put_state(self, p, buf, i, extra=None):
-        """``opt.state[p]`` as views into the buffers (and ``extra``: the caller's keys that are no state of
-        the rule); no entry where there is none (SGD without momentum), as torch.optim keeps none."""
+        """``opt.state[p]`` as views into the buffers, with ``extra``: the caller's keys that are no state of the
+        rule (``opt.state[p]["note"] = 1``), kept as they are, as torch.optim keeps every key; None keeps those
+        the entry holds now (a new layout, a state that starts to be used). No entry where there is none (SGD
+        without momentum and no key of the caller's), as torch.optim keeps none."""
         state = self.own_state()
         views = self.state_of(buf, i)
+        if extra is None:
+            extra = self.extra_keys(p, state.get(p), views)
         self.views[p] = views
         if views or extra:
-            state.put(p, ParamState({**views, **(extra or {})}, state.changes, p))
+            state.put(p, ParamState({**views, **extra}, state.changes, p))
         else:
             state.drop(p)
+
+    def extra_keys(self, p, entry, views):
+        """The keys of ``entry`` (``p``'s ``opt.state`` entry, reconciled) that the caller put there: those that
+        are neither ``views`` nor what :meth:`put_state` placed before."""
+        if not isinstance(entry, Mapping):
+            return {}
+        placed = self.views.get(p, {})
+        return {k: v for k, v in entry.items() if k not in views and k not in placed}
 
     def own_state(self):
         """``opt.state`` as the OptimizerState this engine keeps track of. At the first call it takes over
@@ -555,6 +574,11 @@ class FlatEngine(Engine):
             for i, p in enumerate(buf.params):
                 self.put_state(p, buf, i)
         return placed
+
+    def load_extra(self, extra):
+        slots = self.slots_of()
+        for p, keys in extra.items():
+            self.put_state(p, *slots[p], keys)
 
     def _set_masks(self, without):
         """torch.optim's rule (``skip_unused=True``): the parameters whose ``.grad`` is None (``without``: the
