@@ -447,6 +447,9 @@ class CheckpointMixin:
             post_hook(self)
 
     def _load_checked(self, state_dict):
+        # edits of opt.state (a reset) first, as state_dict() and step() honour them: the checks below read opt.state
+        # (the 8-bit codes a parameter keeps) as the next step would find it
+        self.engine.sync_state()
         groups = self.param_groups
         saved_groups = deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):

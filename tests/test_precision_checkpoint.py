@@ -152,3 +152,21 @@ def test_a_bad_flatopt_entry_is_refused_before_anything_changes(edit, match):
         opt.load_state_dict(sd)
     after = snapshot(opt)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m.get("state_dtype") == "int8"], ids=lambda m: str(m))
+def test_a_checkpoint_loads_right_after_a_state_reset(mode):
+    """opt.state.clear() (a reset, honoured at the next step), then load_state_dict() of a checkpoint of the same run:
+    the load reads opt.state as the reset left it (no 8-bit codes yet) and the run resumes exactly."""
+    cls, hp = OPTIMIZERS["adamw"]
+    net = model()
+    torch.manual_seed(1)
+    opt = cls(groups(net), **hp, **mode, backend="torch")
+    run(net, opt, 3)
+    sd, want = saved(opt.state_dict()), snapshot(opt)
+    opt.state.clear()
+    opt.load_state_dict(sd)
+    got = snapshot(opt)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
