@@ -183,15 +183,27 @@ def run_match(rank, opt_name, variant):
     return out
 
 
-def run_second_pass(rank):
-    """A second backward pass with neither step() nor zero_grad(): refused at the end of the pass, nothing updated
-    and no gradient left; after zero_grad() DDP and the optimizer go on and still match torch.optim."""
+def small_bucket_pair():
+    """Two equal MLPs under DDP with one parameter per bucket: flatopt.AdamW in in-backward mode on the first,
+    torch.optim.AdamW on the second. Returns (model, ref, ddp, ref_ddp, opt, ref_opt)."""
     DDP = _ddp()
     flat_cls, ref_cls, hp = OPTIMIZERS["AdamW"]
     model, ref = mlp(0), mlp(0)
     ddp, ref_ddp = DDP(model, bucket_cap_mb=1e-4), DDP(ref, bucket_cap_mb=1e-4)
-    opt = flat_cls(ddp, in_backward=True, backend="torch", **hp)
-    ref_opt = ref_cls(ref.parameters(), **hp)
+    return (
+        model,
+        ref,
+        ddp,
+        ref_ddp,
+        flat_cls(ddp, in_backward=True, backend="torch", **hp),
+        ref_cls(ref.parameters(), **hp),
+    )
+
+
+def run_second_pass(rank):
+    """A second backward pass with neither step() nor zero_grad(): refused at the end of the pass, nothing updated
+    and no gradient left; after zero_grad() DDP and the optimizer go on and still match torch.optim."""
+    model, ref, ddp, ref_ddp, opt, ref_opt = small_bucket_pair()
     x, y = batch(rank, 0)
     nn.functional.mse_loss(ddp(x), y).backward()
     nn.functional.mse_loss(ref_ddp(x), y).backward()
@@ -267,12 +279,7 @@ def run_failed_pass(rank):
     with the failed batch's gradient averaged by DDP (a pass of its own), model[0]'s left without one."""
     import torch.distributed as dist
 
-    DDP = _ddp()
-    flat_cls, ref_cls, hp = OPTIMIZERS["AdamW"]
-    model, ref = mlp(0), mlp(0)
-    ddp, ref_ddp = DDP(model, bucket_cap_mb=1e-4), DDP(ref, bucket_cap_mb=1e-4)
-    opt = flat_cls(ddp, in_backward=True, backend="torch", **hp)
-    ref_opt = ref_cls(ref.parameters(), **hp)
+    model, ref, ddp, ref_ddp, opt, ref_opt = small_bucket_pair()
     engine = flatopt.inspect(opt).engine
     out = {"history": [], "raised": 0, "ddp_refused": [], "moved": {}, "launches": {}, "recovered": {}}
     for step in range(FAILED_STEPS):
