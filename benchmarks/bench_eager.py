@@ -317,7 +317,7 @@ def impls_for(device):
 def build(name, model, device):
     """``name`` over ``model``: (optimizer, step(x, y) -> loss)."""
     if name.startswith("flatopt"):
-        backend = "triton" if device.type == "cuda" else "torch"
+        backend = "triton" if device.type == "cuda" else "cpu"  # flatopt's defaults (not the "torch" reference)
         opt = flatopt.AdamW(model, **HPARAMS, backend=backend, direct_grads=name == "flatopt")
     else:
         flags = {"torch-fused": dict(fused=True), "torch-foreach": dict(foreach=True), "torch-default": {}}[name]
