@@ -25,8 +25,11 @@ weight decay, zero_grad() with torch's default set_to_none=True before every for
     torch-fused     torch.optim.AdamW(fused=True)
     torch-foreach   torch.optim.AdamW(foreach=True), torch's default on CUDA
     torch-default   torch.optim.AdamW() (CPU only: the for-loop implementation)
-    flatopt-hooks   flatopt.AdamW(model, direct_grads=False), eager: every gradient copied in by hook
-    flatopt         flatopt.AdamW(model), eager: covered layers write their gradients into the flat buffer
+    flatopt-hooks   flatopt.AdamW(model, direct_grads=False), eager: every gradient copied in by hook (GPU only)
+    flatopt-direct  flatopt.AdamW(model, direct_grads=True) (CPU only: covered layers write their gradients into
+                    the flat buffer, as flatopt's default does on a GPU)
+    flatopt         flatopt.AdamW(model), eager, flatopt's defaults: on a GPU covered layers write their gradients
+                    into the flat buffer; on the CPU no layer is covered and step() lands autograd's gradients
 
 Two phases per model. Alone: each implementation on a fresh model with nothing else on the device; the peak
 memory of its training (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` before the model is
@@ -301,8 +304,9 @@ IMPLS = {
     "torch-fused": "torch.optim.AdamW(fused=True)",
     "torch-foreach": "torch.optim.AdamW(foreach=True), torch's default on CUDA",
     "torch-default": "torch.optim.AdamW() with torch's defaults (the for-loop implementation on the CPU)",
-    "flatopt": "flatopt.AdamW(model), eager: covered layers write their gradients into the flat buffer",
+    "flatopt": "flatopt.AdamW(model), eager, defaults (covered layers write into the flat buffer on a GPU only)",
     "flatopt-hooks": "flatopt.AdamW(model, direct_grads=False), eager: every gradient copied in by hook",
+    "flatopt-direct": "flatopt.AdamW(model, direct_grads=True), eager: covered layers write into the flat buffer",
 }
 MINE, REFERENCE = "flatopt", "torch-fused"
 
@@ -310,15 +314,17 @@ MINE, REFERENCE = "flatopt", "torch-fused"
 def impls_for(device):
     """The implementations timed on ``device``: torch's default is the for-loop one on the CPU and the foreach one
     (timed already) on CUDA."""
-    names = ["torch-fused", "torch-foreach", "flatopt-hooks", "flatopt"]
-    return names if device.type == "cuda" else ["torch-default", *names]
+    if device.type == "cuda":
+        return ["torch-fused", "torch-foreach", "flatopt-hooks", "flatopt"]
+    return ["torch-default", "torch-fused", "torch-foreach", "flatopt-direct", "flatopt"]
 
 
 def build(name, model, device):
     """``name`` over ``model``: (optimizer, step(x, y) -> loss)."""
     if name.startswith("flatopt"):
         backend = "triton" if device.type == "cuda" else "cpu"  # flatopt's defaults (not the "torch" reference)
-        opt = flatopt.AdamW(model, **HPARAMS, backend=backend, direct_grads=name == "flatopt")
+        direct = {"flatopt": None, "flatopt-hooks": False, "flatopt-direct": True}[name]  # None: the default
+        opt = flatopt.AdamW(model, **HPARAMS, backend=backend, direct_grads=direct)
     else:
         flags = {"torch-fused": dict(fused=True), "torch-foreach": dict(foreach=True), "torch-default": {}}[name]
         opt = torch.optim.AdamW(model.parameters(), **HPARAMS, **flags)

@@ -57,7 +57,14 @@ class GradLanding:
 
     copy_on_cpu = False  # the tests set it to run the GPU's copying hooks on the CPU (tests/conftest.py)
 
-    def __init__(self, buffers, *, keep_none=False, names=None, cls="flatopt", module=None, direct=True):
+    #: Whether ``direct=None`` (the optimizers' default ``direct_grads``) covers the layers of a model on the CPU.
+    #: Off: there step() already reads autograd's gradients where they lie or gathers the small ones with one
+    #: batched copy, so a covered layer saves next to nothing, while its Python autograd.Function costs host time
+    #: at every forward and backward (docs/gradients.md has the measurement). The tests set it to run the GPU's
+    #: path on the CPU (tests/conftest.py).
+    direct_on_cpu = False
+
+    def __init__(self, buffers, *, keep_none=False, names=None, cls="flatopt", module=None, direct=None):
         self.views = {p: view for buf in buffers for p, view in zip(buf.params, buf.grad_views)}
         # the parameters' slots: where covered layers write their gradients, and the storage released by zero_grad()
         hook = weakref.WeakMethod(self.hook)  # the slots live on in the modules' patches: no reference back
@@ -72,8 +79,8 @@ class GradLanding:
         self.entries = [
             (p, view, self.slots.slot_of(p), view.dtype, view.get_device()) for p, view in self.views.items()
         ]
-        self.module = module  # the model to cover (direct=True): its covered layers write into the slots
-        self.direct = direct
+        self.module = module  # the model to cover: its covered layers write into the slots
+        self.direct = direct  # True: cover the model's layers; None: those on a GPU (or everywhere: direct_on_cpu)
         # where each parameter's data lives in these buffers: a hook does nothing for a parameter that another
         # optimizer (or a re-layout) has moved into buffers of its own since
         self.homes = {p: buf.expected[i][0] for buf in buffers for i, p in enumerate(buf.params)}
@@ -98,8 +105,8 @@ class GradLanding:
         """Register the hooks (once)."""
         if self.handles:
             return
-        if self.direct and self.module is not None:
-            self.slots.install(self.module)
+        if self.direct is not False and self.module is not None:
+            self.slots.install(self.module, cpu=self.direct is True or self.direct_on_cpu)
         for p, view in self.views.items():  # .grad is never the buffer's own view object (see restore())
             if p.grad is view:
                 self.slots.put(p)

@@ -452,10 +452,11 @@ class LandingSlots:
 
     # ---- covered layers ---------------------------------------------------------------------------
 
-    def install(self, model, classes=None):
+    def install(self, model, classes=None, cpu=True):
         """Cover every module of ``model`` whose type is exactly one of ``classes`` (default:
         :data:`DEFAULT_CLASSES`; any of :data:`COVERED`) and whose weight (LayerNorm: weight or bias)
-        trains and has a slot here; returns the names of the covered modules. The module's class,
+        trains and has a slot here (with ``cpu=False``: a slot on another device than the CPU); returns
+        the names of the covered modules. The module's class,
         ``forward`` and state are left as they are: the patch is the instance's ``_compiled_call_impl``,
         which torch.save() and copy.deepcopy() drop (the copies are plain modules). A module with another
         call in place (``module.compile()``) is left alone."""
@@ -473,7 +474,8 @@ class LandingSlots:
             # the Function runs for a trainable weight with a slot (LayerNorm: weight or bias); a Linear whose
             # weight is frozen is left to torch (its bias, if it trains, lands by adopt())
             keys = (m.weight, m.bias) if type(m) is nn.LayerNorm else (m.weight,)
-            if not any(p is not None and p.requires_grad and self._get(p) is not None for p in keys):
+            slots = [self._get(p) for p in keys if p is not None and p.requires_grad]
+            if not any(s is not None and (cpu or not self._on_cpu[s.b]) for s in slots):
                 continue
             own = [p for p in m.parameters(recurse=False) if self._get(p) is not None]
             current = m.__dict__.get("_compiled_call_impl")

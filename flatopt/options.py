@@ -92,8 +92,8 @@ class FlatOptions:
         allow_several_ranks: in-backward mode under several distributed ranks that share no
             parameters (pipeline stages, independent runs); refused otherwise.
         direct_grads: in step mode, the covered layers (see :mod:`flatopt.landing`) of the model
-            write their gradients straight into the flat gradient buffer; False copies every gradient
-            in by hook.
+            write their gradients straight into the flat gradient buffer: True everywhere, None (the
+            default) on GPUs only (:attr:`flatopt.grads.GradLanding.direct_on_cpu`), False nowhere.
         model: the model whose covered layers write into the buffer when ``params`` are parameters or
             param groups rather than the module itself (None: ``params`` if it is a module).
         accumulation_steps: in in-backward mode, the backward passes per optimizer step: the first
@@ -112,7 +112,7 @@ class FlatOptions:
     in_backward: bool = False
     bucket_size: int = DEFAULT_BUCKET_SIZE
     allow_several_ranks: bool = False
-    direct_grads: bool = True
+    direct_grads: bool | None = None
     model: object = None
     accumulation_steps: int = 1
     max_grad_norm: float | None = None
@@ -173,7 +173,7 @@ class FlatOptions:
             in_backward=in_backward,
             bucket_size=bucket_size,
             allow_several_ranks=bool(kwargs.get("allow_several_ranks", False)),
-            direct_grads=bool(kwargs.get("direct_grads", True)),
+            direct_grads=None if kwargs.get("direct_grads") is None else bool(kwargs["direct_grads"]),
             model=model,
             accumulation_steps=accumulation_steps,
             max_grad_norm=max_grad_norm,

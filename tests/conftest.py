@@ -157,9 +157,10 @@ def pretend_ranks(monkeypatch, world):
 
 @pytest.fixture(autouse=True)
 def gradients_as_on_a_gpu(request, monkeypatch):
-    """On a GPU, zero_grad() releases the flat gradient storage and a hook copies each gradient of its own into the
-    buffer as it arrives; on the CPU the storage is kept and step() lands those gradients itself (flatopt.landing,
-    flatopt.grads: re-faulting pages and a Python hook per gradient cost more than the step there). The suite runs
+    """On a GPU, zero_grad() releases the flat gradient storage, the covered layers write their gradients into the
+    buffer and a hook copies each other gradient into it as it arrives; on the CPU the storage is kept, no layer is
+    covered by default and step() lands the gradients itself (flatopt.landing, flatopt.grads: re-faulting pages, a
+    Python hook per gradient and a Python autograd.Function per layer cost more than they save there). The suite runs
     on the CPU and tests the GPU's path, the one most users get; a test marked ``cpu_gradient_policy`` gets the
     CPU's, and so does every test with ``FLATOPT_TEST_GRADIENTS=cpu`` in the environment."""
     if "cpu_gradient_policy" not in request.keywords and os.environ.get("FLATOPT_TEST_GRADIENTS") != "cpu":
@@ -168,3 +169,4 @@ def gradients_as_on_a_gpu(request, monkeypatch):
 
         monkeypatch.setattr(LandingSlots, "release_on_cpu", True)
         monkeypatch.setattr(GradLanding, "copy_on_cpu", True)
+        monkeypatch.setattr(GradLanding, "direct_on_cpu", True)

@@ -1118,7 +1118,7 @@ def test_eager_model_sizes(eager, harness):
 def test_eager_smoke_run_on_cpu(eager, eager_smoke):
     record = json.loads(eager_smoke.read_text())
     assert record["benchmark"] == "eager" and record["kind"] == "smoke" and record["env"]["device_name"]
-    names = ["torch-default", "torch-fused", "torch-foreach", "flatopt-hooks", "flatopt"]
+    names = ["torch-default", "torch-fused", "torch-foreach", "flatopt-direct", "flatopt"]
     assert list(record["impls"]) == names
     alone = {(r["model"], r["impl"]): r for r in record["results"]}
     for m in eager.MODELS:

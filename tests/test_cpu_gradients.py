@@ -1,11 +1,12 @@
-"""How gradients reach the step on the CPU (flatopt.grads.GradLanding.copy_on_cpu off, as outside the tests).
+"""How gradients reach the step on the CPU (flatopt.grads.GradLanding.copy_on_cpu and direct_on_cpu off, as
+outside the tests).
 
-No hook copies a gradient of its own (one autograd made for an uncovered use) into the flat buffer as it arrives:
-``.grad`` holds autograd's tensor, also after ``step()``, which copies the small ones into their slots with one
-batched copy and steps the others where they lie (``IN_PLACE_MIN`` elements and more). Covered layers still write
-into the buffer. Checked against torch.optim's fused CPU kernels (and the Lion reference) over many steps, with
-accumulation, ``zero_grad(set_to_none=False)``, a parameter without a gradient, clipping (flatopt's and torch's),
-GradScaler's arguments and a master-weight buffer.
+No hook copies a gradient of its own into the flat buffer as it arrives: ``.grad`` holds autograd's tensor, also
+after ``step()``, which copies the small ones into their slots with one batched copy and steps the others where
+they lie (``IN_PLACE_MIN`` elements and more). No layer is covered by default; with ``direct_grads=True`` covered
+layers write into the buffer. Checked against torch.optim's fused CPU kernels (and the Lion reference) over many
+steps, with accumulation, ``zero_grad(set_to_none=False)``, a parameter without a gradient, clipping (flatopt's
+and torch's), GradScaler's arguments and a master-weight buffer.
 """
 
 import pytest
@@ -66,19 +67,24 @@ def in_buffer(opt, t):
     return False
 
 
+@pytest.mark.parametrize("direct", [None, True], ids=["default", "direct_grads"])
 @pytest.mark.parametrize("name", list(PAIRS))
-def test_large_gradients_are_stepped_where_autograd_left_them(name):
+def test_large_gradients_are_stepped_where_autograd_left_them(name, direct):
+    """By default no layer is covered on the CPU (the Linear's gradients are autograd's tensors, read or gathered
+    by step()); with direct_grads=True the Linear writes into the buffer. Either way: torch.optim's numbers."""
     ours_cls, theirs_cls, kw = PAIRS[name]
     m1, m2 = Model(), Model()
-    o1, o2 = ours_cls(m1, **kw), theirs_cls(list(m2.parameters()), **kw)
+    o1, o2 = ours_cls(m1, **kw, direct_grads=direct), theirs_cls(list(m2.parameters()), **kw)
     assert o1.backend == "cpu"
+    assert ("_compiled_call_impl" in m1.proj.__dict__) is bool(direct), "covered only when asked for"
     for step, x in enumerate(batches(12)):
         for m, o in ((m1, o1), (m2, o2)):
             o.zero_grad()
             m(x).backward()
         mix_grad, shift_grad = m1.mix.grad, m1.shift.grad
         assert not in_buffer(o1, mix_grad) and not in_buffer(o1, shift_grad)  # no hook copied them
-        assert in_buffer(o1, m1.proj.weight.grad)  # a covered layer wrote it there
+        # a covered layer writes there; an uncovered one's gradient is autograd's tensor, copied by step()
+        assert in_buffer(o1, m1.proj.weight.grad) is bool(direct)
         for o in (o1, o2):
             o.step()
         assert m1.mix.grad is mix_grad, "the large gradient stays autograd's tensor"

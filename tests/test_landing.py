@@ -971,7 +971,7 @@ def test_an_optimizer_on_the_cpu_steps_as_torch_with_the_storage_kept(backend):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     ref = copy.deepcopy(model)
-    ours = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1, backend=backend)
+    ours = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1, backend=backend, direct_grads=True)  # on the CPU too
     theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     address = None
     for step in range(4):
