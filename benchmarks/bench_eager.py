@@ -39,7 +39,8 @@ time of ``opt.step()`` alone (CUDA events, harness.device_time). Paired: every i
 warmed up, then timed alternately round by round (harness.time_paired): ``--iters`` rounds of one synchronised
 step each (CUDA events around the step and a wait for the second: host work before the first kernel counts), then
 B2B_ROUNDS rounds of ``harness.b2b_steps_per_round(iters)`` steps back to back each (the host running ahead of the
-device, no synchronisation inside a turn). Per model the optimizer share: torch-fused's step() alone / its
+device, no synchronisation inside a turn; on the CPU, where nothing runs ahead, ``iters // 5`` rounds of 5 steps:
+short turns keep the machine's slow drifts out of the ratios, as the synchronised rounds do). Per model the optimizer share: torch-fused's step() alone / its
 synchronised training step.
 
 flatopt's targets (rows of the target table; reported with margins, not asserted): on every GPU model flatopt /
@@ -406,8 +407,8 @@ def run_paired(model_name, cfg, names, device, args):
             for _ in range(args.warmup):
                 one()
         synced = harness.time_paired(steps, device, args.iters)
-        per_turn = harness.b2b_steps_per_round(args.iters)
-        b2b = harness.time_paired(steps, device, B2B_ROUNDS, per_turn=per_turn)
+        b2b_rounds, per_turn = b2b_turns(device, args.iters)
+        b2b = harness.time_paired(steps, device, b2b_rounds, per_turn=per_turn)
         for name in names:
             row[name] = dict(
                 harness.timing_fields(synced[name][0]),
@@ -420,11 +421,18 @@ def run_paired(model_name, cfg, names, device, args):
                 synchronised=_ratio_quantiles(synced[MINE][0], synced[other][0]),
                 b2b=_ratio_quantiles(b2b[MINE][0], b2b[other][0]),
             )
-        row.update(rounds=args.iters, b2b_rounds=B2B_ROUNDS, b2b_steps_per_round=per_turn)
+        row.update(rounds=args.iters, b2b_rounds=b2b_rounds, b2b_steps_per_round=per_turn)
 
     harness.run_guarded(row, device, body)
     row["ours"] = row["status"] == "failed"  # a failure while they ran together cannot be told apart from flatopt's
     return row
+
+
+def b2b_turns(device, iters):
+    """(rounds, steps per turn) of the back-to-back timing on ``device``."""
+    if device.type == "cuda":
+        return B2B_ROUNDS, harness.b2b_steps_per_round(iters)
+    return max(B2B_ROUNDS, iters // 5), 5
 
 
 def _ratio_quantiles(mine, theirs):
@@ -563,14 +571,14 @@ def parse_args(argv=None):
     add("--models", type=harness.csv_list(tuple(MODELS)), default=None,
         help=f"default: {','.join(GPU_MODELS)} on CUDA, {','.join(CPU_MODELS)} on the CPU")  # fmt: skip
     add("--warmup", type=int, default=None, help="steps before timing (default 10; smoke 2)")
-    add("--iters", type=int, default=None, help="timed rounds (default 40; CPU 20; smoke 3)")
+    add("--iters", type=int, default=None, help="timed rounds (default 40; CPU 100; smoke 3)")
     args = p.parse_args(argv)
     harness.check_device(p, args, cpu_ok=True)
     cuda = torch.device(args.device).type == "cuda"
     if args.models is None:
         args.models = list(GPU_MODELS if cuda else CPU_MODELS)
     args.warmup = max(1, args.warmup if args.warmup is not None else (2 if args.smoke else 10))
-    args.iters = max(1, args.iters if args.iters is not None else (3 if args.smoke else 40 if cuda else 20))
+    args.iters = max(1, args.iters if args.iters is not None else (3 if args.smoke else 40 if cuda else 100))
     return args
 
 
@@ -590,8 +598,8 @@ def run(args, argv):
         "fused and foreach, time and peak memory",
         "bench_eager", args, argv, device,
         settings=dict(warmup=args.warmup, iters=args.iters, budget_s=args.budget_s, seed=args.seed,
-                      batches=N_BATCHES, b2b_rounds=B2B_ROUNDS,
-                      b2b_steps_per_round=harness.b2b_steps_per_round(args.iters)),
+                      batches=N_BATCHES, b2b_rounds=b2b_turns(device, args.iters)[0],
+                      b2b_steps_per_round=b2b_turns(device, args.iters)[1]),
         hparams=HPARAMS,
         models={m: describe(m, configs[m]) for m in args.models},
         impls={n: IMPLS[n] for n in names},

@@ -1184,9 +1184,12 @@ def test_eager_targets(eager):
 
 def test_eager_cpu_runs_the_demo_model_by_default(eager):
     args = eager.parse_args(["--device", "cpu"])  # not a smoke run: a CPU measurement of the demo model
-    assert args.models == ["demo"] and not args.smoke and args.iters == 20
+    assert args.models == ["demo"] and not args.smoke and args.iters == 100
     assert eager.impls_for(torch.device("cpu"))[0] == "torch-default"
     assert "torch-default" not in eager.impls_for(torch.device("cuda"))
+    # on the CPU back-to-back turns are short, so that slow drifts of the machine stay out of the ratios
+    assert eager.b2b_turns(torch.device("cpu"), 100) == (20, 5)
+    assert eager.b2b_turns(torch.device("cuda"), 40) == (eager.B2B_ROUNDS, 10)
 
 
 def test_eager_flatopt_failure_sets_exit_status(eager, tmp_path, monkeypatch):
