@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -1074,6 +1075,45 @@ def test_profile_step_smoke_run(tmp_path):
         assert record["gather"]["status"] == "skipped"
 
 
+def test_profile_landing_smoke_run(tmp_path):
+    """Every implementation trains the same stack and is timed phase by phase; the summary is per layer, with the
+    difference to torch-fused (zero for torch-fused itself), and --report prints the stored tables."""
+    profile = import_benchmark("profile_landing")
+    path = tmp_path / "p.json"
+    assert profile.main(["--device", "cpu", "--smoke", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["benchmark"] == "profile-landing" and record["smoke"] and not record["flatopt_failed"]
+    assert record["settings"]["layers"] == 4 and record["settings"]["rounds"] == 3
+    times = record["result"]["times_us_per_layer"]
+    assert list(times) == list(profile.IMPLS) == list(record["summary"])
+    for impl, phases in times.items():
+        assert all(len(v) == 3 and min(v) > 0 for v in phases.values()), impl
+        for ph, v in record["summary"][impl].items():
+            assert v["us"] == pytest.approx(statistics.median(phases[ph]), abs=1e-3)
+    assert all(v["over_torch_fused"] == 0 for v in record["summary"]["torch-fused"].values())
+    assert "python-function" in profile.markdown(record) and "whole step" in profile.markdown(record)
+
+
+def test_profile_landing_models_train_alike():
+    """The four implementations start from the same weights and, fed the same batch, take the same steps (the
+    plain Function's gradients are torch's): a profile of different work would compare nothing."""
+    profile = import_benchmark("profile_landing")
+    args = profile.parse_args(["--device", "cpu", "--smoke"])
+    cpu = torch.device("cpu")
+    x = torch.randn(args.batch, args.width)
+    out = {}
+    for impl in profile.IMPLS:
+        model = profile.make_model(impl, args, cpu)
+        opt = profile.make_optimizer(impl, model)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        out[impl] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    for impl in profile.IMPLS[1:]:
+        torch.testing.assert_close(out[impl], out["torch-fused"], rtol=1e-5, atol=1e-6, msg=impl)
+
+
 def test_profile_capture_smoke_run(tmp_path):
     profile = import_benchmark("profile_capture")
     path = tmp_path / "p.json"
@@ -1451,14 +1491,25 @@ def report():
 
 
 def test_docs_performance_is_generated_from_the_stored_results(report, capsys):
-    """docs/performance.md is what report.py writes from benchmarks/results/: regenerate it when a result changes."""
+    """docs/performance.md is what report.py writes from benchmarks/results/: regenerate it when a result changes.
+    It shows the latest result of each kind (eager: of the GPU and of the CPU) and counts the older ones."""
     assert report.main(["--check"]) == 0, capsys.readouterr().err
     text = (ROOT / "docs" / "performance.md").read_text()
+    latest = {}
     for path in RESULT_JSONS:
         record = json.loads(path.read_text())
         kind = record.get("benchmark", "step")
         if kind in ("step", "eager", "capture", "memory", "cpu"):
-            assert f"(../benchmarks/results/{path.name})" in text and record["env"]["date"] in text
+            latest.setdefault((kind, report.on_cuda(record)), []).append((record["env"]["date"], path.name, record))
+    assert latest
+    for (kind, _), found in latest.items():
+        date, name, record = max(found)
+        assert f"(../benchmarks/results/{name})" in text and date in text, name
+        for _, older, _ in found:
+            if older != name:
+                assert f"(../benchmarks/results/{older})" not in text, older
+        if len(found) > 1:
+            assert f"({len(found) - 1} older {kind} result(s) stored beside it are not shown.)" in text
     assert "SMOKE RUN" not in text
 
 
