@@ -6,7 +6,8 @@
 #   capture   bench_capture.py: captured training steps against CUDA graphs, torch.compile  about 210 s
 #   step      bench_step.py --variants step --groups 1: step() alone, percent of the floor  200-350 s
 #   loop      bench_step.py --variants loop --groups 1,2: zero_grad + gradient landing + step  not yet measured
-#   eager     bench_eager.py: eager training steps against torch fused and foreach AdamW   not yet measured
+#   eager     bench_eager.py: eager training steps against torch fused and foreach AdamW,   not yet measured
+#             then profile_landing.py (host time per layer of each landing; 40 s of the share)
 #   memory    bench_memory.py: in-backward mode's peak memory on a 1B model                about 40 s
 #   fsdp      bench_fsdp.py --ranks 1,2: FSDP2 on one GPU, flatopt against torch fused AdamW  not yet measured
 #   convergence  convergence.py: final loss of each precision mode against fp32 AdamW, 3 seeds  not yet measured
@@ -198,9 +199,13 @@ for s in $SECTIONS; do
       --budget-s "$inner" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"} ${QUICK[@]+"${QUICK[@]}"} "$@"
     ;;
   eager)
-    run_section eager "$secs" $PY benchmarks/bench_eager.py --json "$DEST/eager-$STAMP.json" \
-      --markdown "$WORK/eager.md" --budget-s "$inner" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"} \
+    run_section eager "$((secs - 40))" $PY benchmarks/bench_eager.py --json "$DEST/eager-$STAMP.json" \
+      --markdown "$WORK/eager.md" --budget-s "$((inner - 40))" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"} \
       ${EAGER_MODELS[@]+"${EAGER_MODELS[@]}"}
+    mkdir -p "$DEST/profiles"
+    run_section landing-profile 40 $PY benchmarks/profile_landing.py \
+      --json "$DEST/profiles/profile-landing-$STAMP.json" --markdown "$WORK/landing-profile.md" \
+      ${BENCH_DEV[@]+"${BENCH_DEV[@]}"}
     ;;
   memory)
     run_section memory "$secs" $PY benchmarks/bench_memory.py --json "$DEST/memory-$STAMP.json" \
@@ -230,13 +235,14 @@ SUMMARY="$DEST/summary-$STAMP.md"
   echo "# flatopt GPU run $STAMP"
   echo
   for s in $SECTIONS; do echo "- $s: exit status ${RC[$s]:-not run}"; done
+  if [ -n "${RC[landing-profile]+x}" ]; then echo "- landing-profile: exit status ${RC[landing-profile]}"; fi
 } >"$SUMMARY"
 for json in "$DEST"/*-"$STAMP".json; do
   [ -f "$json" ] || continue
   timeout 60 $PY benchmarks/plot.py "$json" --png "${json%.json}.png" ${PLOT_SMOKE[@]+"${PLOT_SMOKE[@]}"} || plot_rc=$?
 done
 if [ "$plot_rc" != 0 ]; then RC[plot]=$plot_rc; fi
-for part in step loop eager memory fsdp capture convergence; do
+for part in step loop eager landing-profile memory fsdp capture convergence; do
   if [ -f "$WORK/$part.md" ]; then
     printf '\n## %s\n\n' "$part" >>"$SUMMARY"
     cat "$WORK/$part.md" >>"$SUMMARY"
