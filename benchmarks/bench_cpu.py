@@ -16,7 +16,7 @@ Implementations:
     flatopt         flatopt, backend="cpu"                                       AdamW, SGD, Lion
 
 SGD with momentum 0.9. Two variants: ``step``, ``opt.step()`` alone with the gradients in place (random normal: in
-``.grad`` for torch.optim and lion-pytorch, in flatopt's flat gradient buffer, where covered layers write them);
+``.grad`` for torch.optim and lion-pytorch, in flatopt's flat gradient buffer, where covered layers would write them);
 ``loop``, what a training loop pays: ``opt.zero_grad()`` (set_to_none=True), a cheap backward that lands every
 gradient as autograd lands it (``loss = sum((p * c).sum())``, ``c`` a non-zero number that changes from call to
 call: each parameter's gradient is a new tensor, which ``.grad`` takes; flatopt's step copies the small ones into its

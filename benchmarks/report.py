@@ -40,7 +40,7 @@ SECTIONS = (  # kind, title, the command that produces a result of that kind (on
     ("convergence", "Convergence of the precision modes: final loss against float32 AdamW (see docs/precision.md)",
      "FLATOPT_SECTIONS=convergence bash benchmarks/run_gpu.sh"),
 )  # fmt: skip
-PROFILE_KINDS = ("profile-step", "profile-gather", "profile-capture")
+PROFILE_KINDS = ("profile-step", "profile-gather", "profile-capture", "profile-landing")
 
 
 def _date(record):
@@ -67,11 +67,12 @@ def load_results(results_dir, allow_smoke=False):
 
 
 def profile_kind(path, record):
-    """profile-step, profile-gather or profile-capture: the record's "benchmark", else from the file name (profiles
-    written before they had one: profile-STAMP is a step profile, profile-gather-STAMP its gather section alone)."""
+    """profile-step, profile-gather, profile-capture or profile-landing: the record's "benchmark", else from the file
+    name (profiles written before they had one: profile-STAMP is a step profile, profile-gather-STAMP its gather
+    section alone)."""
     if record.get("benchmark") in PROFILE_KINDS:
         return record["benchmark"]
-    for kind in ("profile-capture", "profile-gather"):
+    for kind in ("profile-capture", "profile-gather", "profile-landing"):
         if path.name.startswith(kind + "-"):
             return kind
     return "profile-step"

@@ -7,7 +7,7 @@
 #   step      bench_step.py --variants step --groups 1: step() alone, percent of the floor  200-350 s
 #   loop      bench_step.py --variants loop --groups 1,2: zero_grad + gradient landing + step  not yet measured
 #   eager     bench_eager.py: eager training steps against torch fused and foreach AdamW,   not yet measured
-#             then profile_landing.py (host time per layer of each landing; 40 s of the share)
+#             then profile_landing.py (host time per layer of each landing; a fifth of the share, 40 s at most)
 #   memory    bench_memory.py: in-backward mode's peak memory on a 1B model                about 40 s
 #   fsdp      bench_fsdp.py --ranks 1,2: FSDP2 on one GPU, flatopt against torch fused AdamW  not yet measured
 #   convergence  convergence.py: final loss of each precision mode against fp32 AdamW, 3 seeds  not yet measured
@@ -38,9 +38,9 @@
 # Writes to $OUT (default: benchmarks/results), every name stamped with the run's UTC time: run-STAMP.log
 # (everything printed, nvidia-smi included), junit-STAMP.xml (tests), step-STAMP.json (step), step-loop-STAMP.json
 # (loop), eager-STAMP.json, memory-STAMP.json, fsdp-STAMP.json, capture-STAMP.json, convergence-STAMP.json, a PNG
-# beside each JSON, and summary-STAMP.md (the benchmarks' markdown tables). Commit the JSON and PNG files to
-# benchmarks/results/ (with the device in the name, e.g. eager-h100-STAMP.json) and run `python3 benchmarks/report.py`
-# to regenerate docs/performance.md.
+# beside each JSON, profiles/profile-landing-STAMP.json (eager), and summary-STAMP.md (the benchmarks' markdown
+# tables). Commit the JSON and PNG files to benchmarks/results/ (with the device in the name, e.g.
+# eager-h100-STAMP.json) and run `python3 benchmarks/report.py` to regenerate docs/performance.md.
 # Exit status: non-zero when a test failed, a benchmark failed (a flatopt case failed), or a plot failed.
 set -uo pipefail
 
@@ -199,11 +199,12 @@ for s in $SECTIONS; do
       --budget-s "$inner" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"} ${QUICK[@]+"${QUICK[@]}"} "$@"
     ;;
   eager)
-    run_section eager "$((secs - 40))" $PY benchmarks/bench_eager.py --json "$DEST/eager-$STAMP.json" \
-      --markdown "$WORK/eager.md" --budget-s "$((inner - 40))" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"} \
+    prof=$((secs / 5 < 40 ? secs / 5 : 40)) # the landing profile's part of the share
+    run_section eager "$((secs - prof))" $PY benchmarks/bench_eager.py --json "$DEST/eager-$STAMP.json" \
+      --markdown "$WORK/eager.md" --budget-s "$((inner - prof))" ${BENCH_DEV[@]+"${BENCH_DEV[@]}"} \
       ${EAGER_MODELS[@]+"${EAGER_MODELS[@]}"}
     mkdir -p "$DEST/profiles"
-    run_section landing-profile 40 $PY benchmarks/profile_landing.py \
+    run_section landing-profile "$prof" $PY benchmarks/profile_landing.py \
       --json "$DEST/profiles/profile-landing-$STAMP.json" --markdown "$WORK/landing-profile.md" \
       ${BENCH_DEV[@]+"${BENCH_DEV[@]}"}
     ;;
@@ -258,8 +259,8 @@ for k in "${!RC[@]}"; do
   if [ "${RC[$k]}" != 0 ] && [ "${RC[$k]}" != skipped ]; then status=1; fi
 done
 echo "== done in $((SECONDS - START)) s:$summary; files in $DEST:"
-ls -1 "$DEST" | grep -F "$STAMP"
-n_files=$(ls -1 "$DEST" | grep -cF "$STAMP")
+find "$DEST" -maxdepth 2 -type f -name "*$STAMP*" | sed "s|^$DEST/||" | sort
+n_files=$(find "$DEST" -maxdepth 2 -type f -name "*$STAMP*" | wc -l)
 echo "($n_files files)"
 if [ "$n_files" -gt 8 ]; then echo "run_gpu.sh: $n_files files; the GPU machine returns 8: run fewer sections per call"; fi
 exit $status

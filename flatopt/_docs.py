@@ -59,7 +59,7 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             rank clips by the same coefficient (docs/distributed.md) (default: None, no clipping)
         norm_type (float, optional): the norm of ``max_grad_norm``: 2.0, 1.0 or inf (default: 2.0)
 
-        direct_grads (bool, optional): in step mode, whether the covered layers (``nn.Linear``,
+        direct_grads (bool or None, optional): in step mode, whether the covered layers (``nn.Linear``,
             ``nn.Embedding``) of the model write their gradients straight into the flat gradient
             buffer: ``None`` on a GPU but not on the CPU (where the step reads autograd's
             gradients in place), ``True`` on every device, ``False`` nowhere; every other gradient
@@ -101,9 +101,10 @@ FUSED = """fused (bool, optional): None or True: flatopt always steps each flat 
 
 NOTES = """
     Gradients: with ``flat=True`` gradients live in one flat buffer per (device, dtype).
-    ``zero_grad()`` sets every ``.grad`` to None and frees the buffer's storage, as torch.optim
-    frees its gradients; covered layers (``nn.Linear``, ``nn.Embedding``) write each new gradient
-    into the parameter's view, and a hook copies the others in and puts the view back in ``.grad``;
+    ``zero_grad()`` sets every ``.grad`` to None and, on a GPU, frees the buffer's storage, as
+    torch.optim frees its gradients; there covered layers (``nn.Linear``, ``nn.Embedding``) write
+    each new gradient into the parameter's view, and a hook copies the others in and puts the view
+    back in ``.grad`` (on the CPU ``step()`` reads or gathers autograd's gradients: docs/gradients.md);
     ``zero_grad(set_to_none=False)`` zeroes the buffer and keeps the views. ``step()`` leaves
     parameters whose ``.grad`` is None untouched, as torch.optim does (``skip_unused=False`` steps
     them with a zero gradient), and copies in a ``.grad`` set behind the optimizer's back. ``step()`` accepts

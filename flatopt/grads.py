@@ -1,9 +1,11 @@
 """How gradients reach the flat gradient buffers.
 
-Each parameter has a slot in its buffer (:mod:`flatopt.landing`). The covered layers of the model
+Each parameter has a slot in its buffer (:mod:`flatopt.landing`). On a GPU the covered layers of the model
 (``nn.Linear``, ``nn.Embedding``) write their gradients into the slots during backward, with the op
 that computes them; every other gradient is born as a tensor of its own and a post-accumulate-grad
-hook copies it into its slot (a read and a write of its bytes), which frees the tensor at once.
+hook copies it into its slot (a read and a write of its bytes), which frees the tensor at once. On the CPU
+(:attr:`GradLanding.copy_on_cpu` and :attr:`GradLanding.direct_on_cpu` off) no layer is covered unless
+``direct_grads=True`` and no hook copies: ``step()`` reads or gathers autograd's gradients.
 
 * :meth:`GradLanding.release` (``opt.zero_grad()``) sets every ``.grad`` to None, as torch does,
   and releases the gradient storage until the next gradient arrives;

@@ -239,10 +239,10 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             set_to_none (bool): instead of setting to zero, set the grads to None (default: True).
 
         With ``flat=True`` the gradients still land in the flat gradient buffer. ``set_to_none=True``
-        sets every ``.grad`` to None and releases the buffer's storage until the next gradient
-        arrives; covered layers write their gradients into their views, the others are copied in
-        (a read and a write of their bytes), and ``step()`` leaves the parameters that received
-        none untouched. With
+        sets every ``.grad`` to None and, on a GPU, releases the buffer's storage until the next
+        gradient arrives; covered layers write their gradients into their views, the others are
+        copied in (a read and a write of their bytes; on the CPU by ``step()``: docs/gradients.md),
+        and ``step()`` leaves the parameters that received none untouched. With
         ``set_to_none=False`` the views are put back in ``.grad`` (a None ``.grad`` stays None, unless
         ``skip_unused=False``) and each buffer is zeroed (one operation each), and autograd adds each
         gradient into its view (a write, then two reads and a write). Parameters unfrozen or added to

@@ -148,7 +148,7 @@ class FlatOptions:
         for name in ("direct_grads", "model"):
             # in-backward mode takes a DistributedDataParallel model: param groups with model=ddp (engines.ddp_backward)
             ddp_model = name == "model" and in_backward and flat and is_ddp(kwargs.get("model"))
-            if name in kwargs and (in_backward or not flat) and not ddp_model:
+            if kwargs.get(name) is not None and (in_backward or not flat) and not ddp_model:  # None: the default
                 mode = "in_backward=True" if in_backward else "flat=False"
                 raise ValueError(
                     f"{cls_name}: {name} applies to step mode with flat=True (gradients landing in the flat "

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.cpu_gradient_policy
 
 
 class Model(nn.Module):
-    """A covered Linear, a large uncovered weight (read in place) and a small uncovered bias (copied in)."""
+    """A Linear (covered with direct_grads=True), a large weight of its own (read in place) and a small bias (copied
+    in)."""
 
     def __init__(self, dtype=torch.float32, seed=0):
         super().__init__()
@@ -74,7 +75,8 @@ def test_large_gradients_are_stepped_where_autograd_left_them(name, direct):
     by step()); with direct_grads=True the Linear writes into the buffer. Either way: torch.optim's numbers."""
     ours_cls, theirs_cls, kw = PAIRS[name]
     m1, m2 = Model(), Model()
-    o1, o2 = ours_cls(m1, **kw, direct_grads=direct), theirs_cls(list(m2.parameters()), **kw)
+    mine = {} if direct is None else dict(direct_grads=direct)  # the default: the keyword left out
+    o1, o2 = ours_cls(m1, **kw, **mine), theirs_cls(list(m2.parameters()), **kw)
     assert o1.backend == "cpu"
     assert ("_compiled_call_impl" in m1.proj.__dict__) is bool(direct), "covered only when asked for"
     for step, x in enumerate(batches(12)):
@@ -194,7 +196,7 @@ def test_the_first_pass_hooks_leave_nothing_behind():
     model = Model()
     calls = []
     model.shift.register_hook(lambda g: calls.append("shift"))  # the caller's: kept
-    opt = flatopt.SGD(model, lr=0.1)
+    opt = flatopt.SGD(model, lr=0.1, direct_grads=True)  # proj covered: its hooks are of another kind
     for _ in range(2):
         opt.zero_grad()
         model(batches(1)[0]).backward()
@@ -204,3 +206,37 @@ def test_the_first_pass_hooks_leave_nothing_behind():
     assert len(model.shift._backward_hooks) == 1 and model.shift._post_accumulate_grad_hooks is None
     for p in model.proj.parameters():  # covered: a post-accumulate-grad hook, whose emptied table torch keeps
         assert p._backward_hooks is None and not p._post_accumulate_grad_hooks
+
+
+@pytest.mark.parametrize("direct", [None, False, True])
+def test_direct_grads_given_explicitly(direct):
+    """direct_grads=None is the default (nothing covered on the CPU), False covers nothing, True covers the Linear;
+    None is accepted in every mode, as a default forwarded by a configuration layer would be."""
+    model = Model()
+    opt = flatopt.AdamW(model, direct_grads=direct)  # kept: an optimizer collected takes its patches along
+    assert ("_compiled_call_impl" in model.proj.__dict__) is bool(direct)
+    del opt
+    for kw in (dict(in_backward=True), dict(flat=False)):
+        flatopt.AdamW(Model(), direct_grads=None, **kw)  # the default, spelled out
+        with pytest.raises(ValueError, match="direct_grads applies to step mode with flat=True"):
+            flatopt.AdamW(Model(), direct_grads=True, **kw)
+
+
+def test_the_default_covers_the_layers_whose_slots_are_on_a_gpu():
+    """LandingSlots.install(cpu=False), what direct_grads=None does on the CPU's policy: a layer whose weight's slot
+    is on the CPU is left to torch, one on another device is covered (the buffer's device faked here: the CPU
+    tests have no GPU)."""
+    from flatopt.landing import LandingSlots
+    from flatopt.layout import FlatBuffer
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    bufs = [FlatBuffer(list(m.parameters()), [0, 0], grad=True) for m in model]
+    slots = LandingSlots(bufs)
+    slots._on_cpu[1] = False  # as if the second layer's buffer were on a GPU
+    try:
+        assert slots.install(model, cpu=False) == ["1"]
+        assert set(slots.covered) == set(model[1].parameters())
+    finally:
+        slots.uninstall()
+    assert slots.install(model, cpu=True) == ["0", "1"]
+    slots.uninstall()
