@@ -311,10 +311,12 @@ class CheckpointMixin:
             raise ValueError(f"loaded state dict has state {type(saved).__name__} for parameter {k}; expected a dict")
         if not saved:  # torch.optim saves {} for a parameter whose state was emptied: none, as at its first step
             return 0.0, {}, {}
-        # torch.optim's amsgrad state, which no flatopt optimizer implements, and with 8-bit states the names their
-        # scales are kept under in opt.state: refused rather than carried as the caller's keys
+        # AdamW: torch.optim's amsgrad state, which flatopt.AdamW does not implement (SGD and Lion carry it as the
+        # caller's key, as torch.optim.SGD keeps any key); with 8-bit states the names their scales are kept under in
+        # opt.state: refused rather than carried as the caller's keys
         scales = self._own_keys() - allowed
-        unexpected = sorted(set(saved) & ({"max_exp_avg_sq"} | scales))
+        amsgrad = {"max_exp_avg_sq"} if "exp_avg_sq" in rule.state_names else set()
+        unexpected = sorted(set(saved) & (amsgrad | scales))
         if unexpected:
             if "max_exp_avg_sq" in unexpected:
                 hint = " (amsgrad state: flatopt.AdamW does not implement amsgrad)"

@@ -543,6 +543,8 @@ class Pair:
         first = next((k for k, v in entries.items() if isinstance(v, dict)), None)  # not a hook's non-tensor key
         if how == "missing_state" and self.plan.optim == "SGD":
             how = "shape"  # torch.optim.SGD's state may lack a momentum buffer: a valid state dict
+        if how == "extra_state" and self.plan.optim != "AdamW":
+            how = "shape"  # an amsgrad state is refused by AdamW only: SGD and Lion keep it as the caller's key
         if how in ("shape", "extra_state", "missing_state", "negative_step", "not_a_dict") and first is None:
             how = "group_count"  # nothing stepped yet: no state to spoil
         if how == "shape":

@@ -789,3 +789,28 @@ def test_on_the_gpu_callers_keys_of_a_cpu_checkpoint_go_to_the_parameters_device
     assert_extras_as_torch(pair, "a CPU checkpoint", {i: {"note": f"params[{i}]"} for i in range(len(SHAPES))})
     assert pair.opt.state[pair.ours[0]]["ema"].device.type == "cuda"
     pair.run(2, "after loading a CPU checkpoint")
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("opt_name", list(WITH_LION))
+def test_an_amsgrad_state_is_refused_by_adamw_alone(opt_name, engine):
+    """``max_exp_avg_sq`` (torch.optim.AdamW's amsgrad state) is refused by flatopt.AdamW, which has no amsgrad, before
+    anything changes; SGD and Lion keep it as the caller's key, as torch.optim.SGD keeps any key it is given."""
+    pair = Pair(opt_name, engine)
+    pair.run(2, "before")
+    sd = copy.deepcopy(pair.ref.state_dict())
+    first = next(iter(sd["state"]))
+    sd["state"][first]["max_exp_avg_sq"] = torch.full_like(pair.theirs[first], 0.25)
+    if opt_name == "adamw":
+        before = copy.deepcopy(pair.opt.state_dict())
+        with pytest.raises(ValueError, match=r"unexpected state \['max_exp_avg_sq'\].*amsgrad"):
+            pair.opt.load_state_dict(copy.deepcopy(sd))
+        assert_same_value(pair.opt.state_dict()["state"], before["state"], "after the refused load")
+        return
+    pair.opt.load_state_dict(copy.deepcopy(sd))
+    pair.ref.load_state_dict(copy.deepcopy(sd))
+    mine, theirs = pair.opt.state[pair.ours[first]], pair.ref.state[pair.theirs[first]]
+    assert_same_value(mine["max_exp_avg_sq"], theirs["max_exp_avg_sq"], "the amsgrad state, kept")
+    pair.run(2, "after loading")
+    again = pair.opt.state_dict()["state"][first]["max_exp_avg_sq"]
+    assert_same_value(again, theirs["max_exp_avg_sq"], "exported again")
