@@ -77,10 +77,13 @@ class GradLanding:
                 method(p)
 
         self.slots = LandingSlots(buffers, on_fallback=on_fallback)
-        # (parameter, view, slot) for settling's scan: one attribute read and two identity tests per parameter
+        # (parameter, view, slot, and the view's dtype, device, numel, shape and strides) for settling's scan: one
+        # attribute read and two identity tests per parameter whose .grad is in its slot
         self.entries = [
-            (p, view, self.slots.slot_of(p), view.dtype, view.get_device()) for p, view in self.views.items()
+            (p, view, self.slots.slot_of(p), view.dtype, view.get_device(), view.numel(), view.shape, view.stride())
+            for p, view in self.views.items()
         ]
+        self.counts = [len(buf.params) for buf in buffers]
         self.module = module  # the model to cover: its covered layers write into the slots
         self.direct = direct  # True: cover the model's layers; None: those on a GPU (or everywhere: direct_on_cpu)
         # where each parameter's data lives in these buffers: a hook does nothing for a parameter that another
@@ -226,33 +229,12 @@ class GradLanding:
         (sparse, or with autograd history)."""
         self.apply(self.plan())
 
-    def leave_in_place(self, plan, fits, min_numel=0):
-        """Take the gradients of their own of ``min_numel`` elements or more that ``fits(view, grad)`` accepts out of
-        ``plan`` (from :meth:`plan`):
-        their ``.grad`` stays the tensor autograd made, which the step reads where it lies. Returns the plan of the
-        rest and, per buffer index that has some, the list of its parameters' gradients taken (None for the
-        others), in the buffer's order."""
-        zero, copy = plan
-        taken, rest = {}, []
-        slot_of = self.slots.slot_of
-        for entry in copy:
-            p, view, g = entry
-            if g is not None and view.numel() >= min_numel and fits(view, g):
-                s = slot_of(p)
-                row = taken.get(s.b)
-                if row is None:
-                    row = taken[s.b] = [None] * len(self.slots.buffers[s.b].params)
-                row[s.index] = g
-            else:
-                rest.append(entry)
-        return (zero, rest), taken
-
     def settle_gathering(self, fits):
         """settle() inside capture(), except for the gradients left in the graph's pool that ``fits(view,
         grad)`` accepts: those are not copied, and are returned ({parameter: gradient}) for the optimizer's
         kernel to read where they lie and store into the views as it steps (see GradSources). Their
         ``.grad`` is the view all the same, holding its old values until that kernel has run."""
-        zero, copy = self.plan()
+        zero, copy, _ = self.plan()
         taken, rest = {}, []
         for p, view, g in copy:
             if g is not None and self.pooled.get(g.untyped_storage().data_ptr()) is p and fits(view, g):
@@ -264,13 +246,17 @@ class GradLanding:
             self.slots.put(p)
         return taken
 
-    def plan(self):
+    def plan(self, in_place_min=None):
         """What settle() does, checked but not done: ((param, view) to zero, (param, view, tensor or None)
-        to copy). Two or three identity tests per parameter when every ``.grad`` is in its slot (step() runs
-        it at every step, as torch.optim's step looks at every ``.grad``)."""
-        zero, copy = [], []
+        to copy, taken). Two or three identity tests per parameter when every ``.grad`` is in its slot (step() runs
+        it at every step, as torch.optim's step looks at every ``.grad``). ``taken`` is empty unless
+        ``in_place_min`` is given (the CPU step's): then the gradients of their own of that many elements or more
+        that the step can read where they lie (:meth:`flatopt.layout.GradSources.fits`) are not copied but taken,
+        their ``.grad`` staying the tensor autograd made: per buffer index that has some, the list of its
+        parameters' gradients taken (None for the others), in the buffer's order."""
+        zero, copy, taken = [], [], {}
         strided = torch.strided
-        for p, view, slot, dtype, device in self.entries:
+        for p, view, slot, dtype, device, numel, shape, stride in self.entries:
             g = p.grad
             if g is not None and (g is slot.grad or g is view):  # in place: a covered layer's, or settled
                 continue
@@ -283,18 +269,31 @@ class GradLanding:
                 continue  # cast with it: check_bindings() raises
             if g.layout is not strided or g.requires_grad:
                 self._check(p, g)  # raises, naming the parameter
-            if g.data_ptr() == view.data_ptr() and g.stride() == view.stride():
+            at, strides = g.data_ptr(), g.stride()
+            if at == view.data_ptr() and strides == stride:
                 copy.append((p, view, None))  # the view itself, as another tensor object
+            elif (  # GradSources.fits, with the view's shape and strides read once
+                in_place_min is not None
+                and numel >= in_place_min
+                and strides == stride
+                and g.shape == shape
+                and g.get_device() == device
+                and at % 16 == 0
+            ):
+                row = taken.get(slot.b)
+                if row is None:
+                    row = taken[slot.b] = [None] * self.counts[slot.b]
+                row[slot.index] = g
             else:
                 copy.append((p, view, g))
-        return zero, copy
+        return zero, copy, taken
 
     def apply(self, plan, put=True):
         """Do what :meth:`plan` planned: zero the views of the parameters without a gradient, copy the gradients of
         their own into their views (one batched copy per dtype and device), and put the views in ``.grad``. With
         ``put=False`` a copied gradient stays in ``.grad`` (the CPU step's: the views then hold copies of them,
         read by the launch that follows; :meth:`restore` or the next settling puts the views back)."""
-        zero, copy = plan
+        zero, copy = plan[:2]
         self.slots.settled()
         self.pooled.clear()
         if not zero and not copy:

@@ -89,7 +89,8 @@ def _run(meta, hparams, numel, found_inf, update, dtype):
 def advance_steps(meta, ok=None):
     """Add one to the completed steps of the launch's active parameters (``ok``: a bool tensor, False when
     found_inf skipped the step, or None)."""
-    steps = meta.steps[meta.first : meta.stop]
+    whole = meta.first == 0 and meta.stop == len(meta.steps)
+    steps = meta.steps if whole else meta.steps[meta.first : meta.stop]
     if meta.active is None and ok is None:
         steps.add_(1)  # one operation: this runs at every CPU step
         return

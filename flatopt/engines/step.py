@@ -116,13 +116,15 @@ class FlatStepEngine(FlatEngine):
         hyper-parameters are validated too)."""
         full = self.full_check_due()
         self._check_bindings(full, settle=False)
-        return self.landing.plan()
+        return self.landing.plan(IN_PLACE_MIN if self.reads_in_place() else None)
 
     def _report_unused(self, plan):
         """The first step's warning: parameters whose .grad was None at the step, and those whose view
         no backward pass wrote into (zero_grad(set_to_none=False), or no zero_grad() yet)."""
         without = {p for p, _ in plan[0]}
         given = {p for p, _, g in plan[1] if g is not None}  # a tensor of its own: set by hand, or by DDP
+        for b, grads in plan[2].items():  # those read in place (on the CPU)
+            given.update(p for p, g in zip(self.buffers[b].params, grads) if g is not None)
         params = [p for b in self.buffers for p in b.params if p.requires_grad]
         unused = [p for p in params if p in without or (p not in self.seen and p not in given)]
         self.unused_reported = True
@@ -157,9 +159,7 @@ class FlatStepEngine(FlatEngine):
         idle = self._set_masks(plan[0]) if opt.skip_unused else ()  # torch.optim's rule: see _set_masks
         if not self.unused_reported:
             self._report_unused(plan)
-        in_place, cpu = {}, self.reads_in_place()
-        if cpu:
-            plan, in_place = self.landing.leave_in_place(plan, GradSources.fits, IN_PLACE_MIN)
+        cpu, in_place = self.reads_in_place(), plan[2]
         # see flatopt.grads. On the CPU the small gradients copied in stay in .grad as well (torch.optim's loop frees
         # them at zero_grad(), and so does this one), unless grad_scale unscales them in their views, which then
         # hold what torch's fused kernels leave in .grad
