@@ -79,7 +79,8 @@ IMPL_NOTES = {
     "flatopt": 'flatopt, backend="cpu"',
 }
 GRAD_VALUES = (0.5, -0.25, 1.0, -0.75)  # the loop's c, in turn (never zero)
-MIN_ROUNDS, MAX_ROUNDS = 7, 60
+MIN_ROUNDS, MAX_ROUNDS = 7, 100
+CASE_S = 3.0  # seconds of timed calls per case: at 1.5 s the ratios of a 2-core VM moved by several % from run to run
 TARGET_RATIO = 1.0  # flatopt / the fastest torch implementation (lion-pytorch for Lion), every case
 
 
@@ -203,8 +204,8 @@ def time_case(calls, rounds, quick):
         for _ in range(2):
             call()
         est[name] = (time.perf_counter() - t) / 2
-    if rounds is None:  # about 1.5 s of timed calls per case, between MIN_ROUNDS and MAX_ROUNDS rounds
-        rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, math.ceil((0.2 if quick else 1.5) / max(sum(est.values()), 1e-6))))
+    if rounds is None:  # about CASE_S of timed calls per case, between MIN_ROUNDS and MAX_ROUNDS rounds
+        rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, math.ceil((0.2 if quick else CASE_S) / max(sum(est.values()), 1e-6))))
     was = gc.isenabled()
     gc.disable()
     try:
