@@ -226,9 +226,10 @@ class GradSources:
     the parameter's own view, whose value the kernel then keeps); ``starts`` and ``sizes``: the offsets
     and numels on the host, which the CPU backend and the reference read. ``store=False``: the caller
     will not read these gradients' slots in the flat buffer after the launch (their ``.grad`` stays
-    where the gradient lies), so a launch need not store them there: the CPU backend then steps from the
-    gradients in place (and leaves the unscaled gradients there under ``grad_scale``, as torch's fused
-    kernels leave them in ``.grad``); the kernels and the reference store them all the same. Such
+    where the gradient lies), so a launch need not store them there: the CPU backend and the Triton
+    kernels (GATHER_STORE off) then step from the gradients in place and write nothing into the buffer
+    (under ``grad_scale`` they leave the unscaled gradients where they lie, as torch's fused kernels leave
+    them in ``.grad``); the torch reference stores them all the same. Such
     sources of a CPU buffer build their device tables only if a kernel asks for them (:meth:`tables`):
     the CPU backend reads the host values, and building them costs host time at every step.
     """

@@ -39,7 +39,8 @@ def adamw_kernel(
     src_ptr, start_ptr, numel_ptr, n_elements, param_lo, param_hi, w_ptr, seed, rng_base,
     NUM_HP: tl.constexpr, GRANULE: tl.constexpr, UNIFORM: tl.constexpr, HAS_ACTIVE: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK_SIZE: tl.constexpr, STEP_BLOCK: tl.constexpr,
-    GATHER: tl.constexpr, MASTER: tl.constexpr, STOCHASTIC: tl.constexpr, QUANT: tl.constexpr,
+    GATHER: tl.constexpr, GATHER_STORE: tl.constexpr, MASTER: tl.constexpr, STOCHASTIC: tl.constexpr,
+    QUANT: tl.constexpr,
 ):  # fmt: skip
     COMPUTE = hp_ptr.dtype.element_ty  # the math's dtype, the table's: see common.py
     offsets, row, steps, active, inv_scale, skipped = begin_step(
@@ -59,8 +60,8 @@ def adamw_kernel(
 
     p = load_param(p_ptr, w_ptr, offsets, active, MASTER, COMPUTE)
     g = load_grad(
-        g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr,
-        n_elements, GRANULE, BLOCK_SIZE, COMPUTE,
+        g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE, GATHER, GATHER_STORE, src_ptr, start_ptr, numel_ptr,
+        param_of_granule_ptr, n_elements, GRANULE, BLOCK_SIZE, COMPUTE,
     )  # fmt: skip
     m = load_state(m_ptr, m_scale_ptr, offsets, active, GRANULE, QUANT, COMPUTE)
     v = load_state(v_ptr, v_scale_ptr, offsets, active, GRANULE, QUANT, COMPUTE)

@@ -18,7 +18,9 @@ states) every kernel takes the same arguments, which :func:`launch` passes, in t
   :class:`flatopt.layout.GradSources`): int64 ``[params]``; the gradients are read from each
   parameter's own gradient tensor at ``src`` instead of from the flat gradient buffer, and stored
   into it as the kernel steps (see gather_grad). This saves the read back of a copy into the buffer
-  before the step: ``capture()`` steps this way (``benchmarks/profile_step.py`` times it alone).
+  before the step: ``capture()`` steps this way (``benchmarks/profile_step.py`` times it alone). With
+  ``GATHER_STORE`` off (sources built with ``store=False``) nothing is stored into the buffer: the step
+  reads each gradient where it lies and leaves it there (unscaled in place under ``HAS_GRAD_SCALE``).
 * ``n_elements``: the length of the flat buffers.
 * ``param_lo``, ``param_hi``: the launch steps parameters ``[param_lo, param_hi)`` of the buffer.
   ``param_of_granule`` holds absolute parameter indices, so a launch over a slice of the buffer
@@ -29,7 +31,8 @@ states) every kernel takes the same arguments, which :func:`launch` passes, in t
   index of the launch's first element in its whole flat buffer (the random bits' counter). See
   load_param and store_param.
 * the compile-time ``NUM_HP``, ``GRANULE``, ``UNIFORM``, ``HAS_ACTIVE``, ``HAS_GRAD_SCALE``,
-  ``HAS_FOUND_INF``, ``BLOCK_SIZE``, ``STEP_BLOCK``, ``GATHER``, ``MASTER`` and ``STOCHASTIC``, passed by name.
+  ``HAS_FOUND_INF``, ``BLOCK_SIZE``, ``STEP_BLOCK``, ``GATHER``, ``GATHER_STORE``, ``MASTER`` and ``STOCHASTIC``,
+  passed by name.
 
 The states may have another float dtype than the parameters (``state_dtype``): each kernel loads them
 ``.to(COMPUTE)`` and stores them ``.to(their dtype)``, rounded to nearest even.
@@ -184,18 +187,19 @@ def granule_rows(pid, BLOCK_SIZE: tl.constexpr, GRANULE: tl.constexpr):
 
 @triton.jit
 def load_grad(
-    g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE: tl.constexpr, GATHER: tl.constexpr, src_ptr, start_ptr,
-    numel_ptr, param_of_granule_ptr, n_elements, GRANULE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    g_ptr, offsets, active, inv_scale, HAS_GRAD_SCALE: tl.constexpr, GATHER: tl.constexpr, GATHER_STORE: tl.constexpr,
+    src_ptr, start_ptr, numel_ptr, param_of_granule_ptr, n_elements, GRANULE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):  # fmt: skip
     """The gradient in the COMPUTE dtype, divided by the grad scale and stored back unscaled (as torch's fused
     kernels leave it) when HAS_GRAD_SCALE. With GATHER it is read from each parameter's own
-    gradient tensor (gather_grad) and stored into the flat gradient buffer: every element, also
-    where the step does not apply (an inactive parameter, a step skipped by found_inf), which gets
-    the gradient as read, as a copy into the buffer before the step would have left it."""
+    gradient tensor (gather_grad) and, with GATHER_STORE, stored into the flat gradient buffer: every element,
+    also where the step does not apply (an inactive parameter, a step skipped by found_inf), which gets
+    the gradient as read, as a copy into the buffer before the step would have left it. Without GATHER_STORE
+    the buffer is not written: under HAS_GRAD_SCALE the unscaled gradient goes back where it was read."""
     if GATHER:
         in_bounds = offsets < n_elements
-        g = gather_grad(
+        g, where, inside = gather_grad(
             offsets, in_bounds, src_ptr, start_ptr, numel_ptr, param_of_granule_ptr, n_elements, GRANULE, BLOCK_SIZE,
             g_ptr.dtype.element_ty, GATHER, COMPUTE,
         )  # fmt: skip
@@ -203,7 +207,10 @@ def load_grad(
         if HAS_GRAD_SCALE:
             g = g * inv_scale
             stored = tl.where(active, g, stored)
-        tl.store(g_ptr + offsets, stored.to(g_ptr.dtype.element_ty), mask=in_bounds)
+            if not GATHER_STORE:
+                tl.store(where, g.to(g_ptr.dtype.element_ty), mask=inside & active)
+        if GATHER_STORE:
+            tl.store(g_ptr + offsets, stored.to(g_ptr.dtype.element_ty), mask=in_bounds)
     else:
         g = tl.load(g_ptr + offsets, mask=active).to(COMPUTE)
         if HAS_GRAD_SCALE:
@@ -224,7 +231,8 @@ def gather_grad(
     element ``start[i] + k`` for k < ``numel[i]``. Lanes past the parameter's end (the alignment
     padding) read 0. ``VEC`` > 1 promises that every ``numel[i]`` is a multiple of it (16 bytes'
     worth of elements): the compiler then loads 16 bytes at a time (checked in the sm_90 PTX: 4 x
-    fp32 or 8 x bf16 per load, where an element-exact mask gives single-element loads)."""
+    fp32 or 8 x bf16 per load, where an element-exact mask gives single-element loads). Returns the
+    gradient, the addresses read and the mask of the lanes read (the padding's are off)."""
     pid = tl.program_id(0).to(tl.int64)
     granules = pid * (BLOCK_SIZE // GRANULE) + tl.arange(0, BLOCK_SIZE // GRANULE)
     in_buffer = granules * GRANULE < n_elements
@@ -238,7 +246,8 @@ def gather_grad(
     if VEC > 1:  # every numel is a multiple of VEC, so the mask is constant over VEC lanes: vector loads
         limit = tl.multiple_of(limit, VEC)
     inside = in_bounds & (lane < limit[:, None])
-    return tl.load(tl.multiple_of(src + into, 16)[:, None] + lane, mask=inside, other=0.0).to(COMPUTE)
+    where = tl.multiple_of(src + into, 16)[:, None] + lane
+    return tl.load(where, mask=inside, other=0.0).to(COMPUTE), where, inside
 
 
 @triton.jit
@@ -352,7 +361,8 @@ def launch(
     * ``grad_scale``, ``found_inf``: GradScaler's float32 ``[1]`` tensors, or None.
     * ``block_size``: elements per program (None: BLOCK_SIZE).
     * ``sources``: a :class:`flatopt.layout.GradSources`, to read each parameter's gradient from where it
-      lies instead (GATHER; see gather_grad), storing it into the flat gradient buffer.
+      lies instead (GATHER; see gather_grad), storing it into the flat gradient buffer unless the sources were
+      built with ``store=False`` (GATHER_STORE).
     * ``master``, ``rounding_seed``, ``rng_base``: the master buffer (float32 or int16), stochastic rounding's
       seed (None: round to nearest) and the launch's first element's index in its whole flat buffer (see
       :mod:`flatopt.precision`).
@@ -379,7 +389,7 @@ def launch(
         master, 0 if rounding_seed is None else rounding_seed, rng_base,
         NUM_HP=rule.num_hparams, UNIFORM=meta.uniform, HAS_ACTIVE=meta.active is not None,
         HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        GATHER=0 if sources is None else sources.vec,
+        GATHER=0 if sources is None else sources.vec, GATHER_STORE=sources is None or sources.store,
         MASTER=0 if master is None else 1 if master.dtype == torch.float32 else 2,
         STOCHASTIC=rounding_seed is not None, QUANT=scales is not None,
         **(constexprs or {}), **opts,

@@ -38,13 +38,15 @@ STATE_POINTERS = {"m_ptr", "v_ptr", "buf_ptr"}
 MASTER_POINTER = {0: "*fp32", 1: "*fp32", 2: "*i16"}  # w_ptr: unused (0), float32 master (1), int16 remainders (2)
 
 
-def compile_for_sm90(kernel, num_hp, dtype, uniform, flags, gather=0, master=0, stochastic=False, state_dtype=None):
+def compile_for_sm90(
+    kernel, num_hp, dtype, uniform, flags, gather=0, master=0, stochastic=False, state_dtype=None, gather_store=True
+):
     fn = getattr(kernel, "fn", kernel)  # the interpreter wraps the function
     names = list(inspect.signature(fn).parameters)
     constexprs = dict(
         NUM_HP=num_hp, GRANULE=GRANULE, UNIFORM=uniform, BLOCK_SIZE=BLOCK_SIZE, STEP_BLOCK=STEP_BLOCK,
         HAS_ACTIVE=flags, HAS_GRAD_SCALE=flags, HAS_FOUND_INF=flags, HAS_MOMENTUM=True, GATHER=gather,
-        MASTER=master, STOCHASTIC=stochastic, QUANT=state_dtype == "int8",
+        GATHER_STORE=gather_store, MASTER=master, STOCHASTIC=stochastic, QUANT=state_dtype == "int8",
     )  # fmt: skip
     signature = {}
     for name in names:
@@ -95,23 +97,33 @@ PRECISION_VARIANTS = [
 ]  # fmt: skip
 
 
+# gathering launches that store nothing into the flat gradient buffer (GATHER_STORE off): sources built with
+# store=False, the gradients read where autograd left them (with GradScaler's flags: unscaled back there)
+NO_STORE_VARIANTS = [("fp32", True, False, 4), ("bf16", False, True, 8)]
+
+
 def main():
-    """Compile every kernel in every variant; print one JSON line per result."""
+    """Compile every kernel in every variant; print one JSON line per result (a variant that stores no gathered
+    gradient ends with "no-store")."""
+    runs = [(v, {}) for v in VARIANTS + PRECISION_VARIANTS] + [(v, dict(gather_store=False)) for v in NO_STORE_VARIANTS]
     for name, (kernel, num_hp) in KERNELS.items():
-        for variant in VARIANTS + PRECISION_VARIANTS:
+        for variant, kw in runs:
             try:
-                ptx = compile_for_sm90(kernel, num_hp, *variant).asm["ptx"]
+                ptx = compile_for_sm90(kernel, num_hp, *variant, **kw).asm["ptx"]
                 ok, detail = f".entry {name}_kernel" in ptx, f"{len(ptx)} bytes of PTX"
-                wide = ptx.count("ld.global.v4.b32")  # 16-byte loads
+                wide, stores = ptx.count("ld.global.v4.b32"), ptx.count("st.global")  # 16-byte loads; stores
             except Exception as e:  # reported by the test, with the compiler's message
-                ok, detail, wide = False, f"{type(e).__name__}: {e}", None
-            print(json.dumps(dict(name=name, variant=list(variant), ok=ok, detail=detail, wide_loads=wide)))
+                ok, detail, wide, stores = False, f"{type(e).__name__}: {e}", None, None
+            tag = ["no-store"] if kw else []
+            print(json.dumps(dict(name=name, variant=[*variant, *tag], ok=ok, detail=detail, wide_loads=wide,
+                                  stores=stores)))  # fmt: skip
 
 
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
 def test_every_kernel_compiles_for_sm90():
     results, run = json_lines_without_interpreter("test_compile", "main")
-    assert len(results) == len(KERNELS) * (len(VARIANTS) + len(PRECISION_VARIANTS)), run.stdout + run.stderr[-4000:]
+    variants = len(VARIANTS) + len(PRECISION_VARIANTS) + len(NO_STORE_VARIANTS)
+    assert len(results) == len(KERNELS) * variants, run.stdout + run.stderr[-4000:]
     failed = [r for r in results if not r["ok"]]
     assert not failed, "\n".join(f"{r['name']} {r['variant']}: {r['detail']}" for r in failed)
     # a launch that gathers its gradients, when their sizes allow (GATHER > 1), loads them 16 bytes at a time, as
@@ -121,3 +133,12 @@ def test_every_kernel_compiles_for_sm90():
         if gather > 1 and not precision:
             plain = wide[(name, dtype, uniform, flags, 0)]
             assert plain > 0 and wide[(name, dtype, uniform, flags, gather)] == plain, (name, dtype, gather, wide)
+    # storing none: the same 16-byte loads, and without GradScaler's flags (nothing written back where the gradients
+    # lie) fewer global stores than the launch that stores the gathered gradients into the flat buffer
+    stores = {(r["name"], *r["variant"]): r["stores"] for r in results}
+    for name in KERNELS:
+        for variant in NO_STORE_VARIANTS:
+            key, mine = (name, *variant), (name, *variant, "no-store")
+            assert wide[mine] == wide[key], (mine, wide[mine], wide[key])
+            flags = variant[2]
+            assert stores[mine] < stores[key] if not flags else stores[mine] > 0, (mine, stores[mine], stores[key])

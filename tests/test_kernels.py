@@ -405,6 +405,40 @@ def test_gathered_gradients_step_as_a_copy_into_the_buffer_then_a_step(opt, vari
             close(gathered.buf.grad[s:e], grads[0].reshape(-1), f"launch {launch}, gradient stored", atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", VARIANTS + ["found_inf"])
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_gathered_gradients_without_store_leave_the_buffer_alone(opt, variant, dtype):
+    """sources built with store=False: the kernel steps from the gradients where they lie, as a copy into the
+    buffer and a step would, and writes nothing into their slots of the flat gradient buffer (a NaN left there
+    stays, and would poison the step if it were read); under GradScaler's unscaling the unscaled gradient goes
+    back where it was read, where the step applies (a step found_inf skips leaves it scaled)."""
+    kernel_fn, _ = launchers(opt)
+    gathered = Case(opt, dtype, "grad_scale" if variant == "found_inf" else variant)
+    copied = gathered.clone()
+    found_inf = torch.tensor([1.0], device=DEVICE) if variant == "found_inf" else None
+    for launch in (1, 2, 3):
+        grads = gradient_sources(gathered, dtype, seed=launch)
+        for (s, e), g in zip(gathered.buf.index.values(), grads):
+            if g is not None:
+                copied.buf.grad[s:e].copy_(g.reshape(-1))
+                gathered.buf.grad[s:e].fill_(float("nan"))
+        kernel_fn(*gathered.tensors().values(), hparams=gathered.hparams, meta=gathered.meta,
+                  grad_scale=gathered.grad_scale, found_inf=found_inf if found_inf is not None else gathered.found_inf,
+                  block_size=128, sources=GradSources.of(gathered.buf, grads, store=False))  # fmt: skip
+        copied.launch(kernel_fn, 128, found_inf=found_inf)
+        for name, t in gathered.tensors().items():
+            if t is not None and name != "grad":
+                close(t, copied.tensors()[name], f"launch {launch}, {name}", **variant_tol(dtype, DEVICE))
+        close(gathered.meta.steps, copied.meta.steps, f"launch {launch}, steps", atol=0, rtol=0)
+        assert gathered.meta.counter.tolist() == [0]
+        for (s, e), g in zip(gathered.buf.index.values(), grads):
+            if g is not None:
+                assert gathered.buf.grad[s:e].isnan().all(), f"launch {launch}: a gathered gradient was stored"
+                # where it was read: unscaled as the copy in the buffer was (exactly: the same division)
+                close(g.reshape(-1), copied.buf.grad[s:e], f"launch {launch}, gradient left", atol=0, rtol=0)
+
+
 def test_reference_backend_takes_gathered_gradients():
     """The torch reference's sources= copies the gradients into the buffer before its step."""
     _, ref_fn = launchers("adamw")
