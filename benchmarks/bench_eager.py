@@ -26,6 +26,9 @@ weight decay, zero_grad() with torch's default set_to_none=True before every for
     torch-foreach   torch.optim.AdamW(foreach=True), torch's default on CUDA
     torch-default   torch.optim.AdamW() (CPU only: the for-loop implementation)
     flatopt-hooks   flatopt.AdamW(model, direct_grads=False), eager: every gradient copied in by hook (GPU only)
+    flatopt-gather  flatopt.AdamW(model, direct_grads="gather"), eager: no layer covered and no hook, step() reads
+                    every gradient where autograd left it and writes no flat gradient buffer (GPU only; on the CPU
+                    this is what flatopt's default does)
     flatopt-direct  flatopt.AdamW(model, direct_grads=True) (CPU only: covered layers write their gradients into
                     the flat buffer, as flatopt's default does on a GPU)
     flatopt         flatopt.AdamW(model), eager, flatopt's defaults: on a GPU covered layers write their gradients
@@ -308,6 +311,7 @@ IMPLS = {
     "flatopt": "flatopt.AdamW(model), eager, defaults (covered layers write into the flat buffer on a GPU only)",
     "flatopt-hooks": "flatopt.AdamW(model, direct_grads=False), eager: every gradient copied in by hook",
     "flatopt-direct": "flatopt.AdamW(model, direct_grads=True), eager: covered layers write into the flat buffer",
+    "flatopt-gather": 'flatopt.AdamW(model, direct_grads="gather"), eager: step() reads autograd\'s gradients in place',
 }
 MINE, REFERENCE = "flatopt", "torch-fused"
 
@@ -316,7 +320,7 @@ def impls_for(device):
     """The implementations timed on ``device``: torch's default is the for-loop one on the CPU and the foreach one
     (timed already) on CUDA."""
     if device.type == "cuda":
-        return ["torch-fused", "torch-foreach", "flatopt-hooks", "flatopt"]
+        return ["torch-fused", "torch-foreach", "flatopt-hooks", "flatopt-gather", "flatopt"]
     return ["torch-default", "torch-fused", "torch-foreach", "flatopt-direct", "flatopt"]
 
 
@@ -324,7 +328,7 @@ def build(name, model, device):
     """``name`` over ``model``: (optimizer, step(x, y) -> loss)."""
     if name.startswith("flatopt"):
         backend = "triton" if device.type == "cuda" else "cpu"  # flatopt's defaults (not the "torch" reference)
-        direct = {"flatopt": None, "flatopt-hooks": False, "flatopt-direct": True}[name]  # None: the default
+        direct = {"flatopt": None, "flatopt-hooks": False, "flatopt-direct": True, "flatopt-gather": "gather"}[name]
         opt = flatopt.AdamW(model, **HPARAMS, backend=backend, direct_grads=direct)
     else:
         flags = {"torch-fused": dict(fused=True), "torch-foreach": dict(foreach=True), "torch-default": {}}[name]

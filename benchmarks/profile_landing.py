@@ -11,6 +11,8 @@ small and the host's is what is measured, trained with AdamW by:
                      gradient into the flat buffer; on the CPU step() gathers them (no hook)
     flatopt-direct   flatopt.AdamW(model, direct_grads=True): the covered layers' Functions write the gradients
                      into the flat buffer (flatopt's default on a GPU)
+    flatopt-gather   flatopt.AdamW(model, direct_grads="gather"): no Function and no hook; step() reads every
+                     gradient where autograd left it (on the CPU the same as flatopt-hooks)
 
 Each round times one training step of every implementation, in turn (harness.round_orders): perf_counter
 around ``zero_grad()`` + forward, around ``backward()`` and around ``step()``, then a synchronisation, so
@@ -43,7 +45,7 @@ from torch import nn
 import flatopt
 from benchmarks import harness
 
-IMPLS = ("torch-fused", "python-function", "flatopt-hooks", "flatopt-direct")
+IMPLS = ("torch-fused", "python-function", "flatopt-hooks", "flatopt-direct", "flatopt-gather")
 PHASES = ("forward", "backward", "step", "total")
 
 
@@ -76,7 +78,8 @@ def make_model(impl, args, device):
 
 def make_optimizer(impl, model):
     if impl.startswith("flatopt"):
-        return flatopt.AdamW(model, lr=1e-3, weight_decay=1e-2, direct_grads=impl == "flatopt-direct")
+        direct = {"flatopt-hooks": False, "flatopt-direct": True, "flatopt-gather": "gather"}[impl]
+        return flatopt.AdamW(model, lr=1e-3, weight_decay=1e-2, direct_grads=direct)
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2, fused=True)
 
 

@@ -59,11 +59,13 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             rank clips by the same coefficient (docs/distributed.md) (default: None, no clipping)
         norm_type (float, optional): the norm of ``max_grad_norm``: 2.0, 1.0 or inf (default: 2.0)
 
-        direct_grads (bool or None, optional): in step mode, whether the covered layers (``nn.Linear``,
+        direct_grads (bool, None or str, optional): in step mode, whether the covered layers (``nn.Linear``,
             ``nn.Embedding``) of the model write their gradients straight into the flat gradient
             buffer: ``None`` on a GPU but not on the CPU (where the step reads autograd's
             gradients in place), ``True`` on every device, ``False`` nowhere; every other gradient
-            is copied in (docs/gradients.md) (default: None)
+            is copied in (docs/gradients.md). ``"gather"``: no layer covered and no hook on any
+            device; ``step()`` reads every gradient where autograd left it, as on the CPU, and
+            writes no flat gradient buffer (default: None)
         model (nn.Module, optional): the model whose covered layers write their gradients into
             the buffer when ``params`` are parameters or param groups; with ``in_backward=True``,
             only a DistributedDataParallel model, whose buckets are then stepped (default:

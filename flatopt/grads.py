@@ -34,6 +34,7 @@ from contextlib import contextmanager
 import torch
 
 from flatopt.landing import LandingSlots
+from flatopt.options import GATHER
 
 
 def _remove(handles):
@@ -85,7 +86,9 @@ class GradLanding:
         ]
         self.counts = [len(buf.params) for buf in buffers]
         self.module = module  # the model to cover: its covered layers write into the slots
-        self.direct = direct  # True: cover the model's layers; None: those on a GPU (or everywhere: direct_on_cpu)
+        # True: cover the model's layers; None: those on a GPU (or everywhere: direct_on_cpu); False: none, "gather":
+        # none, and no hook copies a gradient in: step() reads them where they lie (see gathers)
+        self.direct = direct
         # where each parameter's data lives in these buffers: a hook does nothing for a parameter that another
         # optimizer (or a re-layout) has moved into buffers of its own since
         self.homes = {p: buf.expected[i][0] for buf in buffers for i, p in enumerate(buf.params)}
@@ -110,7 +113,7 @@ class GradLanding:
         """Register the hooks (once)."""
         if self.handles:
             return
-        if self.direct is not False and self.module is not None:
+        if (self.direct is True or self.direct is None) and self.module is not None:
             self.slots.install(self.module, cpu=self.direct is True or self.direct_on_cpu)
         for p, view in self.views.items():  # .grad is never the buffer's own view object (see restore())
             if p.grad is view:
@@ -167,10 +170,16 @@ class GradLanding:
         finally:
             self.deferred = False
 
+    @property
+    def gathers(self):
+        """``direct_grads="gather"``: no hook copies a gradient in on any device, and step() reads the gradients
+        where autograd left them, as it does on the CPU."""
+        return self.direct == GATHER
+
     def copies(self, p):
         """Whether ``p``'s gradients of their own are copied in by a hook as they arrive: not on the CPU, where
-        step() lands them (:attr:`copy_on_cpu`)."""
-        return self.copy_on_cpu or p.device.type != "cpu"
+        step() lands them (:attr:`copy_on_cpu`), nor anywhere when it gathers them (:attr:`gathers`)."""
+        return (self.copy_on_cpu or p.device.type != "cpu") and not self.gathers
 
     def hook(self, p):
         """Give covered parameter ``p`` the copying hook (once): its gradients arrive as tensors of their own."""

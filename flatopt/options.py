@@ -14,6 +14,7 @@ from flatopt import precision as precision_options
 from flatopt.distributed import is_ddp
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: 128 MiB of float32 staging gradient in in-backward mode
+GATHER = "gather"  # direct_grads: step() reads every gradient where autograd left it, on every device
 NORM_TYPES = (1.0, 2.0, math.inf)  # the norms in-backward clipping (max_grad_norm) takes
 
 # torch.optim's implementation options (and lion-pytorch's): name -> (whether a value changes nothing for flatopt,
@@ -94,6 +95,8 @@ class FlatOptions:
         direct_grads: in step mode, the covered layers (see :mod:`flatopt.landing`) of the model
             write their gradients straight into the flat gradient buffer: True everywhere, None (the
             default) on GPUs only (:attr:`flatopt.grads.GradLanding.direct_on_cpu`), False nowhere.
+            ``"gather"``: no layer covered and no hook: ``step()`` reads every gradient where autograd
+            left it, on every device (see :mod:`flatopt.grads`).
         model: the model whose covered layers write into the buffer when ``params`` are parameters or
             param groups rather than the module itself (None: ``params`` if it is a module).
         accumulation_steps: in in-backward mode, the backward passes per optimizer step: the first
@@ -112,7 +115,7 @@ class FlatOptions:
     in_backward: bool = False
     bucket_size: int = DEFAULT_BUCKET_SIZE
     allow_several_ranks: bool = False
-    direct_grads: bool | None = None
+    direct_grads: bool | str | None = None
     model: object = None
     accumulation_steps: int = 1
     max_grad_norm: float | None = None
@@ -173,7 +176,7 @@ class FlatOptions:
             in_backward=in_backward,
             bucket_size=bucket_size,
             allow_several_ranks=bool(kwargs.get("allow_several_ranks", False)),
-            direct_grads=None if kwargs.get("direct_grads") is None else bool(kwargs["direct_grads"]),
+            direct_grads=_direct_grads(cls_name, kwargs.get("direct_grads")),
             model=model,
             accumulation_steps=accumulation_steps,
             max_grad_norm=max_grad_norm,
@@ -182,6 +185,18 @@ class FlatOptions:
             stochastic_rounding=precision.stochastic_rounding,
             state_dtype=precision.state_dtype,
         )
+
+
+def _direct_grads(cls_name, value):
+    """``direct_grads``: None, True, False or ``"gather"``."""
+    if value is None or value == GATHER:
+        return value
+    if isinstance(value, str):
+        raise ValueError(
+            f"{cls_name}: direct_grads={value!r} is not a landing; expected None (the default), True, False or "
+            f"{GATHER!r}"
+        )
+    return bool(value)
 
 
 def _is_number(v):

@@ -1096,7 +1096,7 @@ def test_profile_landing_smoke_run(tmp_path):
 
 
 def test_profile_landing_models_train_alike():
-    """The four implementations start from the same weights and, fed the same batch, take the same steps (the
+    """The implementations start from the same weights and, fed the same batch, take the same steps (the
     plain Function's gradients are torch's): a profile of different work would compare nothing."""
     profile = import_benchmark("profile_landing")
     args = profile.parse_args(["--device", "cpu", "--smoke"])

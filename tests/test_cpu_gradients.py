@@ -22,16 +22,16 @@ pytestmark = pytest.mark.cpu_gradient_policy
 
 class Model(nn.Module):
     """A Linear (covered with direct_grads=True), a large weight of its own (read in place) and a small bias (copied
-    in)."""
+    in). ``width`` 400: the weight of its own has 160,000 elements."""
 
-    def __init__(self, dtype=torch.float32, seed=0):
+    def __init__(self, dtype=torch.float32, seed=0, width=400):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
-        self.proj = nn.Linear(8, 400).to(dtype)
-        self.mix = nn.Parameter((torch.randn(400, 400, generator=gen) * 0.05).to(dtype))  # 160,000 elements
-        self.shift = nn.Parameter((torch.randn(400, generator=gen) * 0.1).to(dtype))
+        self.proj = nn.Linear(8, width).to(dtype)
+        self.mix = nn.Parameter((torch.randn(width, width, generator=gen) * 0.05).to(dtype))
+        self.shift = nn.Parameter((torch.randn(width, generator=gen) * 0.1).to(dtype))
         with torch.no_grad():
-            self.proj.weight.copy_(torch.randn(400, 8, generator=gen) * 0.3)
+            self.proj.weight.copy_(torch.randn(width, 8, generator=gen) * 0.3)
             self.proj.bias.zero_()
 
     def forward(self, x):
@@ -55,6 +55,17 @@ def batches(n, seed=1):
 
 def close(a, b, what, **tol):
     torch.testing.assert_close(a, b, **(tol or TOL[torch.float32]), msg=lambda m: f"{what}: {m}")
+
+
+def check_same(m1, o1, m2, o2, step):
+    """Parameters, gradients and every state tensor of (model, optimizer) ``m1, o1`` against ``m2, o2``'s."""
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        close(a, b, f"step {step}, {n}")
+        close(a.grad, b.grad, f"step {step}, {n}.grad")
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        for key, value in o2.state[b].items():
+            if torch.is_tensor(value) and value.numel() > 1:
+                close(o1.state[a][key], value, f"step {step}, state {key}")
 
 
 def in_buffer(opt, t):
@@ -91,23 +102,18 @@ def test_large_gradients_are_stepped_where_autograd_left_them(name, direct):
             o.step()
         assert m1.mix.grad is mix_grad, "the large gradient stays autograd's tensor"
         assert m1.shift.grad is shift_grad, "the small one, copied into its slot, stays in .grad too"
-        for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
-            close(a, b, f"step {step}, {n}")
-            close(a.grad, b.grad, f"step {step}, {n}.grad")
-        for a, b in zip(m1.parameters(), m2.parameters()):
-            for key, value in o2.state[b].items():
-                if torch.is_tensor(value) and value.numel() > 1:
-                    close(o1.state[a][key], value, f"step {step}, state {key}")
+        check_same(m1, o1, m2, o2, step)
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd"])
-def test_accumulation_zeroing_and_a_missing_gradient(name):
+def check_accumulation(name, make, model=None):
     """Two micro-batches per step (autograd adds the second into the tensor it made), steps without zero_grad()
     (the same gradients read again), zero_grad(set_to_none=False) (every .grad a zeroed view, added into), and a
-    parameter whose gradient is None (not stepped, as torch.optim)."""
+    parameter whose gradient is None (not stepped, as torch.optim): ``make(cls, model, **kw)`` builds flatopt's
+    optimizer, ``model()`` the model (this file's Model)."""
     ours_cls, theirs_cls, kw = PAIRS[name]
-    m1, m2 = Model(), Model()
-    o1, o2 = ours_cls(m1, **kw), theirs_cls(list(m2.parameters()), **kw)
+    model = model or Model
+    m1, m2 = model(), model()
+    o1, o2 = make(ours_cls, m1, **kw), theirs_cls(list(m2.parameters()), **kw)
     xs = batches(16)
     for step in range(8):
         for m, o in ((m1, o1), (m2, o2)):
@@ -122,13 +128,18 @@ def test_accumulation_zeroing_and_a_missing_gradient(name):
             close(a, b, f"step {step}, {n}")
 
 
-@pytest.mark.parametrize("use", ["flatopt", "torch"])
-def test_clipping_sees_the_gradients_where_they_lie(use):
-    """opt.clip_grad_norm_() copies them into the buffer first; torch.nn.utils.clip_grad_norm_ scales autograd's
-    tensors, which the step then reads."""
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_accumulation_zeroing_and_a_missing_gradient(name):
+    check_accumulation(name, lambda cls, m, **kw: cls(m, **kw))
+
+
+def check_clipping(use, make, model=None):
+    """opt.clip_grad_norm_() copies the gradients into the buffer first; torch.nn.utils.clip_grad_norm_ scales
+    autograd's tensors, which the step then reads (``make`` and ``model``: as check_accumulation's)."""
     ours_cls, theirs_cls, kw = PAIRS["adamw"]
-    m1, m2 = Model(), Model()
-    o1, o2 = ours_cls(m1, **kw), theirs_cls(list(m2.parameters()), **kw)
+    model = model or Model
+    m1, m2 = model(), model()
+    o1, o2 = make(ours_cls, m1, **kw), theirs_cls(list(m2.parameters()), **kw)
     for step, x in enumerate(batches(6)):
         norms = []
         for m, o in ((m1, o1), (m2, o2)):
@@ -145,14 +156,15 @@ def test_clipping_sees_the_gradients_where_they_lie(use):
             close(a, b, f"step {step}, {n}")
 
 
-@pytest.mark.parametrize("master", [None, "remainder"])
-def test_grad_scale_leaves_the_unscaled_gradient_in_grad(master):
-    """GradScaler's arguments (as torch's fused optimizers take them): the step divides by grad_scale and leaves the
-    unscaled gradients in .grad, autograd's tensor included; found_inf skips the step. With a master-weight buffer
-    (stepped by the reference on the CPU) too."""
-    dtype = torch.bfloat16 if master else torch.float32
-    m1 = Model(dtype)
-    o1 = flatopt.AdamW(m1, lr=1e-2, **({"master_weights": master} if master else {}))
+@pytest.mark.parametrize("use", ["flatopt", "torch"])
+def test_clipping_sees_the_gradients_where_they_lie(use):
+    check_clipping(use, lambda cls, m, **kw: cls(m, **kw))
+
+
+def check_grad_scale(m1, o1, dtype=torch.float32):
+    """GradScaler's arguments (as torch's fused optimizers take them) given to ``o1``, which steps ``m1``: found_inf
+    skips the step and leaves .grad scaled; otherwise the step divides by grad_scale and leaves the unscaled
+    gradients in .grad, autograd's tensors included."""
     x = batches(1)[0].to(dtype)
     o1.zero_grad()
     (m1(x) * 8.0).backward()
@@ -167,6 +179,14 @@ def test_grad_scale_leaves_the_unscaled_gradient_in_grad(master):
     for n, p in m1.named_parameters():
         close(p.grad.float(), scaled[n].float() / 8.0, f"{n}.grad unscaled", atol=0, rtol=0)
         assert not torch.equal(p, before[n]), f"{n} stepped"
+
+
+@pytest.mark.parametrize("master", [None, "remainder"])
+def test_grad_scale_leaves_the_unscaled_gradient_in_grad(master):
+    """With a master-weight buffer (stepped by the reference on the CPU) too."""
+    dtype = torch.bfloat16 if master else torch.float32
+    m1 = Model(dtype)
+    check_grad_scale(m1, flatopt.AdamW(m1, lr=1e-2, **({"master_weights": master} if master else {})), dtype)
 
 
 def test_low_precision_sgd_and_lion_step_gradients_in_place():

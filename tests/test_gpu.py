@@ -354,6 +354,30 @@ def test_adamw_with_grad_scaler_matches_torch_fused():
     )
 
 
+def test_gathered_gradients_match_torch_fused_and_the_buffer_stays_released():
+    """direct_grads="gather" on CUDA: the kernel reads autograd's gradients through a table of their addresses and
+    stores none (its flat gradient buffer, released, is passed as a null pointer), with GradScaler and a skipped
+    step; right after a step the storage is still released and every .grad is autograd's tensor."""
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    ours = train_pair(
+        lambda m: flatopt.AdamW(param_groups(m, **kw), direct_grads="gather"),
+        lambda m: torch.optim.AdamW(param_groups(m, **kw), fused=True),
+        scaler=True,
+        inf_step=4,
+    )
+    model = MLP().cuda()
+    opt = flatopt.AdamW(model, direct_grads="gather", **kw)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(64, 37, device="cuda")).square().mean().backward()
+        grads = [p.grad for p in model.parameters()]
+        opt.step()
+        torch.cuda.synchronize()
+        assert all(buf.grad.untyped_storage().nbytes() == 0 for buf in flatopt.inspect(opt).buffers)
+        assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert ours.backend == "triton"
+
+
 def test_sgd_matches_torch_fused():
     kw = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
     train_pair(

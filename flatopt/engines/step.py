@@ -116,7 +116,9 @@ class FlatStepEngine(FlatEngine):
         hyper-parameters are validated too)."""
         full = self.full_check_due()
         self._check_bindings(full, settle=False)
-        return self.landing.plan(IN_PLACE_MIN if self.reads_in_place() else None)
+        if not self.reads_in_place():
+            return self.landing.plan()
+        return self.landing.plan(IN_PLACE_MIN if self.opt.backend == "cpu" else 1)  # a kernel gathers any size
 
     def _report_unused(self, plan):
         """The first step's warning: parameters whose .grad was None at the step, and those whose view
@@ -159,14 +161,18 @@ class FlatStepEngine(FlatEngine):
         idle = self._set_masks(plan[0]) if opt.skip_unused else ()  # torch.optim's rule: see _set_masks
         if not self.unused_reported:
             self._report_unused(plan)
-        cpu, in_place = self.reads_in_place(), plan[2]
-        # see flatopt.grads. On the CPU the small gradients copied in stay in .grad as well (torch.optim's loop frees
-        # them at zero_grad(), and so does this one), unless grad_scale unscales them in their views, which then
-        # hold what torch's fused kernels leave in .grad
-        self.landing.apply(plan, put=not cpu or grad_scale is not None)
-        self._acquire_grads()
+        gathering, in_place = self.reads_in_place(), plan[2]
+        # see flatopt.grads. Where the step reads gradients in place, those copied in (the small ones on the CPU)
+        # stay in .grad as well (torch.optim's loop frees them at zero_grad(), and so does this one), unless
+        # grad_scale unscales them in their views, which then hold what torch's fused kernels leave in .grad
+        self.landing.apply(plan, put=not gathering or grad_scale is not None)
+        # a Triton launch that gathers every gradient of a buffer, storing none, needs no storage for it: the buffer
+        # stays released (as torch's gradients, autograd's tensors are all there is)
+        self._acquire_grads(
+            skip=[b for b, grads in in_place.items() if None not in grads] if self.opt.backend == "triton" else ()
+        )
         sources, self.sources = self.sources or {}, None  # for this step only
-        for b, grads in in_place.items():  # on the CPU: the large gradients of their own, read where they lie
+        for b, grads in in_place.items():  # the gradients of their own read where they lie
             buf = self.buffers[b]
             sources[buf] = GradSources.of(buf, grads, store=False, checked=True)  # not stored into the buffer
 
@@ -190,9 +196,12 @@ class FlatStepEngine(FlatEngine):
         return loss
 
     def reads_in_place(self):
-        """Whether step() reads large gradients of their own where they lie (the CPU backend, when no hook copied
-        them in: see flatopt.grads.GradLanding.copy_on_cpu)."""
-        return self.opt.backend == "cpu" and not self.landing.copy_on_cpu and not self.recording
+        """Whether step() reads gradients of their own where they lie: the large ones on the CPU backend, when no
+        hook copied them in (see flatopt.grads.GradLanding.copy_on_cpu), every one it can with
+        ``direct_grads="gather"`` (none inside capture(), which gathers its own way)."""
+        landing = self.landing
+        on_cpu = self.opt.backend == "cpu" and not landing.copy_on_cpu
+        return (on_cpu or landing.gathers) and not self.recording
 
     def graph_usable(self):
         opt = self.opt
@@ -204,12 +213,13 @@ class FlatStepEngine(FlatEngine):
         return not has_step_pre_hooks(self.opt)
 
     # ------------------------------------------------------------------ gradients
-    def _acquire_grads(self):
+    def _acquire_grads(self, skip=()):
         """The gradient storage, before a kernel reads it: settling brings it back when it zeroes or copies
-        anything; if it is still released here (nothing was settled), it comes back zeroed."""
+        anything; if it is still released here (nothing was settled), it comes back zeroed. ``skip``: the indices of
+        buffers no kernel reads."""
         slots = self.landing.slots
         for b, buf in enumerate(self.buffers):
-            if slots.acquire(b):
+            if b not in skip and slots.acquire(b):
                 buf.grad.zero_()
 
     def hold_grads(self, keep=True):
