@@ -5,9 +5,11 @@ flat buffer (per (device, dtype)) on each rank.
   all-gathers from there: :mod:`flatopt.distributed.fsdp`), so the kernel updates them in place.
 * Gradients stay where FSDP2's reduce-scatter put them (``p.grad``, a DTensor): the kernel reads each local
   gradient shard through a table of their addresses (the gathering launch, ``sources=``: see
-  :class:`flatopt.layout.GradSources`) and stores it into a flat gradient buffer as it steps; a shard the kernel
-  cannot read in place (not 16-byte aligned) is copied there first. ``p.grad`` is left as FSDP2 made it. The flat
-  gradient buffer has storage only during the launch (allocated and zeroed before it, freed after it).
+  :class:`flatopt.layout.GradSources`). The Triton kernels store none of them: the flat gradient buffer keeps no
+  storage, a shard the kernel cannot read in place (not 16-byte aligned) is read from an aligned copy, and
+  ``p.grad`` is left as FSDP2 made it (unscaled under GradScaler's ``grad_scale``, as torch's fused kernels leave
+  it). The CPU backend and the torch reference gather the shards into the flat gradient buffer, which has storage
+  only during their launch (allocated and zeroed before it, freed after it), and leave ``p.grad`` as it was.
 * States: flat buffers like the parameters'; ``opt.state[p]`` holds views of the local shards, and
   ``state_dict()`` exports them as DTensors with the parameter's sharding, as torch.optim on the same model
   holds them, so ``torch.distributed.checkpoint`` saves, reshards and loads them.
@@ -160,11 +162,12 @@ class FSDPStepEngine(FlatEngine):
             for b, buf in enumerate(self.buffers):
                 if b in idle:
                     continue
-                acquire_grad(buf)
+                sources, copies = self.sources(buf)
                 self.launch(
                     buf, buf.grad, hparams=opt.hparams.on(buf.device), meta=buf.meta, grad_scale=grad_scale,
-                    found_inf=found_inf, sources=self.sources(buf),
+                    found_inf=found_inf, sources=sources,
                 )  # fmt: skip
+                self.put_back(copies, grad_scale)
                 release_grad(buf)
         self.keep_padding_zero()
         return loss
@@ -175,18 +178,40 @@ class FSDPStepEngine(FlatEngine):
         return without if self.opt.skip_unused else []
 
     def sources(self, buf):
-        """The addresses of ``buf``'s local gradient shards for the gathering launch; a shard that cannot be
-        read in place is copied into its view first, a parameter without a gradient gets a zero view."""
-        grads = []
-        for p, view in zip(buf.params, buf.grad_views):
-            g = None if p.grad is None else fsdp.local_of(p.grad)
-            if g is None:
-                view.zero_()  # stepped with a zero gradient (skip_unused=False), or left out by the mask
-            elif not GradSources.fits(view, g):
-                view.copy_(g)
-                g = None
-            grads.append(g)
-        return GradSources.of(buf, grads)
+        """The sources of ``buf``'s local gradient shards for its gathering launch, and the (shard, copy) pairs whose
+        copy the launch reads instead (see :meth:`put_back`). With the Triton kernels the launch stores none of them
+        (``store=False``) and the flat gradient buffer keeps no storage: a shard that cannot be read in place (not
+        16-byte aligned, as a small one often is in FSDP2's reduce-scatter output) is read from an aligned copy of
+        its own, a parameter without a gradient from a tensor of zeros. Otherwise (the CPU backend, whose pieces of
+        a launch would round differently from in-backward mode's whole runs, and the torch reference) the buffer
+        is brought back, zeroed, and those go into their views there, the others gathered into it."""
+        grads = [None if p.grad is None else fsdp.local_of(p.grad) for p in buf.params]
+        if self.opt.backend != "triton":
+            acquire_grad(buf)
+            for i, (view, g) in enumerate(zip(buf.grad_views, grads)):
+                if g is None:
+                    view.zero_()  # stepped with a zero gradient (skip_unused=False), or left out by the mask
+                elif not GradSources.fits(view, g):
+                    view.copy_(g)
+                    grads[i] = None
+            return GradSources.of(buf, grads), []
+        copies = []
+        for i, (view, g) in enumerate(zip(buf.grad_views, grads)):
+            if g is None or not GradSources.fits(view, g):
+                own = torch.empty_strided(view.shape, view.stride(), dtype=view.dtype, device=view.device)
+                grads[i] = own.zero_() if g is None else own.copy_(g)
+                if g is not None:
+                    copies.append((g, own))
+        return GradSources.of(buf, grads, store=False), copies
+
+    @staticmethod
+    def put_back(copies, grad_scale):
+        """Under GradScaler's ``grad_scale`` the launch leaves the unscaled gradient where it read it: for a shard
+        read from a copy, in the copy, which goes back into the shard (``.grad``, as torch's fused kernels leave
+        it)."""
+        if grad_scale is not None:
+            for g, own in copies:
+                g.copy_(own)
 
     # ------------------------------------------------------------------ gradients
     def local_grads(self):
