@@ -238,7 +238,14 @@ def run_in_backward(rank, accumulate):
     model, ref = sharded(world), sharded(world)
     opt, ref_opt = flat_cls(model, in_backward=True, **hp), flat_cls(ref, **hp)
     engine = flatopt.inspect(opt).engine
-    out = {"history": [], "freed": [], "clip_error": None}
+    out = {"history": [], "freed": [], "clip_error": None, "grad_buffer_bytes": []}
+    launch = engine.launch
+
+    def recording(buf, *args, **kwargs):  # what the flat gradient buffer holds while a group is stepped
+        out["grad_buffer_bytes"].append(buf.grad.untyped_storage().nbytes())
+        return launch(buf, *args, **kwargs)
+
+    engine.launch = recording
     micros = 1 if accumulate is None else 2
     for step in range(STEPS):
         for micro in range(micros):
@@ -808,7 +815,8 @@ def test_matches_single_process_flatopt(runs, opt_name):
 def test_in_backward_matches_step_mode(runs, accumulate):
     """in_backward=True steps each fully_shard group once FSDP2 has reduce-scattered its gradients (one launch
     per group and step: three groups here) and frees them; the result is bit-identical to step mode, also when
-    micro-batches accumulate under opt.no_step() or FSDP2's set_requires_gradient_sync(False). After a stepped
+    micro-batches accumulate under opt.no_step() or FSDP2's set_requires_gradient_sync(False); the flat gradient
+    buffer (the rank's whole size) is not allocated to step a group. After a stepped
     pass, clip_grad_norm_ is refused (built without max_grad_norm); gradients accumulated under no_step() are
     clipped as in step mode."""
     for rank, result in enumerate(runs["two"](f"in_backward:{accumulate}")):
@@ -816,6 +824,9 @@ def test_in_backward_matches_step_mode(runs, accumulate):
         ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}", rtol=0, atol=0)
         assert all(result["freed"]), f"rank {rank}: sharded gradients left after a stepped pass: {result['freed']}"
         assert result["launches"] == 3 * STEPS, result["launches"]
+        # each group's gradients are staged in a tensor of the group's size: the flat gradient buffer, the size of
+        # every group of the rank, is never allocated
+        assert result["grad_buffer_bytes"] == [0] * (3 * STEPS), result["grad_buffer_bytes"]
         assert "cannot clip the gradients: the backward pass applied them" in (result["clip_error"] or ""), result[
             "clip_error"
         ]

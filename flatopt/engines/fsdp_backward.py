@@ -5,8 +5,9 @@ parameters are stepped as soon as FSDP2 has reduce-scattered their gradients, on
 FSDP2 runs a sharded parameter's post-accumulate-grad hooks right after it sets (or accumulates into) its
 sharded ``.grad``, group by group. The layout puts each group's parameters next to each other in the flat
 buffers (:meth:`order`), so a group is one run of consecutive parameters: when the last of its parameters
-with a gradient has one, the group's gradients are copied into the flat gradient buffer and one launch steps
-the run; then every ``p.grad`` of the group is set to None, which frees FSDP2's reduce-scatter output.
+with a gradient has one, the group's gradients are copied into a staging tensor of the run's length (the flat
+gradient buffer, the whole rank's size, is never allocated) and one launch steps the run; then every ``p.grad`` of
+the group is set to None, which frees FSDP2's reduce-scatter output.
 
 * Accumulation: under ``opt.no_step()`` the hooks do nothing and FSDP2 adds each micro-batch's gradient into
   ``.grad``; the next pass outside it steps with the sum. FSDP2's own ``set_requires_gradient_sync(False)``
@@ -41,7 +42,7 @@ import torch
 
 from flatopt import clip_patch
 from flatopt.engines.backward_clip import BackwardClip, ClipCalls
-from flatopt.engines.fsdp import FSDPStepEngine, acquire_grad, release_grad
+from flatopt.engines.fsdp import FSDPStepEngine
 from flatopt.engines.in_backward import Bucket
 
 
@@ -161,19 +162,20 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
             divisor = self.clip.fold(self.global_norm(self.clip.norm_of(grads), self.clip.norm_type))
         for bucket in self.runs[group]:
             buf = bucket.buf
-            acquire_grad(buf)
+            # the run's gradients in a staging tensor of the run's length (zeros where a parameter has none, and in
+            # the alignment padding), not in the flat gradient buffer, whose storage would be the whole rank's
+            staging = torch.zeros(bucket.end - bucket.start, dtype=buf.dtype, device=buf.device)
             for i in range(bucket.first, bucket.stop):
-                p, view = buf.params[i], buf.grad_views[i]
-                if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad._local_tensor)
+                p, like = buf.params[i], buf.like[i]
+                if p.grad is not None:
+                    at = buf.starts[i] - bucket.start
+                    staging.as_strided(like.shape, like.stride(), at).copy_(p.grad._local_tensor)
             self.launch(
-                buf, buf.grad[bucket.start : bucket.end], hparams=opt.hparams.on(buf.device), meta=bucket.meta,
-                span=(bucket.start, bucket.end), grad_scale=divisor,
+                buf, staging, hparams=opt.hparams.on(buf.device), meta=bucket.meta, span=(bucket.start, bucket.end),
+                grad_scale=divisor,
             )  # fmt: skip
             self.launches += 1
-            release_grad(buf)
+            del staging
             for p in bucket.params:
                 p.grad = None  # FSDP2's sharded gradient is freed
         self.arrived.pop(group, None)
