@@ -182,6 +182,14 @@ class FlatBuffer:
             pads.append(flat[end:])
         return pads
 
+    def index_tables(self):
+        """Each parameter's offset and number of elements as int64 tensors on the buffer's device, the tables of
+        :class:`GradSources` that never change: built once."""
+        tables = getattr(self, "_index_tables", None)
+        if tables is None:
+            tables = self._index_tables = (_table(self.starts, self.device), _table(self.sizes, self.device))
+        return tables
+
     def view(self, flat, i):
         """The view of parameter ``i`` in ``flat``, with the parameter's shape and strides."""
         p = self.like[i]
@@ -210,7 +218,13 @@ class FlatBuffer:
 
 
 def _table(values, device):
-    return torch.tensor(values, dtype=torch.int64).to(device)
+    """``values`` as an int64 tensor on ``device``. To a GPU from pinned memory, without waiting: torch's blocking
+    copy synchronises the stream after it, so the host would wait for the work queued before it and stop running
+    ahead of the device at every step that builds a table."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass
@@ -350,6 +364,7 @@ class GradSources:
         out = cls(None, None, None, list(grads), vec, numel, vec, buf.numel, buf.dtype, store, tuple(buf.starts),
                   buf.grad_views, buf.device)  # fmt: skip
         if store or buf.device.type != "cpu":
+            out.start, out.numel = buf.index_tables()
             out.tables()
         return out
 

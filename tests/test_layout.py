@@ -12,7 +12,7 @@ from torch import nn
 
 import flatopt
 from flatopt import cpu, kernels, reference
-from flatopt.layout import ALIGN, FlatBuffer, align_up
+from flatopt.layout import ALIGN, FlatBuffer, GradSources, align_up
 
 # Sizes that are not multiples of ALIGN, exactly ALIGN, one past it, a scalar-like one and an
 # empty one in the middle.
@@ -614,3 +614,15 @@ def test_saving_a_subset_writes_the_whole_buffer_unless_cloned():
     layer = model[1].state_dict()
     assert saved_bytes(layer) > buffer_bytes
     assert saved_bytes({k: v.clone() for k, v in layer.items()}) < 2 * (1000 * 10 + 10) * 4
+
+
+def test_grad_sources_share_the_buffers_index_tables():
+    """The offsets and sizes a gathering launch reads never change for a buffer: every GradSources of it reads the
+    same two tables, built once (one host-to-device copy per step is left: the gradients' addresses)."""
+    params = [nn.Parameter(torch.randn(n)) for n in (5, 64, 3)]
+    buf = FlatBuffer(params, [0, 0, 0], grad=True)
+    grads = [torch.randn(64) if i == 1 else None for i in range(3)]
+    a, b = GradSources.of(buf, grads), GradSources.of(buf, [None, None, None])
+    assert a.start is b.start and a.numel is b.numel
+    assert a.start.tolist() == buf.starts and a.numel.tolist() == [5, 64, 3]
+    assert a.src.tolist() == [buf.grad_views[0].data_ptr(), grads[1].data_ptr(), buf.grad_views[2].data_ptr()]
