@@ -48,9 +48,13 @@ PAIRS = {
 }
 
 
-def batches(n, seed=1):
+def batches(n, seed=1, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(16, 8, generator=gen) for _ in range(n)]
+    return [torch.randn(16, 8, generator=gen).to(device) for _ in range(n)]
+
+
+def device_of(model):
+    return next(model.parameters()).device
 
 
 def close(a, b, what, **tol):
@@ -114,7 +118,7 @@ def check_accumulation(name, make, model=None):
     model = model or Model
     m1, m2 = model(), model()
     o1, o2 = make(ours_cls, m1, **kw), theirs_cls(list(m2.parameters()), **kw)
-    xs = batches(16)
+    xs = batches(16, device=device_of(m1))
     for step in range(8):
         for m, o in ((m1, o1), (m2, o2)):
             if step % 4 != 3:  # every fourth step reads the last gradients again
@@ -140,7 +144,7 @@ def check_clipping(use, make, model=None):
     model = model or Model
     m1, m2 = model(), model()
     o1, o2 = make(ours_cls, m1, **kw), theirs_cls(list(m2.parameters()), **kw)
-    for step, x in enumerate(batches(6)):
+    for step, x in enumerate(batches(6, device=device_of(m1))):
         norms = []
         for m, o in ((m1, o1), (m2, o2)):
             o.zero_grad()
@@ -165,7 +169,7 @@ def check_grad_scale(m1, o1, dtype=torch.float32):
     """GradScaler's arguments (as torch's fused optimizers take them) given to ``o1``, which steps ``m1``: found_inf
     skips the step and leaves .grad scaled; otherwise the step divides by grad_scale and leaves the unscaled
     gradients in .grad, autograd's tensors included."""
-    x = batches(1)[0].to(dtype)
+    x = batches(1, device=device_of(m1))[0].to(dtype)
     o1.zero_grad()
     (m1(x) * 8.0).backward()
     scaled = {n: p.grad.clone() for n, p in m1.named_parameters()}

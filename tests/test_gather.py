@@ -9,15 +9,19 @@ without a gradient, clipping (flatopt's and torch's) and GradScaler's arguments.
 """
 
 import pytest
+from conftest import TRITON_SKIP, device_for
 from test_cpu_gradients import PAIRS, batches, check_accumulation, check_clipping, check_grad_scale, check_same
 from test_cpu_gradients import Model as CpuModel
 
 import flatopt
 
+pytestmark = TRITON_SKIP
+DEVICE = device_for("triton")  # a CUDA GPU when there is one, else the CPU under the interpreter
+
 
 def Model():
     """test_cpu_gradients' model at a width the interpreter steps quickly (the Triton kernel gathers any size)."""
-    return CpuModel(width=40)
+    return CpuModel(width=40).to(DEVICE)
 
 
 def gathering(cls, model, **kw):
@@ -53,7 +57,7 @@ def test_the_step_reads_every_gradient_where_autograd_left_it(name, acquired):
     ours_cls, theirs_cls, kw = PAIRS[name]
     m1, m2 = Model(), Model()
     o1, o2 = gathering(ours_cls, m1, **kw), theirs_cls(list(m2.parameters()), **kw)
-    for step, x in enumerate(batches(8)):
+    for step, x in enumerate(batches(8, device=DEVICE)):
         for m, o in ((m1, o1), (m2, o2)):
             o.zero_grad()
             m(x).backward()
