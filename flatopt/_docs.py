@@ -63,9 +63,10 @@ FLAT = """flat (bool, optional): keep parameters, gradients and states in flat b
             ``nn.Embedding``) of the model write their gradients straight into the flat gradient
             buffer: ``None`` on a GPU but not on the CPU (where the step reads autograd's
             gradients in place), ``True`` on every device, ``False`` nowhere; every other gradient
-            is copied in (docs/gradients.md). ``"gather"``: no layer covered and no hook on any
-            device; ``step()`` reads every gradient where autograd left it, as on the CPU, and
-            writes no flat gradient buffer (default: None)
+            is copied in (docs/gradients.md). ``"gather"``: no layer covered and no copying hook
+            on any device; ``step()`` reads the gradients where autograd left them, as on the CPU
+            (the Triton kernels every one they can, storing none into the flat gradient buffer;
+            the CPU backend the large ones; docs/gradients.md) (default: None)
         model (nn.Module, optional): the model whose covered layers write their gradients into
             the buffer when ``params`` are parameters or param groups; with ``in_backward=True``,
             only a DistributedDataParallel model, whose buckets are then stepped (default:

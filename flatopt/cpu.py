@@ -43,7 +43,7 @@ import torch
 
 from flatopt import reference
 from flatopt.layout import compute_dtype
-from flatopt.reference import advance_steps, gather, runs
+from flatopt.reference import advance_steps, gather, runs, unscaled_back
 from flatopt.rules import ADAMW, LION, SGD
 
 __all__ = ["adamw_step", "sgd_step", "lion_step", "CHUNK"]
@@ -112,7 +112,7 @@ def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, f
                 piece_step(_segments(start, end, grad, own), rule.named(rows[group]), steps, grad_scale)
     advance_steps(meta, ok)
     if not in_place:
-        _unscaled_back(grad, sources, grad_scale, found_inf)
+        unscaled_back(grad, sources, grad_scale, found_inf)
 
 
 def _in_place(grad, sources, meta):
@@ -179,18 +179,6 @@ def _compact(param, states, precision):
     )
 
 
-def _unscaled_back(grad, sources, grad_scale, found_inf):
-    """After the reference stepped gradients gathered from ``sources`` that are not stored (``store=False``:
-    their ``.grad`` is where they lie): the unscaled gradients it left in ``grad`` go back there, as torch's fused
-    kernels leave them in ``.grad``."""
-    if sources is None or sources.store or grad_scale is None:
-        return
-    if found_inf is not None and bool(found_inf.reshape(()) != 0):
-        return  # skipped: nothing was unscaled
-    for start, n, g in sources.pieces():
-        g.as_strided((n,), (1,)).copy_(grad[start : start + n])
-
-
 def _kernel_scale(grads, grad_scale):
     """The ``grad_scale`` a fused kernel reads (float32), or None after dividing ``grads`` by it here: the reference
     divides by it in the math's dtype, which float32 holds exactly but for a float64 scale of float64 gradients."""
@@ -209,7 +197,7 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=No
     if _compact(param, (exp_avg, exp_avg_sq), precision):
         reference.adamw_step(param, grad, exp_avg, exp_avg_sq, hparams=hparams, meta=meta, grad_scale=grad_scale,
                                     found_inf=found_inf, sources=sources, **precision)  # fmt: skip
-        return _unscaled_back(grad, sources, grad_scale, found_inf)
+        return
 
     def piece(segments, h, steps, scale):
         grads = [g for _, _, g in segments]
@@ -244,7 +232,7 @@ def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, fo
     if kernel is None:  # the reference, for compact storage too (see the module docstring)
         reference.sgd_step(param, grad, momentum_buffer, hparams=hparams, meta=meta, grad_scale=grad_scale,
                                   found_inf=found_inf, sources=sources, **precision)  # fmt: skip
-        return _unscaled_back(grad, sources, grad_scale, found_inf)
+        return
 
     def piece(segments, h, steps, scale):
         # the rule leaves the buffer alone where a group has no momentum, or where no group has one (None)
@@ -362,7 +350,7 @@ def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf
     if _compact(param, (exp_avg,), precision):
         reference.lion_step(param, grad, exp_avg, hparams=hparams, meta=meta, grad_scale=grad_scale,
                                    found_inf=found_inf, sources=sources, **precision)  # fmt: skip
-        return _unscaled_back(grad, sources, grad_scale, found_inf)
+        return
 
     def piece(segments, h, steps, scale):
         for s, e, g in segments:

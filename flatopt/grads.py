@@ -307,7 +307,13 @@ class GradLanding:
         self.pooled.clear()
         if not zero and not copy:
             return
-        self.slots.acquire()  # the storage released by zero_grad(), back before anything is written into it
+        # the storage released by zero_grad(), back before anything is written into it: of the buffers written only
+        slots = self.slots
+        if len(slots.buffers) == 1:
+            slots.acquire(0)
+        else:
+            for b in {slots.slot_of(entry[0]).b for entry in (*zero, *copy)}:
+                slots.acquire(b)
         with torch.no_grad():
             if zero:
                 torch._foreach_zero_([view for _, view in zero])

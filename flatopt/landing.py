@@ -294,6 +294,19 @@ class LandingSlots:
         self._storages[b].resize_(0)
         self._released[b] = True
 
+    def release(self, b):
+        """Release buffer ``b``'s storage now, as zero_grad() would (not while held for a CUDA graph, nor while
+        referenced from outside): for a step that reads none of its views. The slots forget the views they put
+        into ``.grad`` that are no longer there (``model.zero_grad()`` set them to None behind the optimizer's
+        back), as zero_grad() does. Returns whether it is released."""
+        if self.keep_allocated:
+            return self._released[b]
+        for s in self._by_buffer[b]:
+            if s.grad is not None and s.param.grad is not s.grad:
+                s.grad = None
+        self._release(b)
+        return self._released[b]
+
     def acquire(self, b=None):
         """Bring back the gradient storage of buffer ``b`` (every buffer when None) if it is released,
         zeroing its alignment padding (one batched op); the parameters' views hold undefined values

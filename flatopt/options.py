@@ -14,7 +14,7 @@ from flatopt import precision as precision_options
 from flatopt.distributed import is_ddp
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: 128 MiB of float32 staging gradient in in-backward mode
-GATHER = "gather"  # direct_grads: step() reads every gradient where autograd left it, on every device
+GATHER = "gather"  # direct_grads: no covered layer nor copying hook; step() reads the gradients in place
 NORM_TYPES = (1.0, 2.0, math.inf)  # the norms in-backward clipping (max_grad_norm) takes
 
 # torch.optim's implementation options (and lion-pytorch's): name -> (whether a value changes nothing for flatopt,
@@ -95,8 +95,8 @@ class FlatOptions:
         direct_grads: in step mode, the covered layers (see :mod:`flatopt.landing`) of the model
             write their gradients straight into the flat gradient buffer: True everywhere, None (the
             default) on GPUs only (:attr:`flatopt.grads.GradLanding.direct_on_cpu`), False nowhere.
-            ``"gather"``: no layer covered and no hook: ``step()`` reads every gradient where autograd
-            left it, on every device (see :mod:`flatopt.grads`).
+            ``"gather"``: no layer covered and no copying hook on any device: ``step()`` reads the
+            gradients where autograd left them, as on the CPU (see docs/gradients.md).
         model: the model whose covered layers write into the buffer when ``params`` are parameters or
             param groups rather than the module itself (None: ``params`` if it is a module).
         accumulation_steps: in in-backward mode, the backward passes per optimizer step: the first

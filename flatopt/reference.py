@@ -161,6 +161,19 @@ def step(
         return [*stored, *((x[s:e], v) for x, v in zip(states, new) if x is not None), *store_grad]
 
     _run(meta, hparams, param.numel(), found_inf, update, dtype)
+    unscaled_back(grad, sources, grad_scale, found_inf)
+
+
+def unscaled_back(grad, sources, grad_scale, found_inf):
+    """After a step that gathered gradients from ``sources`` built with ``store=False`` (their ``.grad`` is where
+    they lie) into ``grad`` and unscaled them there: the unscaled gradients go back where they were read, as torch's
+    fused kernels leave them in ``.grad`` (and as the Triton kernels write them back)."""
+    if sources is None or sources.store or grad_scale is None:
+        return
+    if found_inf is not None and bool(found_inf.reshape(()) != 0):
+        return  # skipped: nothing was unscaled
+    for start, n, g in sources.pieces():
+        g.as_strided((n,), (1,)).copy_(grad[start : start + n])
 
 
 def adamw_step(param, grad, exp_avg, exp_avg_sq, **launch_args):

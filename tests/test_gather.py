@@ -8,7 +8,10 @@ kernels (and the Lion reference) over many steps, with accumulation, ``zero_grad
 without a gradient, clipping (flatopt's and torch's) and GradScaler's arguments.
 """
 
+import warnings
+
 import pytest
+import torch
 from conftest import TRITON_SKIP, device_for
 from test_cpu_gradients import PAIRS, batches, check_accumulation, check_clipping, check_grad_scale, check_same
 from test_cpu_gradients import Model as CpuModel
@@ -24,8 +27,8 @@ def Model():
     return CpuModel(width=40).to(DEVICE)
 
 
-def gathering(cls, model, **kw):
-    opt = cls(model, backend="triton", direct_grads="gather", **kw)
+def gathering(cls, model, backend="triton", **kw):
+    opt = cls(model, backend=backend, direct_grads="gather", **kw)
     landing = flatopt.inspect(opt).engine.landing
     assert landing.gathers and not landing.handles, "no hook copies a gradient in"
     assert not landing.slots.covered and "_compiled_call_impl" not in model.proj.__dict__, "no layer is covered"
@@ -44,6 +47,8 @@ def acquired(monkeypatch):
     def counting(self, b=None):
         allocated = acquire(self, b)
         count[0] += bool(allocated)
+        if allocated and b is not None:
+            count.append(b)  # which buffer, after the count
         return allocated
 
     monkeypatch.setattr(LandingSlots, "acquire", counting)
@@ -90,6 +95,51 @@ def test_grad_scale_leaves_the_unscaled_gradient_in_grad(acquired):
     m1 = Model()
     check_grad_scale(m1, gathering(flatopt.AdamW, m1, lr=1e-2))
     assert acquired == [0], "the gradient storage was brought back"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_grad_scale_on_the_other_backends(backend):
+    """The CPU backend and the torch reference leave the unscaled gradients in .grad too (the reference gathers
+    them into the buffer, unscales them there and puts them back)."""
+    m1 = Model().cpu()
+    check_grad_scale(m1, gathering(flatopt.AdamW, m1, backend=backend, lr=1e-2))
+
+
+def test_a_buffer_brought_back_is_released_by_the_next_step_that_reads_none_of_it():
+    """opt.clip_grad_norm_() copies the gradients into the buffer; when model.zero_grad() (what Hugging Face's
+    Trainer calls) rather than the optimizer's resets them, the next step, which reads every gradient in place,
+    releases the storage again instead of holding it beside autograd's gradients for good."""
+    m = Model()
+    opt = gathering(flatopt.AdamW, m, lr=1e-2)
+    slots = flatopt.inspect(opt).engine.landing.slots
+    xs = batches(3, device=DEVICE)
+    opt.zero_grad()
+    m(xs[0]).backward()
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    assert slots._released == [False], "clip_grad_norm_ copies the gradients into the buffer"
+    for x in xs[1:]:
+        m.zero_grad()
+        m(x).backward()
+        opt.step()
+        assert slots._released == [True], "the step read none of the buffer: its storage is released"
+
+
+def test_a_gradient_copied_in_brings_back_its_own_buffer_only(acquired):
+    """Two buffers (float32 and float64 parameters): a float64 parameter without a gradient has its slot zeroed,
+    which brings back the float64 buffer; the float32 one, whose gradients are all read in place, stays released."""
+    m = Model()
+    m.extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64, device=DEVICE))  # never used: no gradient
+    opt = gathering(flatopt.SGD, m, lr=0.1, skip_unused=False)
+    buffers = flatopt.inspect(opt).buffers
+    f64 = [b.dtype for b in buffers].index(torch.float64)
+    for x in batches(3, device=DEVICE):
+        opt.zero_grad()
+        m(x).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the first step names the parameter that received no gradient
+            opt.step()
+    assert set(acquired[1:]) == {f64}, acquired
 
 
 def test_direct_grads_refuses_a_landing_it_does_not_know():

@@ -182,9 +182,10 @@ class FSDPStepEngine(FlatEngine):
         copy the launch reads instead (see :meth:`put_back`). With the Triton kernels the launch stores none of them
         (``store=False``) and the flat gradient buffer keeps no storage: a shard that cannot be read in place (not
         16-byte aligned, as a small one often is in FSDP2's reduce-scatter output) is read from an aligned copy of
-        its own, a parameter without a gradient from a tensor of zeros. Otherwise (the CPU backend, whose pieces of
-        a launch would round differently from in-backward mode's whole runs, and the torch reference) the buffer
-        is brought back, zeroed, and those go into their views there, the others gathered into it."""
+        its own, a parameter without a gradient from zeros (one tensor for all of them). Otherwise (the CPU
+        backend, whose pieces of a launch would round differently from in-backward mode's whole runs, and the torch
+        reference) the buffer is brought back, zeroed, and those go into their views there, the others gathered
+        into it."""
         grads = [None if p.grad is None else fsdp.local_of(p.grad) for p in buf.params]
         if self.opt.backend != "triton":
             acquire_grad(buf)
@@ -195,13 +196,16 @@ class FSDPStepEngine(FlatEngine):
                     view.copy_(g)
                     grads[i] = None
             return GradSources.of(buf, grads), []
-        copies = []
+        copies, zeros = [], None
         for i, (view, g) in enumerate(zip(buf.grad_views, grads)):
-            if g is None or not GradSources.fits(view, g):
+            if g is None:  # one tensor of zeros for all of them: nothing writes into it (0 unscaled is 0)
+                if zeros is None:
+                    zeros = torch.zeros(max(buf.sizes), dtype=buf.dtype, device=buf.device)
+                grads[i] = zeros.as_strided(view.shape, view.stride())
+            elif not GradSources.fits(view, g):
                 own = torch.empty_strided(view.shape, view.stride(), dtype=view.dtype, device=view.device)
-                grads[i] = own.zero_() if g is None else own.copy_(g)
-                if g is not None:
-                    copies.append((g, own))
+                grads[i] = own.copy_(g)
+                copies.append((g, own))
         return GradSources.of(buf, grads, store=False), copies
 
     @staticmethod

@@ -167,10 +167,13 @@ class FlatStepEngine(FlatEngine):
         # grad_scale unscales them in their views, which then hold what torch's fused kernels leave in .grad
         self.landing.apply(plan, put=not gathering or grad_scale is not None)
         # a Triton launch that gathers every gradient of a buffer, storing none, needs no storage for it: the buffer
-        # stays released (as torch's gradients, autograd's tensors are all there is)
-        self._acquire_grads(
-            skip=[b for b, grads in in_place.items() if None not in grads] if self.opt.backend == "triton" else ()
-        )
+        # stays released, or is released again if something brought it back (opt.clip_grad_norm_(), a gradient
+        # copied in) and model.zero_grad() rather than the optimizer's reset the gradients since: as with torch's
+        # gradients, autograd's tensors are all there is
+        unread = [b for b, grads in in_place.items() if None not in grads] if self.opt.backend == "triton" else []
+        for b in unread:
+            self.landing.slots.release(b)
+        self._acquire_grads(skip=unread)
         sources, self.sources = self.sources or {}, None  # for this step only
         for b, grads in in_place.items():  # the gradients of their own read where they lie
             buf = self.buffers[b]
@@ -198,7 +201,9 @@ class FlatStepEngine(FlatEngine):
     def reads_in_place(self):
         """Whether step() reads gradients of their own where they lie: the large ones on the CPU backend, when no
         hook copied them in (see flatopt.grads.GradLanding.copy_on_cpu), every one it can with
-        ``direct_grads="gather"`` (none inside capture(), which gathers its own way)."""
+        ``direct_grads="gather"``. Not inside capture(), whose step reads in place only the gradients the copying
+        hooks left in the graph's pool (GradLanding.settle_gathering): with ``direct_grads="gather"`` there are no
+        hooks, and a captured step copies every gradient in."""
         landing = self.landing
         on_cpu = self.opt.backend == "cpu" and not landing.copy_on_cpu
         return (on_cpu or landing.gathers) and not self.recording
