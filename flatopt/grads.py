@@ -242,11 +242,14 @@ class GradLanding:
         """settle() inside capture(), except for the gradients left in the graph's pool that ``fits(view,
         grad)`` accepts: those are not copied, and are returned ({parameter: gradient}) for the optimizer's
         kernel to read where they lie and store into the views as it steps (see GradSources). Their
-        ``.grad`` is the view all the same, holding its old values until that kernel has run."""
+        ``.grad`` is the view all the same, holding its old values until that kernel has run. In the graph's pool:
+        those the copying hooks left there (:attr:`pooled`), or, with no hook (:attr:`gathers`), every gradient of
+        its own, since capture() set every ``.grad`` to None before the recorded backward."""
         zero, copy, _ = self.plan()
         taken, rest = {}, []
+        gathers = self.gathers
         for p, view, g in copy:
-            if g is not None and self.pooled.get(g.untyped_storage().data_ptr()) is p and fits(view, g):
+            if g is not None and (gathers or self.pooled.get(g.untyped_storage().data_ptr()) is p) and fits(view, g):
                 taken[p] = g
             else:
                 rest.append((p, view, g))

@@ -400,15 +400,17 @@ def halve_grads(opt, args, kwargs):
 
 @TRITON_SKIP
 @pytest.mark.filterwarnings("ignore:.*received no gradient")
+@pytest.mark.parametrize("direct", [False, "gather"], ids=["hooks", "gather"])
 @pytest.mark.parametrize("name", list(OPTS))
-def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
+def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name, direct):
     """What capture() records when train_step does not step (RecordedBody.run(gather=True): the
     kernel reads each new gradient where backward left it and stores it into its view as it steps),
     run eagerly with the Triton kernels (on the CPU under the interpreter), against eager flatopt: the
     same parameters, gradients and states over 4 steps (bit for bit under the interpreter, within
     variant_tol on a GPU), with a tied head, a parameter whose first gradient
     comes in the second micro-batch, one never used (its stale view must be zeroed) and one gradient
-    that cannot be read in place (copied in instead)."""
+    that cannot be read in place (copied in instead). With the copying hooks, which leave the gradients in the
+    graph's pool, and with direct_grads="gather", which has none."""
     from flatopt.capture import RecordedBody
 
     device = device_for("triton")
@@ -416,8 +418,8 @@ def test_recorded_gathering_step_run_eagerly_matches_eager_flatopt(name):
     torch.manual_seed(0)
     model = TiedLate().to(device)
     ref = copy.deepcopy(model)
-    # the hooks' way, so that backward leaves gradients to gather (covered layers write into the views instead)
-    kw = dict(backend="triton", direct_grads=False)
+    # no covered layer, so that backward leaves gradients to gather (covered layers write into the views instead)
+    kw = dict(backend="triton", direct_grads=direct)
     opt, opt_ref = OPTS[name](model, **kw), OPTS[name](ref, **kw)
     for m in (model, ref):
         m.unused.weight.grad = torch.ones_like(m.unused.weight)

@@ -201,9 +201,8 @@ class FlatStepEngine(FlatEngine):
     def reads_in_place(self):
         """Whether step() reads gradients of their own where they lie: the large ones on the CPU backend, when no
         hook copied them in (see flatopt.grads.GradLanding.copy_on_cpu), every one it can with
-        ``direct_grads="gather"``. Not inside capture(), whose step reads in place only the gradients the copying
-        hooks left in the graph's pool (GradLanding.settle_gathering): with ``direct_grads="gather"`` there are no
-        hooks, and a captured step copies every gradient in."""
+        ``direct_grads="gather"``. Not inside capture(), whose recorded step reads the gradients backward left in
+        the graph's pool its own way (GradLanding.settle_gathering)."""
         landing = self.landing
         on_cpu = self.opt.backend == "cpu" and not landing.copy_on_cpu
         return (on_cpu or landing.gathers) and not self.recording
