@@ -12,6 +12,7 @@ parameters (states in the parameter's dtype). Cases, each on a fresh model built
     torch-in-backward           torch's recipe: one AdamW(fused=True) per parameter, step() and zero_grad()
                                 from p.register_post_accumulate_grad_hook
     flatopt                     flatopt.AdamW, step mode (flat gradient buffer)
+    flatopt-gather              flatopt.AdamW(direct_grads="gather"), step mode: autograd's gradients read in place
     flatopt-in-backward         flatopt.AdamW(in_backward=True), default bucket_size (2**25 elements)
     flatopt-in-backward-small   flatopt.AdamW(in_backward=True, bucket_size=2**22)
     flatopt-bf16-...            flatopt.AdamW in step mode in a storage mode (master_weights, stochastic_rounding,
@@ -146,6 +147,7 @@ class Case:
     ours: bool = False
     bucket: str = None  # "default" or "small": flatopt in-backward
     precision: str = None  # a storage mode of precision_modes.MODES (its parameters' dtype only)
+    landing: object = None  # flatopt's direct_grads, when not its default
 
 
 CASES = (
@@ -161,6 +163,13 @@ CASES = (
         "flatopt.AdamW(model), step mode: zero_grad() (.grad None, the gradient storage released), forward, "
         "backward (covered layers write their gradients into the buffer, hooks copy the others), step()",
         ours=True,
+    ),
+    Case(
+        "flatopt-gather",
+        'flatopt.AdamW(model, direct_grads="gather"), step mode: no covered layer nor hook, step() reads autograd\'s '
+        "gradients where they lie (the flat gradient buffer keeps no storage)",
+        ours=True,
+        landing="gather",
     ),
     Case(
         "flatopt-in-backward",
@@ -226,6 +235,8 @@ def build(case, model, x, device, sizes):
 
         return step, [opts, hooks], lambda: harness.state_bytes(opts.values()), None
     kwargs = dict(precision_modes.MODES[case.precision][1]) if case.precision else {}
+    if case.landing is not None:
+        kwargs["direct_grads"] = case.landing
     if case.bucket is not None:
         kwargs["in_backward"] = True
         if case.bucket == "small":

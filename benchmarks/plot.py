@@ -288,6 +288,7 @@ MEMORY_CASES = (
     "torch-fused",
     "torch-in-backward",
     "flatopt",
+    "flatopt-gather",
     "flatopt-in-backward",
     "flatopt-in-backward-small",
 )
@@ -296,6 +297,7 @@ MEMORY_LABELS = {
     "torch-fused": "torch\nfused",
     "torch-in-backward": "torch\nin-backward\nrecipe",
     "flatopt": "flatopt\nstep mode",
+    "flatopt-gather": "flatopt\nstep mode\ngather",
     "flatopt-in-backward": "flatopt\nin-backward",
     "flatopt-in-backward-small": "flatopt\nin-backward",
 }
@@ -304,6 +306,7 @@ MEMORY_COLORS = {
     "torch-fused": "tab:orange",
     "torch-in-backward": "tab:red",
     "flatopt": "tab:blue",
+    "flatopt-gather": "tab:cyan",
     "flatopt-in-backward": "tab:green",
     "flatopt-in-backward-small": "tab:olive",
 }
@@ -601,7 +604,8 @@ def plot_capture_png(record, path):
 
 # ------------------------------------------------------------------------------------------- eager result
 EAGER_COLORS = {"torch-default": "tab:gray", "torch-foreach": "tab:orange", "torch-fused": "tab:green",
-                "flatopt": "tab:blue"}  # fmt: skip
+                "flatopt": "tab:blue", "flatopt-hooks": "tab:purple", "flatopt-direct": "tab:olive",
+                "flatopt-gather": "tab:cyan"}  # fmt: skip
 
 
 def eager_slots(record, model, key):
