@@ -20,6 +20,7 @@ Every rank runs every scenario in one pair of processes; an exception in a rank 
 tests with that rank's traceback.
 """
 
+import os
 import warnings
 from contextlib import nullcontext
 
@@ -226,6 +227,33 @@ def run_bucket_view(rank, order):
     return out
 
 
+def run_gather(rank, bucket_view):
+    """flatopt.AdamW(direct_grads="gather") under DDP, against torch.optim.AdamW under the same DDP: the step
+    reads the averaged gradients where DDP left them (its buckets' views with ``gradient_as_bucket_view``), with
+    the Triton kernels under the interpreter (make test), with the torch reference otherwise."""
+    DDP = _ddp()
+    flat_cls, ref_cls, hp = OPTIMIZERS["AdamW"]
+    model, ref = mlp(seed=rank), mlp(seed=rank)
+    ddp = DDP(model, gradient_as_bucket_view=bucket_view)
+    backend = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    opt = flat_cls(ddp.module.parameters(), backend=backend, direct_grads="gather", **hp)
+    ref_ddp = DDP(ref, gradient_as_bucket_view=bucket_view)
+    ref_opt = ref_cls(ref_ddp.module.parameters(), **hp)
+    out = {"history": [], "grads_are_ddps": []}
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        for d in (ddp, ref_ddp):
+            nn.functional.mse_loss(d(x), y).backward()
+        grads = [p.grad for p in model.parameters()]
+        opt.step()
+        ref_opt.step()
+        out["grads_are_ddps"].append(all(p.grad is g for p, g in zip(model.parameters(), grads)))
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+    return out
+
+
 def run_unused(rank):
     """find_unused_parameters=True; ``b`` is used by rank 1 alone at even steps, by no rank at odd
     steps, with skip_unused=False (every parameter stepped at every step). torch.optim's counterpart:
@@ -316,6 +344,7 @@ def match_id(opt_name, order, variant):
 SCENARIOS = {
     **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH},
     **{f"bucket_view:{order}": (run_bucket_view, (order,)) for order in ("after_wrap", "before_wrap")},
+    **{f"gather:{v}": (run_gather, (v,)) for v in (False, True)},
     "unused": (run_unused, ()),
     "skip_unused": (run_skip_unused, ()),
     "in_backward": (run_in_backward, ()),
@@ -393,6 +422,18 @@ def test_gradient_as_bucket_view_matches_torch(ddp_results, order):
     assert_history(
         [h["flat"] for h in results[0]["history"]], [h["flat"] for h in results[1]["history"]], "ranks", **SAME
     )
+
+
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["grads", "bucket_view"])
+def test_gathering_the_averaged_gradients_matches_torch(ddp_results, bucket_view):
+    """direct_grads="gather" in step mode under DDP: the step reads the averaged gradients where DDP left them
+    (.grad stays DDP's tensor), as torch.optim does, and the ranks stay bit-identical."""
+    r0, r1 = ddp_results(f"gather:{bucket_view}")
+    for rank, result in enumerate((r0, r1)):
+        hist = result["history"]
+        assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}, flatopt vs torch", **TOL)
+        assert all(result["grads_are_ddps"]), f"rank {rank}: a .grad was replaced by step()"
+    assert_history([h["flat"] for h in r0["history"]], [h["flat"] for h in r1["history"]], "rank 0 vs 1", **SAME)
 
 
 def test_parameter_used_on_one_rank_only(ddp_results):
