@@ -255,7 +255,8 @@ def _finish(fig, record, title, path, caption=None, caption_size=7.5):
     if record.get("smoke"):
         title = f"{SMOKE_LABEL}\n{title}"
         fig.text(0.5, 0.5, SMOKE_LABEL, fontsize=40, color="red", alpha=0.35, ha="center", va="center", rotation=25)
-    fig.suptitle(title, fontsize=10)
+    width = max(40, int(fig.get_figwidth() * 72 / 6))  # characters of 10-point text across the figure
+    fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")), fontsize=10)
     bottom = 0.0
     if caption:
         lines = caption.count("\n") + 1
