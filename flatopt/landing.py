@@ -299,7 +299,7 @@ class LandingSlots:
         referenced from outside): for a step that reads none of its views. The slots forget the views they put
         into ``.grad`` that are no longer there (``model.zero_grad()`` set them to None behind the optimizer's
         back), as zero_grad() does. Returns whether it is released."""
-        if self.keep_allocated:
+        if self.keep_allocated or self._released[b]:  # O(1) at every step where it stays released
             return self._released[b]
         for s in self._by_buffer[b]:
             if s.grad is not None and s.param.grad is not s.grad:
