@@ -667,7 +667,8 @@ def plot_eager_png(record, path):
             title = f"{model} ({info.get('params', 0) / 1e6:.1f}M params, {info.get('tensors')} tensors), {label}"
             ax.set_title(title, loc="left", fontsize=8)
             want = "flatopt peak" if key == "peak" else f"({label.replace(' to ', '-to-')})"
-            hit = [t for (m, name), t in targets.items() if m == model and want in name]
+            # flatopt's default: the rows of its other landings start with their own names
+            hit = [t for (m, name), t in targets.items() if m == model and want in name and name.startswith("flatopt ")]
             if hit and hit[0].get("threshold") is not None:
                 t = hit[0]
                 ax.text(0.99, 0.97, f"target {t['threshold']:.2f}x: {_met(t)}", transform=ax.transAxes, ha="right",

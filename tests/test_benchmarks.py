@@ -1223,6 +1223,27 @@ def test_eager_targets(eager):
     assert t["met"] is None and "flatopt: oom: OutOfMemoryError" in t["note"]
 
 
+def test_eager_targets_of_the_other_landings(eager):
+    """A landing timed beside flatopt's default gets the same target rows, named after it; one not timed gets
+    none."""
+    record = dict(
+        models={"mlp3000": {}},
+        paired=[dict(model="mlp3000", status="ok", impls=["torch-fused", "flatopt", "flatopt-gather"],
+                     flatopt=dict(median_ms=10.5, b2b_median_ms=10.4),
+                     **{"flatopt-gather": dict(median_ms=9.0, b2b_median_ms=9.6),
+                        "torch-fused": dict(median_ms=10.0, b2b_median_ms=10.0)})],
+        results=[dict(model="mlp3000", impl=i, status="ok", peak_bytes=b * 2**30)
+                 for i, b in (("flatopt", 1.1), ("flatopt-gather", 1.0), ("torch-fused", 1.0))],
+    )  # fmt: skip
+    by = {t["target"]: t for t in eager.evaluate_targets(record)}
+    assert len(by) == 6 and not any(t.startswith("flatopt-hooks") for t in by)
+    assert by["flatopt / torch-fused <= 0.95x (synchronised)"]["met"] is False
+    assert by["flatopt-gather / torch-fused <= 0.95x (synchronised)"]["met"] is True
+    assert by["flatopt-gather / torch-fused <= 0.95x (back-to-back)"]["met"] is False  # 0.96
+    assert by["flatopt-gather peak / torch-fused peak <= 1.01x"]["met"] is True
+    assert by["flatopt peak / torch-fused peak <= 1.01x"]["met"] is False
+
+
 def test_eager_cpu_runs_the_demo_model_by_default(eager):
     args = eager.parse_args(["--device", "cpu"])  # not a smoke run: a CPU measurement of the demo model
     assert args.models == ["demo"] and not args.smoke and args.iters == 100
