@@ -172,7 +172,7 @@ def run(args, argv):
     record = harness.new_record(
         "profile-landing",
         "host time per layer of each way of landing gradients: native layers, a Python autograd.Function, "
-        "flatopt's hooks and flatopt's covered layers",
+        "flatopt's hooks, flatopt's covered layers and flatopt's gathering step",
         "profile_landing", args, argv, device,
         settings=dict(layers=args.layers, width=args.width, batch=args.batch, warmup=args.warmup,
                       rounds=args.rounds, seed=args.seed),
