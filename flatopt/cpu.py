@@ -16,7 +16,9 @@ nothing. Each piece is stepped by:
   once) where the group has no dampening, no Nesterov momentum, no ``maximize`` and no ``grad_scale``; otherwise a
   chunk at a time by the float32 kernel over float32 copies (the chunked path below), which rounds once as the
   rule does.
-* Lion: the chunked path (torch has no Lion kernel).
+* Lion: the chunked path (torch has no Lion kernel). A chunk's gradient is read where it lies when one gradient
+  (a slice of the flat buffer, or a gradient step() reads in place) holds it, and gathered into a scratch buffer
+  when the chunk spans several.
 
 The chunked path steps ``CHUNK`` elements at a time with torch's in-place operations, the temporaries being
 scratch buffers of one chunk, reused, that stay in the cache: each element is read from memory and written back
@@ -31,7 +33,8 @@ The arguments are those of the Triton launchers (:mod:`flatopt.kernels`) and of 
 is the rule's (:mod:`flatopt.rules`), with the single roundings in a different order (an FMA where the reference
 rounds a product first): the results agree with the reference to the tests' tolerances, not bit for bit.
 GradScaler's ``found_inf`` skips the whole launch (read on the host), ``grad_scale`` leaves the unscaled
-gradients in ``grad`` as torch's fused kernels do; the step counts advance as the reference advances them.
+gradients in ``grad`` (and in the gradients read in place) as torch's fused kernels do; the step counts advance as
+the reference advances them, before the kernels run (and are put back if one raises).
 """
 
 import bisect
@@ -43,7 +46,7 @@ import torch
 
 from flatopt import reference
 from flatopt.layout import compute_dtype
-from flatopt.reference import advance_steps, gather, runs, unscaled_back
+from flatopt.reference import advance_steps, gather, runs
 from flatopt.rules import ADAMW, LION, SGD
 
 __all__ = ["adamw_step", "sgd_step", "lion_step", "CHUNK"]
@@ -92,27 +95,32 @@ def _check(rule, param, grad, states, hparams):
             )
 
 
-def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, found_inf, sources, in_place=True):
+def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, found_inf, sources):
     """Check, gather the gradients from ``sources`` (as the reference does; with ``sources.store`` False, only
     those :func:`_in_place` leaves where they lie), then call ``piece_step(segments, h, steps, grad_scale)`` for
     each active piece unless ``found_inf`` skips the launch, and advance the step counts. ``segments``: the piece as
     ``(start, end, gradient)`` runs, the gradient a slice of ``grad`` or a gradient read in place; ``h``: the
-    piece's row by column name, floats; ``steps``: its completed steps. ``in_place=False``: every source gathered
-    (a step of many operations per chunk would run them per segment), the unscaled gradients put back where they
-    lie after."""
+    piece's row by column name, floats; ``steps``: its completed steps."""
     _check(rule, param, grad, states, hparams)
-    own = _in_place(grad, sources, meta) if in_place else gather(grad, sources, meta) or []
+    own = _in_place(grad, sources, meta)
     ok = None if found_inf is None else found_inf.reshape(()) == 0
     if ok is None or bool(ok):
         if grad_scale is not None:
             grad_scale = grad_scale.reshape(()).to("cpu")
         rows = hparams.tolist()
-        for start, end, group, steps in runs(meta, param.numel()):
-            if end > start:
+        pieces = [r for r in runs(meta, param.numel()) if r[1] > r[0]]  # their step counts read before advancing
+        # the counts advance before the kernels, as torch's fused AdamW adds to its step tensors first: the first
+        # operation after a kernel that streamed the buffers costs about 100 us on a 2-core CPU, a few before it
+        before = meta.steps.clone()
+        advance_steps(meta, ok)
+        try:
+            for start, end, group, steps in pieces:
                 piece_step(_segments(start, end, grad, own), rule.named(rows[group]), steps, grad_scale)
-    advance_steps(meta, ok)
-    if not in_place:
-        unscaled_back(grad, sources, grad_scale, found_inf)
+        except BaseException:
+            meta.steps.copy_(before)  # a step that did not run is not counted
+            raise
+    else:
+        advance_steps(meta, ok)
 
 
 def _in_place(grad, sources, meta):
@@ -353,39 +361,66 @@ def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf
         return
 
     def piece(segments, h, steps, scale):
-        for s, e, g in segments:
-            _lion_chunked(param[s:e], g, exp_avg[s:e], h, scale)
+        _lion_chunked(param, exp_avg, segments, h, scale)
 
-    # in place=False: Lion's chunks take about ten operations each, which a piece cut into segments would multiply
     _step(LION, piece, param, grad, (exp_avg,), hparams=hparams, meta=meta, grad_scale=grad_scale,
-          found_inf=found_inf, sources=sources, in_place=False)  # fmt: skip
+          found_inf=found_inf, sources=sources)  # fmt: skip
 
 
-def _lion_chunked(param, grad, exp_avg, h, scale):
-    """Lion over slices, a chunk at a time, in the rule's order of operations and roundings (the sign of a sum near
-    zero depends on them): ``p * (1 - lr * weight_decay) + (-lr) * sign(m * beta1 + (1 - beta1) * g)``, ``m * beta2
-    + (1 - beta2) * g``. bfloat16 and float16 chunks are upcast into float32 scratch buffers and rounded once when
-    stored back (operations mixing dtypes would spare the copies, but run several times slower)."""
+def _chunk_parts(segments, s, e, k):
+    """The gradient of elements ``[s, e)`` as ``(lo, hi, slice)`` parts of ``segments`` (sorted ``(start, end,
+    gradient)`` runs covering them), searched from index ``k``; and the index to search the next chunk from."""
+    while segments[k][1] <= s:
+        k += 1
+    parts, j = [], k
+    while j < len(segments) and segments[j][0] < e:
+        a, b, g = segments[j]
+        lo, hi = max(a, s), min(b, e)
+        parts.append((lo, hi, g[lo - a : hi - a]))
+        j += 1
+    return parts, k
+
+
+def _lion_chunked(param, exp_avg, segments, h, scale):
+    """Lion over the elements the ``segments`` cover (sorted ``(start, end, gradient)`` runs: slices of the flat
+    gradient buffer and gradients read where they lie), a chunk at a time, in the rule's order of operations and
+    roundings (the sign of a sum near zero depends on them): ``p * (1 - lr * weight_decay) + (-lr) * sign(m * beta1
+    + (1 - beta1) * g)``, ``m * beta2 + (1 - beta2) * g``. A chunk's gradient is read in place when one segment
+    holds it, and otherwise gathered into a scratch buffer that stays in the cache (rather than copied into the flat
+    buffer first: a write and a read of every gradient byte through memory less). bfloat16 and float16 chunks are
+    upcast into float32 scratch buffers and rounded once when stored back (operations mixing dtypes would spare the
+    copies, but run several times slower). With ``scale``, the unscaled gradients are left where they lie, as
+    torch's fused kernels leave them in ``.grad``."""
     dtype = compute_dtype(param.dtype)
     upcast = param.dtype != dtype
-    c_all, t_all, *up = _scratch_buffers(dtype, 5 if upcast else 2)
+    c_all, t_all, g_all, *up = _scratch_buffers(dtype, 5 if upcast else 3)
     if scale is not None:
         scale = scale.to(dtype)
     lr, wd = h["lr"], h["weight_decay"]
     beta1, omb1, beta2, omb2 = h["beta1"], h["one_minus_beta1"], h["beta2"], h["one_minus_beta2"]
     decay = (1.0 - torch.tensor(lr, dtype=dtype) * wd).item()  # rounded as the rule rounds it in the table's dtype
-    for s in range(0, param.numel(), CHUNK):
-        e = min(s + CHUNK, param.numel())
-        n, p, g, m = e - s, param[s:e], grad[s:e], exp_avg[s:e]
+    k = 0
+    for s in range(segments[0][0], segments[-1][1], CHUNK):
+        e = min(s + CHUNK, segments[-1][1])
+        n, p, m = e - s, param[s:e], exp_avg[s:e]
         c, t = c_all[:n], t_all[:n]
-        if upcast:
-            gf, pf, mf = up[0][:n].copy_(g), up[1][:n].copy_(p), up[2][:n].copy_(m)
+        parts, k = _chunk_parts(segments, s, e, k)
+        gathered = upcast or len(parts) > 1
+        if gathered:
+            gf = g_all[:n]
+            for lo, hi, g in parts:
+                gf[lo - s : hi - s].copy_(g)
         else:
-            gf, pf, mf = g, p, m
+            gf = parts[0][2]
+        if upcast:
+            pf, mf = up[0][:n].copy_(p), up[1][:n].copy_(m)
+        else:
+            pf, mf = p, m
         if scale is not None:
             gf.div_(scale)
-            if upcast:
-                g.copy_(gf)  # the unscaled gradient stays in .grad
+            if gathered:
+                for lo, hi, g in parts:
+                    g.copy_(gf[lo - s : hi - s])  # the unscaled gradient stays where it lies
         torch.mul(mf, beta1, out=c).add_(torch.mul(gf, omb1, out=t)).sign_()
         if wd != 0.0:
             pf.mul_(decay)

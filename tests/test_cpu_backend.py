@@ -279,6 +279,43 @@ def test_real_chunk_size(opt, dtype, monkeypatch):
             b.copy_(a)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_gradients_read_in_place_are_not_copied_into_the_buffer(opt, dtype):
+    """``store=False`` sources (step() reading autograd's gradients where they lie): the slots of those gradients in
+    the flat buffer are never written, by any optimizer (NaN left there stays NaN, and no NaN reaches the
+    parameters), chunks that span several gradients included; the results are the reference's."""
+    ours = Case(opt, dtype, "in-place")
+    ref = ours.clone()
+    taken = [i for i, g in enumerate(ours.grads) if g is not None and g.numel() > 0]
+    for i in taken:
+        ours.buf.grad_views[i].fill_(float("nan"))
+    ours.launch("cpu")
+    ref.launch("torch")
+    for i in taken:
+        assert ours.buf.grad_views[i].isnan().all(), f"the slot of gradient {i}, read in place, was written"
+        ours.buf.grad_views[i].copy_(ref.buf.grad_views[i])  # for compare(), which reads the others' slots
+    compare(ours, ref, f"{opt} {dtype}, gradients read in place")
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+def test_a_launch_that_fails_counts_no_step(opt, monkeypatch):
+    """The step counts advance before the kernels run (as torch's fused AdamW adds to its step tensors first); a
+    kernel that raises leaves them as they were."""
+    case = Case(opt, torch.float32, "groups-and-steps")
+    before = case.meta.steps.clone()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel failed")
+
+    for name in ("_fused_adamw_", "_fused_sgd_", "mul", "addcmul"):  # what the first call of each optimizer is
+        monkeypatch.setattr(torch, name, broken)
+    monkeypatch.setattr(torch.Tensor, "addcmul_", broken)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        case.launch("cpu")
+    assert torch.equal(case.meta.steps, before)
+
+
 # ------------------------------------------------------------------------------------------------ pieces
 def runs_by_element(meta, numel):
     """``reference.runs`` spelled out element by element: each element's parameter, group, steps, flag."""
