@@ -138,23 +138,24 @@ def _in_place(grad, sources, meta):
     ]
 
 
-CUTS_MAX = 1024  # slices kept per StepMeta (a layout's pieces need a few per parameter)
+CUTS_MAX = 64  # slice lists kept per StepMeta (one per piece and pattern of gradients read in place, usually)
 
 
-def _cut(meta, t, s, e):
-    """``t[s:e]``, kept in ``meta.cuts`` for the next step (a slice costs about a microsecond of host time, and a
-    step takes a few per parameter read in place). An entry holds ``t`` itself, so its ``id`` is not reused while
-    the entry lives; the buffers are the launch's, which the meta describes. For the parameters' and the states'
-    buffers only, which are never released: a view kept of the gradient buffer would hold its storage."""
-    key = (id(t), s, e)
+def _slices(meta, segments, tensors):
+    """For each of ``tensors`` (the launch's parameters' and states' buffers) its slices over the segments' bounds,
+    kept in ``meta.cuts`` for the next step with the same bounds (a slice costs about a microsecond of host time,
+    and a step takes a few per parameter read in place). An entry holds the tensors themselves, so their ``id`` is
+    not reused while it lives; the buffers are the launch's, which the meta describes. For the parameters' and the
+    states' buffers only, which are never released: a view kept of the gradient buffer would hold its storage."""
+    key = (*map(id, tensors), *[s for s, _, _ in segments], segments[-1][1])
     hit = meta.cuts.get(key)
-    if hit is not None and hit[0] is t:
+    if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
         return hit[1]
     if len(meta.cuts) >= CUTS_MAX:
         meta.cuts.clear()
-    v = t[s:e]
-    meta.cuts[key] = (t, v)
-    return v
+    out = [[t[s:e] for s, e, _ in segments] for t in tensors]
+    meta.cuts[key] = (tensors, out)
+    return out
 
 
 def _segments(start, end, grad, own):
@@ -209,13 +210,12 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=No
 
     def piece(segments, h, steps, scale):
         grads = [g for _, _, g in segments]
+        params, avgs, avg_sqs = _slices(meta, segments, (param, exp_avg, exp_avg_sq))
         # The kernel computes the bias corrections 1 - beta**t in float64 from the betas it is given: betas
         # rebuilt from the table's logarithms, as the rule computes them (a float32 table's beta2 = 0.999 is off by
         # 1.3e-8, which 1 - beta2**3 = 0.003 would magnify to 1.3e-5)
         torch._fused_adamw_(
-            [_cut(meta, param, s, e) for s, e, _ in segments], grads,
-            [_cut(meta, exp_avg, s, e) for s, e, _ in segments], [_cut(meta, exp_avg_sq, s, e) for s, e, _ in segments],
-            [], [torch.tensor(steps + 1.0)] * len(segments),
+            params, grads, avgs, avg_sqs, [], [torch.tensor(steps + 1.0)] * len(segments),
             lr=h["lr"], beta1=math.exp(h["log_beta1"]), beta2=math.exp(h["log_beta2"]),
             weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=h["grad_sign"] < 0,
             grad_scale=_kernel_scale(grads, scale),
@@ -247,9 +247,11 @@ def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, fo
         momentum = h["momentum"] if momentum_buffer is not None else 0.0
         first = steps == 0
         if kernel is _fused_sgd:  # one call for the piece
-            bufs = [_cut(meta, momentum_buffer, s, e) for s, e, _ in segments] if momentum != 0.0 else []
-            return _fused_sgd([_cut(meta, param, s, e) for s, e, _ in segments], [g for _, _, g in segments], bufs, h,
-                              momentum, first, scale)  # fmt: skip
+            if momentum != 0.0:
+                params, bufs = _slices(meta, segments, (param, momentum_buffer))
+            else:
+                params, bufs = *_slices(meta, segments, (param,)), []
+            return _fused_sgd(params, [g for _, _, g in segments], bufs, h, momentum, first, scale)
         low = _low_precision_steps(h, momentum, first, scale)
         for s, e, g in segments:
             buf = momentum_buffer[s:e] if momentum != 0.0 else None

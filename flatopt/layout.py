@@ -68,7 +68,7 @@ class StepMeta:
     uniform: bool = False  # one group, equal steps, no active mask (over [first, stop))
     first: int = 0  # a launch steps parameters [first, stop) of the buffer
     stop: int | None = None  # None: every parameter
-    # the CPU backend's slices of the launch's buffers, the same at every step: see flatopt.cpu._cut
+    # the CPU backend's slices of the launch's buffers, the same at every step: see flatopt.cpu._slices
     cuts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
