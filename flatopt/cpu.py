@@ -34,7 +34,7 @@ is the rule's (:mod:`flatopt.rules`), with the single roundings in a different o
 rounds a product first): the results agree with the reference to the tests' tolerances, not bit for bit.
 GradScaler's ``found_inf`` skips the whole launch (read on the host), ``grad_scale`` leaves the unscaled
 gradients in ``grad`` (and in the gradients read in place) as torch's fused kernels do; the step counts advance as
-the reference advances them, before the kernels run (and are put back if one raises).
+the reference advances them, after the kernels ran.
 """
 
 import bisect
@@ -108,19 +108,10 @@ def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, f
         if grad_scale is not None:
             grad_scale = grad_scale.reshape(()).to("cpu")
         rows = hparams.tolist()
-        pieces = [r for r in runs(meta, param.numel()) if r[1] > r[0]]  # their step counts read before advancing
-        # the counts advance before the kernels, as torch's fused AdamW adds to its step tensors first: the first
-        # operation after a kernel that streamed the buffers costs about 100 us on a 2-core CPU, a few before it
-        before = meta.steps.clone()
-        advance_steps(meta, ok)
-        try:
-            for start, end, group, steps in pieces:
+        for start, end, group, steps in runs(meta, param.numel()):
+            if end > start:
                 piece_step(_segments(start, end, grad, own), rule.named(rows[group]), steps, grad_scale)
-        except BaseException:
-            meta.steps.copy_(before)  # a step that did not run is not counted
-            raise
-    else:
-        advance_steps(meta, ok)
+    advance_steps(meta, ok)
 
 
 def _in_place(grad, sources, meta):

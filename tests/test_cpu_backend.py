@@ -300,8 +300,7 @@ def test_gradients_read_in_place_are_not_copied_into_the_buffer(opt, dtype):
 
 @pytest.mark.parametrize("opt", list(OPTS))
 def test_a_launch_that_fails_counts_no_step(opt, monkeypatch):
-    """The step counts advance before the kernels run (as torch's fused AdamW adds to its step tensors first); a
-    kernel that raises leaves them as they were."""
+    """A kernel that raises leaves the step counts as they were."""
     case = Case(opt, torch.float32, "groups-and-steps")
     before = case.meta.steps.clone()
 
