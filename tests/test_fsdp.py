@@ -187,6 +187,41 @@ def run_match(rank, opt_name, mp_policy, backend=None, hsdp=None):
     return out
 
 
+def run_grad_scale(rank, backend=None):
+    """GradScaler's arguments, as its step() hands them to a fused optimizer (``opt.grad_scale``, ``opt.found_inf``):
+    with a loss scaled by a power of two, the same parameters as unscaled training, and ``.grad`` left unscaled, as
+    torch's fused kernels leave it; a step that found_inf skips changes nothing and leaves ``.grad`` scaled."""
+    world, scale = dist.get_world_size(), 1024.0
+    kw = {} if backend is None else {"backend": backend}
+    runs = {name: sharded(world) for name in ("scaled", "plain")}
+    opts = {name: flatopt.AdamW(m, lr=1e-2, **kw) for name, m in runs.items()}
+    out = {"after": [], "want": [], "skipped_params": None}
+    for step in range(3):
+        x, y = (t.chunk(world)[rank] for t in batch(step))
+        for name, m in runs.items():
+            (nn.functional.mse_loss(m(x), y) * (scale if name == "scaled" else 1.0)).backward()
+        scaled, opt = runs["scaled"], opts["scaled"]
+        trained = [p for p in scaled.parameters() if p.requires_grad]
+        before = [p.grad.to_local().clone() for p in trained]
+        opt.grad_scale, opt.found_inf = torch.tensor(scale), torch.tensor(1.0 if step == 1 else 0.0)
+        params = [p.to_local().clone() for p in trained]
+        opt.step()
+        del opt.grad_scale, opt.found_inf
+        if step == 1:  # skipped: nothing changes
+            out["skipped_params"] = [torch.equal(a, p.to_local()) for a, p in zip(params, trained)]
+            out["after"].append([p.grad.to_local().clone() for p in trained])
+            out["want"].append(before)
+        else:
+            opts["plain"].step()
+            out["after"].append([p.grad.to_local().clone() for p in trained])
+            out["want"].append([p.grad.to_local().clone() for p in runs["plain"].parameters() if p.requires_grad])
+        for o in opts.values():
+            o.zero_grad()
+    out["params"] = [p.to_local().clone() for p in runs["scaled"].parameters()]
+    out["plain_params"] = [p.to_local().clone() for p in runs["plain"].parameters()]
+    return out
+
+
 def run_errors(rank):
     """Refusals at construction, each leaving the parameters where they were."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -738,6 +773,7 @@ def match_id(opt_name, mp_policy, backend):
 
 SCENARIOS = {
     **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH if m[2] != "triton" or INTERPRETED},
+    **{f"grad_scale:{b}": (run_grad_scale, (b,)) for b in (None, "triton") if b is None or INTERPRETED},
     **{f"in_backward:{a}": (run_in_backward, (a,)) for a in (None, "no_step", "fsdp")},
     **{f"in_backward_clip:{o}-{n}": (run_in_backward_clip, (o, n)) for o, n in IN_BACKWARD_CLIP},
     **{f"in_backward_recover:{s}": (run_in_backward_recover, (s,)) for s in (True, False) if fsdp_resets()},
@@ -790,6 +826,23 @@ def test_matches_torch_optim_on_the_same_fsdp2_model(runs, scenario):
         # CPU backend reads its alignment padding, so it allocates one at every step
         want = 0 if scenario.endswith("-triton") else STEPS
         assert result["grad_buffer_allocations"] == want, (rank, result["grad_buffer_allocations"])
+
+
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_grad_scale_leaves_unscaled_gradients_as_torch_fused(runs, backend):
+    """Under GradScaler's grad_scale the steps are those of unscaled training and each rank's ``.grad`` shards hold
+    the unscaled gradients after the step (as torch's fused kernels leave them), with the CPU backend and with the
+    Triton kernels; a step skipped by found_inf changes no parameter and leaves the scaled gradients."""
+    if backend == "triton" and not INTERPRETED:
+        pytest.skip("the Triton kernels run on the CPU only under the interpreter: set TRITON_INTERPRET=1")
+    for rank, result in enumerate(runs["two"](f"grad_scale:{backend}")):
+        assert all(result["skipped_params"]), (rank, result["skipped_params"])
+        for step, (after, want) in enumerate(zip(result["after"], result["want"])):
+            for i, (a, w) in enumerate(zip(after, want)):
+                where = f"rank {rank}, step {step}, grad {i}"
+                torch.testing.assert_close(a, w, rtol=0, atol=0, msg=lambda m, where=where: f"{where}: {m}")
+        for i, (a, w) in enumerate(zip(result["params"], result["plain_params"])):
+            torch.testing.assert_close(a, w, rtol=0, atol=0, msg=lambda m: f"rank {rank}, param {i}: {m}")
 
 
 def test_hsdp_matches_torch_optim(runs):

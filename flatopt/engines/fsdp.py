@@ -9,7 +9,8 @@ flat buffer (per (device, dtype)) on each rank.
   storage, a shard the kernel cannot read in place (not 16-byte aligned) is read from an aligned copy, and
   ``p.grad`` is left as FSDP2 made it (unscaled under GradScaler's ``grad_scale``, as torch's fused kernels leave
   it). The CPU backend and the torch reference gather the shards into the flat gradient buffer, which has storage
-  only during their launch (allocated and zeroed before it, freed after it), and leave ``p.grad`` as it was.
+  only during their launch (allocated and zeroed before it, freed after it), and under ``grad_scale`` copy the
+  unscaled gradients back into ``p.grad``, as the kernels leave them.
 * States: flat buffers like the parameters'; ``opt.state[p]`` holds views of the local shards, and
   ``state_dict()`` exports them as DTensors with the parameter's sharding, as torch.optim on the same model
   holds them, so ``torch.distributed.checkpoint`` saves, reshards and loads them.
@@ -185,7 +186,7 @@ class FSDPStepEngine(FlatEngine):
         its own, a parameter without a gradient from zeros (one tensor for all of them). Otherwise (the CPU
         backend, whose pieces of a launch would round differently from in-backward mode's whole runs, and the torch
         reference) the buffer is brought back, zeroed, and those go into their views there, the others gathered
-        into it."""
+        into it; every view is then paired with its shard."""
         grads = [None if p.grad is None else fsdp.local_of(p.grad) for p in buf.params]
         if self.opt.backend != "triton":
             acquire_grad(buf)
@@ -195,7 +196,10 @@ class FSDPStepEngine(FlatEngine):
                 elif not GradSources.fits(view, g):
                     view.copy_(g)
                     grads[i] = None
-            return GradSources.of(buf, grads), []
+            # the launch leaves each unscaled gradient in its view, which put_back takes to the shard (the same values
+            # after a launch that found_inf skipped: the gradients are gathered before it)
+            views = [(fsdp.local_of(p.grad), view) for p, view in zip(buf.params, buf.grad_views) if p.grad is not None]
+            return GradSources.of(buf, grads), views
         copies, zeros = [], None
         for i, (view, g) in enumerate(zip(buf.grad_views, grads)):
             if g is None:  # one tensor of zeros for all of them: nothing writes into it (0 unscaled is 0)
@@ -211,8 +215,8 @@ class FSDPStepEngine(FlatEngine):
     @staticmethod
     def put_back(copies, grad_scale):
         """Under GradScaler's ``grad_scale`` the launch leaves the unscaled gradient where it read it: for a shard
-        read from a copy, in the copy, which goes back into the shard (``.grad``, as torch's fused kernels leave
-        it)."""
+        read from a copy (or, on the CPU backend and the reference, from its view of the flat buffer), there, which
+        goes back into the shard (``.grad``, as torch's fused kernels leave it)."""
         if grad_scale is not None:
             for g, own in copies:
                 g.copy_(own)
