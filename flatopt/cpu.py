@@ -52,7 +52,7 @@ from flatopt.rules import ADAMW, LION, SGD
 __all__ = ["adamw_step", "sgd_step", "lion_step", "CHUNK"]
 
 # Elements per chunk of the chunked path: 2 MiB of float32 per scratch buffer, a chunk's tensors and temporaries
-# (10 MiB for float32 Lion) small enough to stay in the last-level cache between its operations, large enough that
+# (12 MiB for float32 Lion) small enough to stay in the last-level cache between its operations, large enough that
 # each operation's fixed cost (dispatch, a parallel region: tens of microseconds with 2 threads) is small against its
 # work. On a 2-core AMD EPYC (1 MiB L2 per core, 32 MiB L3), 14M-element float32 Lion: 18 ms in 64K-element chunks,
 # 12.5 in 256K and 1M, 24 in 4M; 14M-element bfloat16 SGD with momentum: 16.5 ms in 64K, 8.7 in 256K, 6.3-7.4 in
@@ -129,7 +129,7 @@ def _in_place(grad, sources, meta):
     ]
 
 
-CUTS_MAX = 64  # slice lists kept per StepMeta (one per piece and pattern of gradients read in place, usually)
+SLICES_MAX = 4096  # slices kept per StepMeta, all lists together (a layout's pieces need a few per parameter)
 
 
 def _slices(meta, segments, tensors):
@@ -137,21 +137,26 @@ def _slices(meta, segments, tensors):
     kept in ``meta.cuts`` for the next step with the same bounds (a slice costs about a microsecond of host time,
     and a step takes a few per parameter read in place). An entry holds the tensors themselves, so their ``id`` is
     not reused while it lives; the buffers are the launch's, which the meta describes. For the parameters' and the
-    states' buffers only, which are never released: a view kept of the gradient buffer would hold its storage."""
-    key = (*map(id, tensors), *[s for s, _, _ in segments], segments[-1][1])
+    states' buffers only, which are never released: a view kept of the gradient buffer would hold its storage.
+    At most SLICES_MAX slices are kept, all entries together (the cache starts again when a new entry would pass
+    it)."""
+    key = (tuple(map(id, tensors)), tuple([s for s, _, _ in segments]), segments[-1][1])
     hit = meta.cuts.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
         return hit[1]
-    if len(meta.cuts) >= CUTS_MAX:
+    count = len(segments) * len(tensors)
+    if meta.cut_slices + count > SLICES_MAX:
         meta.cuts.clear()
+        meta.cut_slices = 0
     out = [[t[s:e] for s, e, _ in segments] for t in tensors]
     meta.cuts[key] = (tensors, out)
+    meta.cut_slices += count
     return out
 
 
 def _segments(start, end, grad, own):
     """Elements ``[start, end)`` as ``(s, e, gradient)`` runs: the gradients of ``own`` (sorted, each within one
-    piece: a piece is whole parameters) and the slices of ``grad`` between them. (Not kept as :func:`_cut` keeps
+    piece: a piece is whole parameters) and the slices of ``grad`` between them. (Not kept as :func:`_slices` keeps
     slices: a view kept of the gradient buffer would hold its storage through ``zero_grad()``.)"""
     if not own:
         return [(start, end, grad[start:end])]

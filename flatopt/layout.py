@@ -70,6 +70,7 @@ class StepMeta:
     stop: int | None = None  # None: every parameter
     # the CPU backend's slices of the launch's buffers, the same at every step: see flatopt.cpu._slices
     cuts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    cut_slices: int = field(default=0, init=False, repr=False, compare=False)  # how many slices ``cuts`` holds
 
     def __post_init__(self):
         if self.stop is None:

@@ -307,12 +307,40 @@ def test_a_launch_that_fails_counts_no_step(opt, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("kernel failed")
 
+    cpu.fused_sgd_steps(torch.float32)  # found once, before the kernel is broken (the answer is cached)
+
     for name in ("_fused_adamw_", "_fused_sgd_", "mul", "addcmul"):  # what the first call of each optimizer is
         monkeypatch.setattr(torch, name, broken)
     monkeypatch.setattr(torch.Tensor, "addcmul_", broken)
     with pytest.raises(RuntimeError, match="kernel failed"):
         case.launch("cpu")
     assert torch.equal(case.meta.steps, before)
+
+
+def test_slices_are_found_again_at_the_next_step_however_many_pieces(monkeypatch):
+    """The parameters' and states' slices of each piece are kept for the next step (one lookup per piece), also when
+    per-parameter step counts cut a buffer into hundreds of pieces, and the slices kept stay within SLICES_MAX."""
+    n = 300
+    buf = FlatBuffer([torch.zeros(64) for _ in range(n)], [0] * n, ADAMW.state_names)
+    buf.grad.normal_()
+    buf.meta.steps.copy_(torch.arange(n) % 2)  # every parameter a piece of its own
+    buf.meta.uniform = False
+    hparams = torch.tensor([ADAMW.row(OPTS["adamw"][1][0])])
+
+    def launch():
+        functional.adamw(buf.data, buf.grad, *buf.states.values(), hparams=hparams, meta=buf.meta, backend="cpu")
+
+    launch()
+    kept = {k: v[1] for k, v in buf.meta.cuts.items()}
+    assert len(kept) == n and buf.meta.cut_slices == 3 * n
+    launch()
+    assert {k: v[1] for k, v in buf.meta.cuts.items()} == kept  # the same lists: none made again
+    assert all(buf.meta.cuts[k][1] is v for k, v in kept.items())
+    monkeypatch.setattr(cpu, "SLICES_MAX", 100)
+    buf.meta.steps.copy_(torch.arange(n) // 2 % 2)  # pieces of two parameters: new entries, kept to 100 slices
+    for _ in range(2):
+        launch()
+        assert 0 < buf.meta.cut_slices <= 100 and buf.meta.cut_slices == 3 * len(buf.meta.cuts)
 
 
 # ------------------------------------------------------------------------------------------------ pieces

@@ -773,7 +773,7 @@ def match_id(opt_name, mp_policy, backend):
 
 SCENARIOS = {
     **{f"match:{match_id(*m)}": (run_match, m) for m in MATCH if m[2] != "triton" or INTERPRETED},
-    **{f"grad_scale:{b}": (run_grad_scale, (b,)) for b in (None, "triton") if b is None or INTERPRETED},
+    **{f"grad_scale:{b}": (run_grad_scale, (b,)) for b in (None, "torch", "triton") if b != "triton" or INTERPRETED},
     **{f"in_backward:{a}": (run_in_backward, (a,)) for a in (None, "no_step", "fsdp")},
     **{f"in_backward_clip:{o}-{n}": (run_in_backward_clip, (o, n)) for o, n in IN_BACKWARD_CLIP},
     **{f"in_backward_recover:{s}": (run_in_backward_recover, (s,)) for s in (True, False) if fsdp_resets()},
@@ -828,11 +828,12 @@ def test_matches_torch_optim_on_the_same_fsdp2_model(runs, scenario):
         assert result["grad_buffer_allocations"] == want, (rank, result["grad_buffer_allocations"])
 
 
-@pytest.mark.parametrize("backend", [None, "triton"])
+@pytest.mark.parametrize("backend", [None, "torch", "triton"])
 def test_grad_scale_leaves_unscaled_gradients_as_torch_fused(runs, backend):
     """Under GradScaler's grad_scale the steps are those of unscaled training and each rank's ``.grad`` shards hold
-    the unscaled gradients after the step (as torch's fused kernels leave them), with the CPU backend and with the
-    Triton kernels; a step skipped by found_inf changes no parameter and leaves the scaled gradients."""
+    the unscaled gradients after the step (as torch's fused kernels leave them), with the CPU backend (None: the
+    default), the torch reference and the Triton kernels; a step skipped by found_inf changes no parameter and
+    leaves the scaled gradients."""
     if backend == "triton" and not INTERPRETED:
         pytest.skip("the Triton kernels run on the CPU only under the interpreter: set TRITON_INTERPRET=1")
     for rank, result in enumerate(runs["two"](f"grad_scale:{backend}")):
