@@ -163,7 +163,7 @@ class FSDPStepEngine(FlatEngine):
             for b, buf in enumerate(self.buffers):
                 if b in idle:
                     continue
-                sources, copies = self.sources(buf)
+                sources, copies = self.sources(buf, unscaled=grad_scale is not None)
                 self.launch(
                     buf, buf.grad, hparams=opt.hparams.on(buf.device), meta=buf.meta, grad_scale=grad_scale,
                     found_inf=found_inf, sources=sources,
@@ -178,7 +178,7 @@ class FSDPStepEngine(FlatEngine):
         ``.grad`` is None) under ``skip_unused``, torch.optim's rule; none otherwise (stepped with a zero gradient)."""
         return without if self.opt.skip_unused else []
 
-    def sources(self, buf):
+    def sources(self, buf, unscaled=False):
         """The sources of ``buf``'s local gradient shards for its gathering launch, and the (shard, copy) pairs whose
         copy the launch reads instead (see :meth:`put_back`). With the Triton kernels the launch stores none of them
         (``store=False``) and the flat gradient buffer keeps no storage: a shard that cannot be read in place (not
@@ -186,7 +186,7 @@ class FSDPStepEngine(FlatEngine):
         its own, a parameter without a gradient from zeros (one tensor for all of them). Otherwise (the CPU
         backend, whose pieces of a launch would round differently from in-backward mode's whole runs, and the torch
         reference) the buffer is brought back, zeroed, and those go into their views there, the others gathered
-        into it; every view is then paired with its shard."""
+        into it; with ``unscaled`` (a launch under ``grad_scale``) every view is then paired with its shard."""
         grads = [None if p.grad is None else fsdp.local_of(p.grad) for p in buf.params]
         if self.opt.backend != "triton":
             acquire_grad(buf)
@@ -196,6 +196,8 @@ class FSDPStepEngine(FlatEngine):
                 elif not GradSources.fits(view, g):
                     view.copy_(g)
                     grads[i] = None
+            if not unscaled:
+                return GradSources.of(buf, grads), []
             # the launch leaves each unscaled gradient in its view, which put_back takes to the shard (the same values
             # after a launch that found_inf skipped: the gradients are gathered before it)
             views = [(fsdp.local_of(p.grad), view) for p, view in zip(buf.params, buf.grad_views) if p.grad is not None]
