@@ -246,7 +246,7 @@ def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, fo
             if momentum != 0.0:
                 params, bufs = _slices(meta, segments, (param, momentum_buffer))
             else:
-                params, bufs = *_slices(meta, segments, (param,)), []
+                (params,), bufs = _slices(meta, segments, (param,)), []
             return _fused_sgd(params, [g for _, _, g in segments], bufs, h, momentum, first, scale)
         low = _low_precision_steps(h, momentum, first, scale)
         for s, e, g in segments:
@@ -384,10 +384,10 @@ def _lion_chunked(param, exp_avg, segments, h, scale):
     gradient buffer and gradients read where they lie), a chunk at a time, in the rule's order of operations and
     roundings (the sign of a sum near zero depends on them): ``p * (1 - lr * weight_decay) + (-lr) * sign(m * beta1
     + (1 - beta1) * g)``, ``m * beta2 + (1 - beta2) * g``. A chunk's gradient is read in place when one segment
-    holds it, and otherwise gathered into a scratch buffer that stays in the cache (rather than copied into the flat
-    buffer first: a write and a read of every gradient byte through memory less). bfloat16 and float16 chunks are
-    upcast into float32 scratch buffers and rounded once when stored back (operations mixing dtypes would spare the
-    copies, but run several times slower). With ``scale``, the unscaled gradients are left where they lie, as
+    holds it, and otherwise gathered into a scratch buffer that stays in the cache (a gradient read in place is not
+    copied into the flat buffer first: a write and a read of its bytes through memory less). bfloat16 and float16
+    chunks are upcast into float32 scratch buffers and rounded once when stored back (operations mixing dtypes would
+    spare the copies, but run several times slower). With ``scale``, the unscaled gradients are left where they lie, as
     torch's fused kernels leave them in ``.grad``."""
     dtype = compute_dtype(param.dtype)
     upcast = param.dtype != dtype

@@ -189,6 +189,7 @@ class FSDPStepEngine(FlatEngine):
         into it; with ``unscaled`` (a launch under ``grad_scale``) every view is then paired with its shard."""
         grads = [None if p.grad is None else fsdp.local_of(p.grad) for p in buf.params]
         if self.opt.backend != "triton":
+            shards = list(grads)
             acquire_grad(buf)
             for i, (view, g) in enumerate(zip(buf.grad_views, grads)):
                 if g is None:
@@ -200,8 +201,7 @@ class FSDPStepEngine(FlatEngine):
                 return GradSources.of(buf, grads), []
             # the launch leaves each unscaled gradient in its view, which put_back takes to the shard (the same values
             # after a launch that found_inf skipped: the gradients are gathered before it)
-            views = [(fsdp.local_of(p.grad), view) for p, view in zip(buf.params, buf.grad_views) if p.grad is not None]
-            return GradSources.of(buf, grads), views
+            return GradSources.of(buf, grads), [(g, view) for g, view in zip(shards, buf.grad_views) if g is not None]
         copies, zeros = [], None
         for i, (view, g) in enumerate(zip(buf.grad_views, grads)):
             if g is None:  # one tensor of zeros for all of them: nothing writes into it (0 unscaled is 0)
