@@ -10,6 +10,7 @@ of the parameters there too: ``opt.step()`` is one launch per flat buffer on eac
 
 import argparse
 import os
+import shutil
 import tempfile
 
 import torch
@@ -59,7 +60,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--load", help="resume from this DCP checkpoint instead of training from scratch")
-    parser.add_argument("--save", help="where to save the checkpoint (default: a temporary directory)")
+    parser.add_argument(
+        "--save", help="where to save the checkpoint (default: a temporary directory removed at the end)"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -95,6 +98,8 @@ def main():
     same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), model2.parameters()))
     print(f"rank {rank}: resumed model {'matches' if same else 'DIFFERS FROM'} the original after 3 more steps")
     dist.barrier()  # no rank tears gloo down while another still talks to it
+    if args.save is None and rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
     dist.destroy_process_group()
     if not same:
         raise SystemExit(1)

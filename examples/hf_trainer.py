@@ -41,8 +41,10 @@ Requires ``pip install "flatopt[integrations]"`` (transformers, accelerate).
 """
 
 import argparse
+import atexit
 import dataclasses
 import os
+import shutil
 import tempfile
 import time
 
@@ -142,6 +144,13 @@ def in_backward_options(args):
     }
 
 
+def scratch_dir(prefix):
+    """A new temporary directory, removed with everything in it when this process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def build_trainer(
     optimizer="flatopt",
     pass_as="cls",
@@ -171,6 +180,7 @@ def build_trainer(
         max_grad_norm, bf16, grad_accum (``gradient_accumulation_steps``): Trainer's settings
         checkpointing: activation checkpointing (see :func:`checkpointing_args`)
         save_at: save a checkpoint every ``save_at`` steps (default: no checkpoints)
+        output_dir: Trainer's ``output_dir`` (default: a temporary directory removed when the process exits)
         release_grads: add :class:`ReleaseGradients`, which frees flatopt's gradient buffer after each step
         in_backward: flatopt in in-backward mode, told Trainer's accumulation and clipping
             (:func:`in_backward_options`)
@@ -180,7 +190,7 @@ def build_trainer(
     """
     cls = OPTIMIZERS[optimizer]
     net = tiny_model(model, seed)
-    output_dir = output_dir or tempfile.mkdtemp(prefix="hf_trainer_")
+    output_dir = output_dir or scratch_dir("hf_trainer_")
     saving = {"save_strategy": "steps", "save_steps": save_at} if save_at else {"save_strategy": "no"}
     args = TrainingArguments(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,

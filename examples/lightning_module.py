@@ -41,7 +41,9 @@ Requires ``pip install "flatopt[integrations]"`` (lightning).
 """
 
 import argparse
+import atexit
 import os
+import shutil
 import tempfile
 import time
 
@@ -143,6 +145,13 @@ class NextToken(L.LightningModule):
             self.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)))
 
 
+def scratch_dir(prefix):
+    """A new temporary directory, removed with everything in it when this process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def make_trainer(steps, precision="32-true", clip=1.0, accumulate=1, callbacks=()):
     return L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, precision=precision, gradient_clip_val=clip or None,
@@ -178,6 +187,7 @@ def train(
         clip: ``gradient_clip_val`` (0: off); accumulate: ``accumulate_grad_batches``
         save_at: save a checkpoint every ``save_at`` optimizer steps (``ModelCheckpoint(every_n_train_steps=...)``),
             at an epoch's end: Lightning resumes exactly from there, since a DataLoader cannot resume mid-epoch
+        output_dir: where ``save_at`` saves (default: a temporary directory removed when the process exits)
         resume_from: a checkpoint to resume from (``trainer.fit(..., ckpt_path=...)``); the module is then
             initialised from another seed, so that what it trains with comes from the checkpoint
         in_backward: flatopt in in-backward mode, told the Trainer's accumulation and clipping
@@ -202,7 +212,7 @@ def train(
                 f"save_at={save_at} is not at an epoch's end: an epoch is {per_epoch} optimizer steps here, and "
                 "Lightning resumes exactly only from an epoch's end (the DataLoader cannot resume mid-epoch)"
             )
-        directory = output_dir or tempfile.mkdtemp(prefix="lightning_")
+        directory = output_dir or scratch_dir("lightning_")
         callbacks = [ModelCheckpoint(directory, "{step}", save_top_k=-1, every_n_train_steps=save_at)]
         checkpoint = os.path.join(directory, f"step={save_at}.ckpt")
     trainer = make_trainer(steps, precision=precision, clip=clip, accumulate=accumulate, callbacks=callbacks)

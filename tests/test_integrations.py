@@ -368,6 +368,31 @@ def test_lightning_example_main(lit, capsys):
     assert summary["param_diff"] < FP32["param"] and summary["resume_diff"] == 0.0
 
 
+@pytest.mark.parametrize("example", ["hf", "lit"])
+def test_examples_remove_the_temporary_directories_they_create_when_the_process_exits(
+    example, request, tmp_path, monkeypatch
+):
+    """Without ``output_dir`` an example trains in a temporary directory of its own; a test suite that calls it
+    hundreds of times must not leave them all behind. The exit handlers it registers are run here by hand."""
+    import atexit
+    import tempfile
+
+    module = request.getfixturevalue(example)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    at_exit = []
+    monkeypatch.setattr(atexit, "register", lambda fn, *args, **kwargs: at_exit.append((fn, args, kwargs)))
+    if example == "hf":
+        module.train("flatopt", steps=2, save_at=1)
+    else:
+        module.train("flatopt", steps=8, save_at=8)
+    assert [p.name.split("_")[0] for p in scratch.iterdir()] == [{"hf": "hf", "lit": "lightning"}[example]]
+    for fn, args, kwargs in at_exit:
+        fn(*args, **kwargs)
+    assert list(scratch.iterdir()) == []
+
+
 # ---------------------------------------------------------------------------------------- in-backward mode
 # flatopt.AdamW(..., in_backward=True) steps the parameters during backward. Told the framework's accumulation
 # (accumulation_steps) and clipping (max_grad_norm) by the examples, from the framework's own settings.
