@@ -42,6 +42,14 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
             checked.append(p)
             data_ptr = buf.expected[i][0]
             if p.data_ptr() != data_ptr or p.dtype != buf.dtype or p.device != buf.device:
+                if _moved_in_place(p, buf, i):
+                    raise RuntimeError(
+                        f"{cls}: the memory of the optimizer's flat buffer that parameter {names(p)} views was "
+                        "moved after the optimizer was created (model.share_memory() moves storages in place into "
+                        "shared memory), so the addresses the optimizer's kernels use are stale. Call "
+                        "model.share_memory() before creating the optimizer; to keep the optimizer state, save "
+                        "opt.state_dict() first and load it into the new optimizer"
+                    )
                 raise RuntimeError(
                     f"{cls}: parameter {names(p)} no longer lives in the optimizer's flat buffer: its data "
                     "was replaced after the optimizer was created (model.to(), model.cuda(), model.half() or "
@@ -69,3 +77,15 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
                 "load_state_dict() without assign=True (it copies into the parameters), give new parameters "
                 "to opt.add_param_group(), or create the optimizer afterwards"
             )
+
+
+def _moved_in_place(p, buf, i):
+    """Whether ``p`` is still the view of ``buf`` it was laid out as (same storage, same offset, dtype and
+    device) and only the storage's memory moved: ``share_memory_()`` does that to a CPU storage."""
+    view = buf.data_views[i]
+    return (
+        p.untyped_storage()._cdata == view.untyped_storage()._cdata
+        and p.storage_offset() == view.storage_offset()
+        and p.dtype == view.dtype
+        and p.device == view.device
+    )
