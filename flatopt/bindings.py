@@ -8,6 +8,8 @@ work, which catches ``model.to()`` at once); a full check looks at every paramet
 unfrozen or added to ``param_groups`` are laid out again: ``FlatEngine.follow_members``.)
 """
 
+from flatopt.torch_compat import is_dtensor
+
 FULL_CHECK_EVERY = 256  # step() (or, in-backward, a backward pass) checks every parameter's bindings this often
 
 
@@ -46,9 +48,9 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
                     raise RuntimeError(
                         f"{cls}: the memory of the optimizer's flat buffer that parameter {names(p)} views was "
                         "moved after the optimizer was created (model.share_memory() moves storages in place into "
-                        "shared memory), so the addresses the optimizer's kernels use are stale. Call "
-                        "model.share_memory() before creating the optimizer; to keep the optimizer state, save "
-                        "opt.state_dict() first and load it into the new optimizer"
+                        "shared memory), so the addresses the optimizer steps are stale. For parameters in shared "
+                        "memory create the optimizer with flat=False after model.share_memory(); to keep the "
+                        "optimizer state, save opt.state_dict() first and load it into the new optimizer"
                     )
                 raise RuntimeError(
                     f"{cls}: parameter {names(p)} no longer lives in the optimizer's flat buffer: its data "
@@ -89,3 +91,35 @@ def _moved_in_place(p, buf, i):
         and p.dtype == view.dtype
         and p.device == view.device
     )
+
+
+def check_own_memory(cls, names, params, placed):
+    """Raise, before anything is laid out, for parameters that ``flat=True`` cannot copy into its buffers without
+    changing what torch.optim would do: a CPU parameter in shared memory (its updates would no longer reach the
+    other processes that map it) and parameters whose memory overlaps (torch.optim updates the common elements
+    once per parameter, and each sees the other's updates). ``placed``: the parameters already laid out (views of
+    the optimizer's own buffers)."""
+    spans = {}
+    for p in params:
+        if p in placed or is_dtensor(p) or p.numel() == 0:
+            continue
+        storage = p.untyped_storage()
+        if p.device.type == "cpu" and storage.is_shared():
+            raise ValueError(
+                f"{cls}(flat=True) would copy parameter {names(p)} out of shared memory (model.share_memory(), or "
+                "a model received from another process through torch.multiprocessing) into the optimizer's own "
+                "buffer, so other processes would no longer see its updates, as they do with torch.optim. Use "
+                "flat=False, which steps the parameters where they are"
+            )
+        start = p.storage_offset() * p.element_size()
+        spans.setdefault((p.device, storage.data_ptr()), []).append((start, start + p.numel() * p.element_size(), p))
+    for ranges in spans.values():
+        ranges.sort(key=lambda r: r[:2])
+        for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
+            if start < end:
+                raise ValueError(
+                    f"{cls}(flat=True): parameters {names(a)} and {names(b)} share memory (views of one tensor that "
+                    "overlap); the optimizer copies each parameter into its own place in its buffers, so they would "
+                    "no longer share it, where torch.optim updates the common elements in place. Make them separate "
+                    "tensors (nn.Parameter(t.clone())), or use flat=False"
+                )

@@ -162,6 +162,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def check_param(self, p):
         """Raise, saying what to do, for a parameter this optimizer cannot hold."""
         cls, flat = type(self).__name__, self.options.flat
+        if not p.requires_grad and p.grad is None:  # never stepped, as torch.optim; checked if it starts requiring grad
+            return
         if p.is_complex():
             raise ValueError(
                 f"{cls} does not support complex parameters (got {p.dtype}); "
@@ -169,32 +171,32 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             )
         if p.layout != torch.strided:
             raise ValueError(f"{cls} does not support {p.layout} parameters; use dense parameters")
-        if p.requires_grad and p.dtype not in SUPPORTED_DTYPES:
+        if p.dtype not in SUPPORTED_DTYPES:
             *most, last = (str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
             supported = f"{', '.join(most)} and {last}"
             raise ValueError(
                 f"{cls} supports {supported} parameters, got {p.dtype}; "
                 "convert the model with model.to(torch.float32) before creating the optimizer"
             )
-        if p.requires_grad and is_dtensor(p) and not flat:
+        if is_dtensor(p) and not flat:
             raise ValueError(
                 f"{cls}(flat=False) cannot step {self.names(p)}, a DTensor (FSDP2's fully_shard): DTensor parameters "
                 "are stepped with flat=True (the default), whose buffers hold each rank's local shards; drop "
                 "flat=False. See docs/distributed.md"
             )
-        if p.requires_grad and own_dispatch(p) and not is_dtensor(p) and flat:
+        if own_dispatch(p) and not is_dtensor(p) and flat:
             raise ValueError(  # flat buffers hold plain storage
                 f"{cls} steps plain tensors, and {self.names(p)} is a {type(p.data).__name__}: "
                 "tensor subclasses with their own dispatch keep their own layout and storage, which flat buffers "
                 "cannot hold. Use torch.optim for them"
             )
-        if p.requires_grad and flat and p.is_meta:
+        if flat and p.is_meta:
             raise ValueError(
                 f"{cls}(flat=True) copies the parameters into its buffers, and a parameter on the "
                 "meta device has no data; materialise the model first (model.to_empty(device=...), then initialise "
                 "the parameters) and create the optimizer after"
             )
-        if p.requires_grad and not is_dense(p):  # flat=False: its step launches over the parameter's own storage
+        if not is_dense(p):  # flat=False: its step launches over the parameter's own storage
             raise ValueError(
                 f"{cls}(flat={flat}) needs dense parameters (no gaps or overlaps), got shape "
                 f"{tuple(p.shape)} with strides {p.stride()}; make it contiguous before creating the optimizer"

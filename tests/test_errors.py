@@ -218,6 +218,97 @@ def test_bad_parameter_in_add_param_group_changes_nothing(kind):
     assert_unchanged(before, snapshot(params, opt))
 
 
+@pytest.mark.parametrize("kind", ["complex", "float8", "non-dense"])
+@pytest.mark.parametrize("flat", [True, False])
+def test_frozen_parameter_of_any_kind_is_accepted_and_refused_once_trainable(kind, flat):
+    """torch.optim takes a frozen parameter it could not step (a RoPE table kept as a complex Parameter) and never
+    steps it; so does flatopt. Made trainable later, it is refused at the step, before anything changes."""
+    make, pattern = BAD_PARAMS[kind]
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3)
+    frozen = nn.Parameter(make(), requires_grad=False)
+    params = [layer.weight, layer.bias, frozen]
+    torch_opt = torch.optim.AdamW(params, lr=1e-2)  # torch.optim accepts it
+    opt = flatopt.AdamW(params, lr=1e-2, flat=flat)
+    layer(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert frozen.grad is None and len(opt.state[frozen]) == 0 and torch_opt.state_dict()["state"] == {}
+    if kind == "float8":
+        return  # cannot require grad
+    frozen.requires_grad_(True)
+    frozen.grad = torch.zeros_like(frozen)
+    layer(torch.randn(2, 3)).sum().backward()
+    before = snapshot(params, opt)
+    with pytest.raises((ValueError, RuntimeError), match=pattern):  # flat=False: RuntimeError for a non-dense one
+        opt.step()
+    assert_unchanged(before, snapshot(params, opt))
+
+
+def test_overlapping_parameters_are_refused_and_disjoint_views_train_as_torch():
+    """Parameters that overlap in memory would no longer share it once copied into the flat buffers; views of one
+    tensor that do not overlap are copied like any parameter (the optimizer's own buffers are such a tensor, so an
+    optimizer created over a model another flatopt optimizer holds takes its parameters as usual)."""
+    base = torch.randn(8)
+    a, b = nn.Parameter(base[0:5]), nn.Parameter(base[3:8])
+    before = snapshot([a, b])
+    for opt_name in MAKE:
+        with pytest.raises(ValueError, match=r"parameters .* and .* share memory .*overlap.*flat=False"):
+            MAKE[opt_name]([a, b])
+    assert_unchanged(before, snapshot([a, b]))
+    disjoint = [nn.Parameter(base[0:4]), nn.Parameter(base[4:8])]
+    twins = [nn.Parameter(p.detach().clone()) for p in disjoint]
+    opt, ref = flatopt.AdamW(disjoint, lr=0.1), torch.optim.AdamW(twins, lr=0.1)
+    for _ in range(3):
+        for ps, o in ((disjoint, opt), (twins, ref)):
+            o.zero_grad()
+            sum((p * p).sum() for p in ps).backward()
+            o.step()
+    for p, q in zip(disjoint, twins):
+        close(p, q, "disjoint views", atol=1e-6, rtol=0)
+    model = Net()
+    first = flatopt.AdamW(model)
+    flatopt.AdamW(model)  # its parameters are views of first's buffer: taken again
+    with pytest.raises(RuntimeError, match="no longer lives in the optimizer's flat buffer"):
+        first.step()
+
+
+def test_parameters_in_shared_memory_are_refused_with_flat_true_and_stepped_in_place_with_flat_false():
+    """model.share_memory() (Hogwild training with torch.multiprocessing): torch.optim updates the shared storages
+    in place, which other processes see; flat=True would copy the parameters out of them."""
+    torch.manual_seed(0)
+    model = Net()
+    model.share_memory()
+    params = list(model.parameters())
+    before = snapshot(params)
+    for opt_name in MAKE:
+        with pytest.raises(ValueError, match=r"out of shared memory.*Use flat=False"):
+            MAKE[opt_name](model)
+    assert_unchanged(before, snapshot(params))
+    twin = copy.deepcopy(model)
+    opt, ref = flatopt.AdamW(model, lr=0.1, flat=False), torch.optim.AdamW(twin.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        batch = make_batch(gen)
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            loss_fn(m, batch).backward()
+            o.step()
+    assert all(p.is_shared() for p in model.parameters())
+    for p, q in zip(model.parameters(), twin.parameters()):
+        close(p, q, "shared parameter", atol=1e-6, rtol=0)
+
+
+def test_share_memory_after_the_optimizer_is_refused_at_the_step_saying_so():
+    model, opt, gen = trained()
+    loss_fn(model, make_batch(gen)).backward()
+    model.share_memory()  # moves the flat buffer's memory in place: the parameters are still its views
+    params = list(model.parameters())
+    before = snapshot(params, opt)
+    with pytest.raises(RuntimeError, match=r"was moved after the optimizer was created \(model.share_memory\(\)"):
+        opt.step()
+    assert_unchanged(before, snapshot(params, opt))
+
+
 def test_parameter_in_two_groups():
     a, b = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(4))
     groups = lambda: [{"params": [a, b]}, {"params": [b], "lr": 0.1}]  # noqa: E731

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from flatopt.bindings import FULL_CHECK_EVERY, check_data_bindings, ends_bound
+from flatopt.bindings import FULL_CHECK_EVERY, check_data_bindings, check_own_memory, ends_bound
 from flatopt.distributed import world_size
 from flatopt.layout import FlatBuffer
 from flatopt.precision import SEED_BOUND
@@ -221,6 +221,7 @@ class FlatEngine(Engine):
                         members[key] = ([], [])
                     members[key][0].append(p)
                     members[key][1].append(gi)
+        check_own_memory(self.cls, opt.names, [p for ps, _ in members.values() for p in ps], placed)
         old_steps = {p: float(s) for p, s in self.steps_by_param().items()}
         old_masters = self.masters_by_param()
         self.detach()
@@ -302,7 +303,7 @@ class FlatEngine(Engine):
                 f"for {len(self.members)}. Add a group with opt.add_param_group(); to remove one, create a new "
                 "optimizer (save opt.state_dict() first and load it, without the group, to keep the state)"
             )
-        known = {p for _, copy in self.members for p in copy}
+        laid_out = {p for buf in self.buffers for p in buf.params}
         seen = set()
         for gi, group in enumerate(opt.param_groups):
             params = group["params"]
@@ -320,7 +321,7 @@ class FlatEngine(Engine):
                         "(torch.optim's add_param_group refuses that too); remove the repeat"
                     )
                 seen.add(p)
-                if p not in known:
+                if p not in laid_out:  # new, or trainable since: checked as the constructor checks a trainable one
                     opt.check_param(p)
         self.build()
         return True

@@ -45,6 +45,8 @@ class PerParamEngine(Engine):
     def _check(self, p, group):
         """What one launch over ``p``'s own tensors needs, checked before anything is stepped."""
         opt, cls, g = self.opt, self.cls, p.grad
+        if p.is_complex():  # frozen at construction (not checked then), trainable now: the constructor's refusal
+            opt.check_param(p)
         if g.layout != torch.strided:
             raise RuntimeError(
                 f"{cls} does not support sparse gradients: parameter {opt.names(p)} has a {g.layout} .grad; use "
