@@ -467,7 +467,7 @@ class CheckpointMixin:
                 group_of[k] = (group, saved)
         for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
             self._check_group_tensors(gi, saved)
-            self.rule.check({**group, **{k: v for k, v in saved.items() if k != "params"}})
+            self.rule.check({**group, **{k: v for k, v in saved.items() if k != "params"}, **dict(self.rule.kept_keys)})
         parsed, extra, others = {}, {}, {}
         for k, saved in state_dict["state"].items():
             if k not in id_map:
@@ -499,6 +499,7 @@ class CheckpointMixin:
                 if key in group and key not in saved:
                     saved[key] = default
             group.update({k: v for k, v in saved.items() if k != "params"})  # param_names too, as torch.optim
+            group.update(self.rule.kept_keys)
         self.hparams.invalidate()
         placed = self.engine.load(parsed)  # a new opt.state, holding the parameters it placed
         self.engine.load_extra({p: keys for p, keys in extra.items() if p in placed})

@@ -28,10 +28,12 @@ class HParamTable:
         lr_column (int): where a tensor lr is copied into a row (default: 0)
     """
 
-    def __init__(self, row, check, lr_column=0):
+    def __init__(self, row, check, lr_column=0, switches=None):
         self.row = row
         self.check = check
         self.lr_column = lr_column
+        self.switches = switches  # a param group's keys outside the row that a change of must validate too
+        self.switch_rows = None
         self.tables = {}  # device -> [groups, columns], float32 or float64 (see table_dtype)
         self.dtypes = {}  # device -> the dtype of its table, found when the groups last changed
         self.rows = None  # the rows last uploaded
@@ -50,10 +52,10 @@ class HParamTable:
     def refresh(self, groups, devices, on_change=None):
         """Copy every group's hyper-parameters into the tables on ``devices``, only when they changed.
 
-        The rows are validated again when they change or when a group's lr is replaced by another
-        tensor (compared by identity: an in-place change of the same tensor is not validated, as in
-        torch.optim); then ``on_change()`` runs (the optimizer allocates a state a group starts to
-        use), before anything is uploaded. Returns whether the rows changed.
+        The rows are validated again when they change, when a group's ``switches`` change, or when a group's lr
+        is replaced by another tensor (compared by identity: an in-place change of the same tensor is not
+        validated, as in torch.optim); then ``on_change()`` runs (the optimizer allocates a state a group starts
+        to use), before anything is uploaded. Returns whether the rows changed.
         """
         rows, tensor_lrs, lrs = [], [], []
         for gi, group in enumerate(groups):
@@ -62,8 +64,10 @@ class HParamTable:
                 tensor_lrs.append((gi, lr))
             lrs.append(lr if isinstance(lr, torch.Tensor) else None)
             rows.append(self.row(group))
+        switches = None if self.switches is None else [self.switches(group) for group in groups]
         old = self.lrs or ()
         changed = rows != self.rows or len(lrs) != len(old) or not all(map(operator.is_, lrs, old))
+        changed = changed or switches != self.switch_rows
         if changed:
             for group in groups:
                 self.check(group)
@@ -83,7 +87,7 @@ class HParamTable:
                     self.staging.setdefault(device, PinnedStaging()).upload(table, rows)
                 else:
                     table.copy_(torch.tensor(rows, dtype=dtype))
-            self.rows, self.lrs = rows, lrs
+            self.rows, self.lrs, self.switch_rows = rows, lrs, switches
         for gi, lr in tensor_lrs:
             for table in self.tables.values():
                 table[gi, self.lr_column].copy_(lr.detach().reshape(()), non_blocking=True)  # no autograd history

@@ -58,7 +58,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         if self.rule.check_args is not None:
             self.rule.check_args(defaults)
         defaults = {**defaults, **dict(self.rule.torch_keys)}  # torch.optim's keys, at values that change nothing
-        self.hparams = HParamTable(self.rule.row, self.rule.check, self.rule.lr_column)
+        self.hparams = HParamTable(self.rule.row, self.rule.check, self.rule.lr_column, self.rule.switches)
         super().__init__(params, defaults)
         self.names.param_groups = self.param_groups
         # in-backward hooks step each rank's own gradient, except under FSDP2, whose hooks run after its reduce-scatter,

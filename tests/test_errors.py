@@ -418,6 +418,60 @@ def test_amsgrad_is_refused_with_a_pointer_to_torch():
         flatopt.AdamW([p], amsgrad=True)
 
 
+@pytest.mark.parametrize(
+    "key, value, pattern",
+    [
+        ("amsgrad", True, r"does not implement amsgrad"),
+        ("decoupled_weight_decay", False, r"decoupled weight decay only.*torch\.optim\.Adam"),
+    ],
+)
+def test_adamw_flags_torch_reads_at_every_step_are_validated_when_edited(key, value, pattern):
+    """torch.optim.AdamW reads group["amsgrad"] and group["decoupled_weight_decay"] at every step (False gives Adam's
+    L2 penalty); flatopt implements neither, so an edit after the first step is refused at the next one, changing
+    nothing, as an edit of lr is; set back, the optimizer steps as an untouched twin."""
+    model, opt, gen = trained(steps=2)
+    twin_model, twin, twin_gen = trained(steps=2)
+    opt.param_groups[0][key] = value
+    loss_fn(model, make_batch(gen)).backward()
+    params = list(model.parameters())
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=pattern):
+        opt.step()
+    assert_unchanged(before, snapshot(params, opt))
+    opt.param_groups[0][key] = not value
+    opt.step()
+    loss_fn(twin_model, make_batch(twin_gen)).backward()
+    twin.step()
+    for p, q in zip(params, twin_model.parameters()):
+        close(p, q, key, atol=0, rtol=0)
+
+
+def test_adam_state_dict_loads_into_adamw_as_torch_loads_it():
+    """torch.optim.Adam's groups say decoupled_weight_decay=False; torch.optim.AdamW sets it back to True on load
+    (its __setstate__), and so does flatopt.AdamW, which then steps AdamW's decay as torch.optim.AdamW does."""
+    torch.manual_seed(0)
+    source = Net()
+    adam = torch.optim.Adam(source.parameters(), lr=1e-2, weight_decay=0.5)
+    gen = torch.Generator().manual_seed(1)
+    loss_fn(source, make_batch(gen)).backward()
+    adam.step()
+    sd = adam.state_dict()
+    assert sd["param_groups"][0]["decoupled_weight_decay"] is False
+    mine, theirs = copy.deepcopy(source), copy.deepcopy(source)
+    opt, ref = flatopt.AdamW(mine, lr=1e-2), torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    opt.load_state_dict(copy.deepcopy(sd))
+    ref.load_state_dict(copy.deepcopy(sd))
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True is ref.param_groups[0]["decoupled_weight_decay"]
+    for _ in range(3):
+        batch = make_batch(gen)
+        for m, o in ((mine, opt), (theirs, ref)):
+            o.zero_grad()
+            loss_fn(m, batch).backward()
+            o.step()
+    for p, q in zip(mine.parameters(), theirs.parameters()):
+        close(p, q, "after loading Adam's state dict", atol=1e-6, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------- backend
 
 

@@ -32,6 +32,11 @@ def check(group):
     check_at_least_zero(group, "weight_decay", "weight_decay")
     if group.get("amsgrad", False):
         raise ValueError("flatopt.AdamW does not implement amsgrad; use torch.optim.AdamW(amsgrad=True)")
+    if not group.get("decoupled_weight_decay", True):
+        raise ValueError(
+            "flatopt.AdamW implements decoupled weight decay only; a param group with decoupled_weight_decay=False "
+            "asks for Adam's L2 penalty added to the gradient: use torch.optim.Adam for it, or set it back to True"
+        )
 
 
 def check_args(defaults):
@@ -92,6 +97,7 @@ ADAMW = Rule(
         ("amsgrad", False),
         ("decoupled_weight_decay", True),
     ),  # fmt: skip
+    kept_keys=(("decoupled_weight_decay", True),),  # torch.optim.AdamW.__setstate__
     nonnegative_states=("exp_avg_sq",),
     zeros_stay_zero=lambda group: group["eps"] > 0,  # with eps=0 the padding's update is 0 / 0
 )

@@ -40,6 +40,9 @@ class Rule:
             group (``foreach``, ``fused``, ...), with torch's defaults: carried in flatopt's groups so that code
             reading them works, and neutral for a torch.optim optimizer that loads flatopt's state dict. flatopt
             steps the same whatever they say.
+        kept_keys (tuple[tuple[str, object], ...]): group keys that loading a state dict sets back to this value,
+            as torch.optim's ``__setstate__`` does (AdamW's ``decoupled_weight_decay``, which an Adam state dict
+            has False).
         nonnegative_states (tuple[str, ...]): the states that are never negative (AdamW's second moment): 8-bit
             storage (``state_dtype="int8"``) gives them unsigned codes (see :mod:`flatopt.quantize`).
         zeros_stay_zero (Callable[[dict], bool] or None): whether a param group's update keeps a zero parameter
@@ -58,6 +61,7 @@ class Rule:
     state_used: Callable | None = None
     check_args: Callable | None = None
     torch_keys: tuple = ()
+    kept_keys: tuple = ()
     nonnegative_states: tuple = ()
     zeros_stay_zero: Callable | None = None
 
@@ -86,6 +90,12 @@ class Rule:
         """The table row of a complete param group: a list of floats in column order."""
         values = self.values(group)
         return [float(values[c]) for c in self.columns]
+
+    def switches(self, group):
+        """The group's implementation keys (``torch_keys``), which a step validates again (``check``) when they
+        change, as it does when the row changes: torch.optim reads some of them at every step (AdamW's
+        ``amsgrad`` and ``decoupled_weight_decay``)."""
+        return tuple(group.get(k, default) for k, default in self.torch_keys)
 
     def uses_state(self, name, group):
         """Whether param group ``group`` uses state ``name`` (SGD without momentum has no buffer)."""
