@@ -250,7 +250,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         gradient into its view (a write, then two reads and a write). Parameters unfrozen or added to
         ``param_groups`` since the last step are laid out first. See :mod:`flatopt.grads`.
         """
-        self.engine.zero_grad(set_to_none)
+        with torch.autograd.profiler.record_function(self._zero_grad_profile_name):  # torch.optim's profiler label
+            self.engine.zero_grad(set_to_none)
 
     def no_step(self):
         """Context manager for gradient accumulation in in-backward mode.

@@ -639,17 +639,19 @@ def test_a_step_pre_hook_can_replace_the_arguments():
         opt.step()
 
 
-def test_profiler_sees_the_step_under_torch_optims_label():
+def test_profiler_sees_the_step_and_zero_grad_under_torch_optims_labels():
     model = make_model()
     opt = flatopt.AdamW(model, lr=1e-2)
     x, y = batch(0)
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()  # the first step outside the profiler
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     names = [e.name for e in prof.events()]
     assert names.count("Optimizer.step#AdamW.step") == 1, sorted(set(names))
+    assert names.count("Optimizer.zero_grad#AdamW.zero_grad") == 1, sorted(set(names))
 
 
 def test_step_hooks_run_once_for_a_subclass_that_overrides_step():
