@@ -30,6 +30,17 @@ TORCH_OPTIM = importlib.import_module("torch.optim.optimizer")
 HOOK_TABLES = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
 
 
+def bump_versions(tensors):
+    """Count an in-place update of each of ``tensors`` in its autograd version counter, as torch's in-place ops do,
+    so that a backward through a graph that saved one of them before raises torch's "modified by an inplace
+    operation" error. (The kernels write the flat buffers, whose counters the parameters do not share.)"""
+    try:
+        torch._C._increment_version(tensors)
+    except TypeError:  # a torch that takes one tensor at a time
+        for t in tensors:
+            torch._C._increment_version(t)
+
+
 def own_dispatch(p):
     """A tensor subclass with its own __torch_dispatch__ (a wrapper such as DTensor), not a plain tensor."""
     return type(p.data).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__

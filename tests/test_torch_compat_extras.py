@@ -654,6 +654,26 @@ def test_profiler_sees_the_step_and_zero_grad_under_torch_optims_labels():
     assert names.count("Optimizer.zero_grad#AdamW.zero_grad") == 1, sorted(set(names))
 
 
+@pytest.mark.parametrize("cls", ["AdamW", "SGD", "Lion"])
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+def test_step_counts_as_an_in_place_update_of_the_parameters_it_steps(cls, backend):
+    """torch.optim's step updates each parameter in place, so autograd refuses a backward through a graph that saved
+    the old values (the classic retain_graph mistake): flatopt's kernels write the flat buffers, and the step bumps
+    the parameters' version counters as torch's in-place ops do. A parameter left out (no gradient) is not bumped."""
+    model = make_model()
+    model.register_parameter("unused", nn.Parameter(torch.randn(3)))  # gets no gradient
+    opt = getattr(flatopt, cls)(model, lr=1e-2, backend=backend)
+    x, y = batch(0)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward(retain_graph=True)
+    versions = {n: p._version for n, p in model.named_parameters()}
+    opt.step()
+    assert all(p._version > versions[n] for n, p in model.named_parameters() if not n.startswith("unused"))
+    assert all(p._version == versions[n] for n, p in model.named_parameters() if n.startswith("unused"))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_step_hooks_run_once_for_a_subclass_that_overrides_step():
     """torch.optim wraps the subclass's step() with its hooks; flatopt's own wrapper, reached through
     super().step(), must not run them again. (torch.optim itself runs them twice in this case once an

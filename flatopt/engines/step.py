@@ -15,7 +15,7 @@ from flatopt.engines.base import FlatEngine, clip_coefficient
 from flatopt.grads import GradLanding
 from flatopt.layout import GradSources
 from flatopt.step_graph import StepGraph
-from flatopt.torch_compat import has_step_pre_hooks, remove_hooks
+from flatopt.torch_compat import bump_versions, has_step_pre_hooks, remove_hooks
 
 # On the CPU, a gradient of its own (an uncovered use) of at least this many elements is read where autograd left it
 # by step(), rather than copied into the flat buffer first; smaller ones are copied in with one batched copy, so that
@@ -196,7 +196,16 @@ class FlatStepEngine(FlatEngine):
         else:
             launch()
         self.keep_padding_zero()
+        self._count_updates(idle, plan[0] if opt.skip_unused else ())
         return loss
+
+    def _count_updates(self, idle, without):
+        """The parameters the step updated (those of the buffers launched, but the ``without`` left out) get their
+        version counters bumped, as torch.optim's step does with in-place ops (torch's fused kernels leave them)."""
+        left_out = {p for p, _ in without}
+        for b, buf in enumerate(self.buffers):
+            if b not in idle:
+                bump_versions([p for p in buf.params if p not in left_out] if left_out else buf.params)
 
     def reads_in_place(self):
         """Whether step() reads gradients of their own where they lie: the large ones on the CPU backend, when no
