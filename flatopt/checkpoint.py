@@ -413,12 +413,13 @@ class CheckpointMixin:
                     f"{p.dtype} state on {p.device}: {e}"
                 ) from e
 
-    @staticmethod
-    def _check_group_tensors(gi, saved):
-        """Raise ValueError for a tensor in a loaded param group (a tensor lr, betas) that cannot be a
-        hyper-parameter: one element, real, dense, with a value."""
+    def _check_group_tensors(self, gi, saved):
+        """Raise ValueError for a tensor under a loaded param group's hyper-parameter (a tensor lr, betas) that cannot
+        be one: one element, real, dense, with a value. The hyper-parameters are the keys of ``defaults`` (the
+        constructor's arguments, and torch.optim's flags): any other key is the caller's (a library's record of the
+        group), which the optimizer does not read and keeps as it is given, whatever it holds, as torch.optim does."""
         for key, value in saved.items():
-            if key in ("params", "param_names"):
+            if key not in self.defaults:
                 continue
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor) and (
