@@ -22,7 +22,9 @@ is clipped by (:mod:`flatopt.engines.backward_clip`), so that a resumed run clip
 """
 
 import warnings
+from collections import Counter
 from copy import deepcopy
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +34,37 @@ from flatopt.quantize import ABSMAX, dequantize_param
 from flatopt.torch_compat import is_dtensor
 
 COMPACT_KEY = "flatopt"  # the state dict's entry for what torch.optim's format has no place for
+
+
+@dataclass
+class GivenEntries:
+    """How a param group given a parameter more than once (``[w, b, w]``) listed its parameters, which it keeps once
+    (``[w, b]``): ``order`` holds the position among ``kept`` of each entry given (``[0, 1, 0]``), ``names`` the
+    ``param_names`` given with them (None without names). ``group`` is the param group (identity) and ``kept`` its
+    parameters then: a group whose parameters were replaced since has no entries given any more."""
+
+    group: dict
+    kept: tuple
+    order: list
+    names: list | None
+
+
+def first_entries(order, values):
+    """``values`` at the first entry of each kept position of ``order``: ``[0, 1, 0]`` keeps entries 0 and 1."""
+    first = {}
+    for j, value in zip(order, values):
+        first.setdefault(j, value)
+    return [first[j] for j in sorted(first)]
+
+
+def positions(entries):
+    """The position of each of ``entries`` among the distinct ones, in their order: ``[2, 1, 2]`` -> ``[0, 1, 0]``."""
+    first = {}
+    return [first.setdefault(k, len(first)) for k in entries]
+
+
+def times(n):
+    return "twice" if n == 2 else f"{n} times"
 
 
 class CheckpointMixin:
@@ -61,6 +94,13 @@ class CheckpointMixin:
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = [index.setdefault(p, len(index)) for p in group["params"]]
+            given = self._given_order(group)
+            if given is not None:  # a parameter given more than once: listed as often as given, as torch.optim lists it
+                ids, names = packed["params"], group.get("param_names")
+                packed["params"] = [ids[j] for j in given.order]
+                if isinstance(names, (list, tuple)) and len(names) == len(ids):
+                    same = given.names is not None and first_entries(given.order, given.names) == list(names)
+                    packed["param_names"] = list(given.names) if same else [names[j] for j in given.order]
             groups.append(packed)
         steps = self.engine.host_steps()
         # torch.optim's step tensors: float64 under torch.set_default_dtype(torch.float64), float32 otherwise
@@ -104,6 +144,49 @@ class CheckpointMixin:
             if hook_result is not None:
                 state_dict = hook_result
         return state_dict
+
+    def _keep_given_entries(self, group):
+        """Remember the entries of param group ``group``, given a parameter more than once, before the group keeps
+        each parameter once (:class:`GivenEntries`): state_dict() lists the group as it was given, as torch.optim
+        keeps it, so that a torch.optim optimizer built from the same list loads flatopt's state dict."""
+        params, names = group["params"], group.get("param_names")
+        order = positions(params)
+        kept = tuple(first_entries(order, params))
+        self._given_entries[id(group)] = GivenEntries(group, kept, order, None if names is None else list(names))
+
+    def _given_order(self, group):
+        """The :class:`GivenEntries` of param group ``group``, or None when it was given each parameter once (or its
+        parameters were replaced since)."""
+        given = self._given_entries.get(id(group))
+        if given is None or given.group is not group:
+            return None
+        kept = group["params"]
+        if len(kept) != len(given.kept) or any(p is not q for p, q in zip(kept, given.kept)):
+            return None
+        return given
+
+    def _size_mismatch(self, gi, group, entries, distinct):
+        """The error for loaded param group ``gi``, listing parameters ``entries`` (``distinct`` of them), that does
+        not fit this optimizer's ``group``: torch.optim's message, and, where a parameter listed or given more than
+        once is why, which one."""
+        msg = "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+        repeated = [f"parameter {k} {times(n)}" for k, n in Counter(entries).items() if n > 1]
+        given = self._given_order(group)
+        if not repeated and given is None:
+            return ValueError(msg)
+        saved = f"param group {gi} of the state dict lists {len(entries)} entries, {distinct} distinct parameters"
+        if repeated:
+            saved += (
+                f" ({', '.join(repeated)}: torch.optim keeps a parameter given more than once as many times, flatopt "
+                "once)"
+            )
+        ours = f"this optimizer's param group {gi} holds {len(group['params'])} distinct parameters"
+        if given is not None:
+            twice = [f"{self.names(given.kept[j])} {times(n)}" for j, n in Counter(given.order).items() if n > 1]
+            ours += f" (it was given {', '.join(twice)}, and keeps {'it' if len(twice) == 1 else 'each'} once)"
+        return ValueError(
+            f"{msg}: {saved}, and {ours}; create the optimizer from the parameter list the state dict was saved from"
+        )
 
     @staticmethod
     def _exported(own, name, p):
@@ -413,12 +496,13 @@ class CheckpointMixin:
                     f"{p.dtype} state on {p.device}: {e}"
                 ) from e
 
-    @staticmethod
-    def _check_group_tensors(gi, saved):
-        """Raise ValueError for a tensor in a loaded param group (a tensor lr, betas) that cannot be a
-        hyper-parameter: one element, real, dense, with a value."""
+    def _check_group_tensors(self, gi, saved):
+        """Raise ValueError for a tensor under a loaded param group's hyper-parameter (a tensor lr, betas) that cannot
+        be one: one element, real, dense, with a value. The hyper-parameters are the keys of ``defaults`` (the
+        constructor's arguments, and torch.optim's flags): any other key is the caller's (a library's record of the
+        group), which the optimizer does not read and keeps as it is given, whatever it holds, as torch.optim does."""
         for key, value in saved.items():
-            if key in ("params", "param_names"):
+            if key not in self.defaults:
                 continue
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor) and (
@@ -429,6 +513,19 @@ class CheckpointMixin:
                         f"shape {tuple(t.shape)} on {t.device}; a hyper-parameter is a number or a one-element real "
                         "tensor with a value"
                     )
+
+    def _load_given_names(self, group, saved, kept):
+        """The ``param_names`` of loaded group ``saved``, which lists a parameter more than once (``kept``: its
+        entries, each once), become those of its first entries, as the group keeps each parameter once; the names
+        given with the others are exported by state_dict() where the group was given the same list."""
+        entries, names = saved["params"], saved.get("param_names")
+        if len(kept) == len(entries) or not isinstance(names, (list, tuple)) or len(names) != len(entries):
+            return
+        order = positions(entries)
+        saved["param_names"] = first_entries(order, names)
+        given = self._given_order(group)
+        if given is not None and given.order == order:
+            given.names = list(names)
 
     def load_state_dict(self, state_dict):
         """Loads a state dict saved by this optimizer or by the matching torch.optim optimizer.
@@ -456,13 +553,15 @@ class CheckpointMixin:
         saved_groups = deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
-        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-            raise ValueError(
-                "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
-            )
+        # a parameter listed more than once (a group given it more than once, which torch.optim keeps as given) is
+        # mapped from its first entry, as this optimizer keeps it once
+        kept = [list(dict.fromkeys(s["params"])) for s in saved_groups]
+        for gi, (group, saved, ids) in enumerate(zip(groups, saved_groups, kept)):
+            if len(group["params"]) != len(ids):
+                raise self._size_mismatch(gi, group, saved["params"], len(ids))
         id_map, group_of = {}, {}
-        for group, saved in zip(groups, saved_groups):
-            for k, p in zip(saved["params"], group["params"]):
+        for group, saved, ids in zip(groups, saved_groups, kept):
+            for k, p in zip(ids, group["params"]):
                 id_map[k] = p
                 group_of[k] = (group, saved)
         for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
@@ -494,7 +593,8 @@ class CheckpointMixin:
         # flags torch.optim added after an optimizer's first release, missing from an older state dict: torch.optim
         # takes the saved group and its __setstate__ fills them with their defaults, so the loaded group has them
         later = {"maximize": False, "nesterov": False, **dict(self.rule.torch_keys)}
-        for group, saved in zip(groups, saved_groups):
+        for group, saved, ids in zip(groups, saved_groups, kept):
+            self._load_given_names(group, saved, ids)
             for key, default in later.items():
                 if key in group and key not in saved:
                     saved[key] = default

@@ -39,6 +39,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def __init__(self, params, defaults, **options):
         cls = type(self).__name__
         self.engine = None
+        self._given_entries = {}  # the groups given a parameter more than once (see CheckpointMixin)
         self.options = FlatOptions.parse(cls, options)
         self.use_step_graph = True  # replay step()'s launches from a CUDA graph (see flatopt.step_graph)
         self.module = None  # weak reference to the module, when given one (capture restores its buffers)
@@ -149,6 +150,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if len(group["params"]) != len(set(group["params"])):  # tied parameters appear once
+            self._keep_given_entries(group)  # state_dict() lists them as given, as torch.optim
             names = group.get("param_names")
             if names is not None:
                 first = {}

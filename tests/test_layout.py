@@ -291,6 +291,156 @@ def test_duplicate_parameter_in_a_list_is_stepped_once():
         assert_same(b.detach(), b2.detach(), step, "b")
 
 
+DUP_OPTIMIZERS = {  # the same arguments for flatopt and torch.optim
+    "adamw": (flatopt.AdamW, torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1)),
+    "sgd": (flatopt.SGD, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1)),
+}
+DUP_ENGINES = {"step": {}, "in_backward": dict(in_backward=True), "per_param": dict(flat=False)}
+
+
+def dup_groups(params, named, duplicate=True):
+    """``[w, b, w]`` (named: the second entry of ``w`` under a name of its own, as ``named_parameters(
+    remove_duplicate=False)`` gives a tied weight), ``[w, b]`` without the duplicate, then ``[c]``."""
+    w, b, c = params
+    first = [("w", w), ("b", b)] + ([("w_tied", w)] if duplicate else [])
+    groups = [first, [("c", c)]]
+    return [{"params": g if named else [p for _, p in g]} for g in groups]
+
+
+def dup_step(runs, step):
+    """One step of each (params, optimizer) of ``runs`` from the same gradients (in-backward: during backward)."""
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+    for (w, b, c), opt in runs:
+        ((x @ w + b).square().sum() + (c * c).sum() * step).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_dup_runs_same(ours, theirs, step, what):
+    for name, p, q in zip("wbc", ours, theirs, strict=True):
+        assert_same(p.detach(), q.detach(), step, f"{what}: {name}")
+
+
+def assert_same_states(ours, ours_p, theirs, theirs_p, what):
+    """The state of each parameter in ``ours`` is the one in ``theirs`` (flatopt or torch.optim), key for key."""
+    for name, p, q in zip("wbc", ours_p, theirs_p, strict=True):
+        mine, torchs = ours.state[p], theirs.state[q]
+        assert mine.keys() == torchs.keys(), f"{what}: {name} has {sorted(mine)}, the other {sorted(torchs)}"
+        for key, value in torchs.items():
+            assert_same(mine[key].float(), value.float(), 0, f"{what}: {name}.{key}")
+
+
+def without_duplicates(sd):
+    """``sd`` with each group's repeated entries left out: the state dict of the list without the duplicate."""
+    sd = copy.deepcopy(sd)
+    for group in sd["param_groups"]:
+        first = {}
+        for i, k in enumerate(group["params"]):
+            first.setdefault(k, i)
+        group["params"] = list(first)
+        if "param_names" in group:
+            group["param_names"] = [group["param_names"][i] for i in first.values()]
+    return sd
+
+
+@pytest.mark.parametrize("named", [False, True])
+@pytest.mark.parametrize("engine", list(DUP_ENGINES))
+@pytest.mark.parametrize("opt_name", list(DUP_OPTIMIZERS))
+def test_duplicate_parameter_state_dicts_load_both_ways_with_torch(opt_name, engine, named):
+    """A group given a parameter twice (``[w, b, w]``: flatopt keeps and steps it once, torch.optim keeps it twice and
+    steps it twice) lists it twice in state_dict(), so that the state dicts of flatopt and torch.optim built from the
+    same list load into each other, and into flatopt built from the list without the duplicate. Steps are compared
+    with torch.optim built from ``[w, b]``, whose numbers flatopt's are."""
+    ours_cls, theirs_cls, kwargs = DUP_OPTIMIZERS[opt_name]
+    options = dict(backend="torch", **DUP_ENGINES[engine])
+    torch.manual_seed(0)
+    start = [torch.randn(4, 3), torch.randn(3), torch.randn(5)]
+    ours_p, ref_p, dup_p = ([nn.Parameter(t.clone()) for t in start] for _ in range(3))
+    ours = silent(ours_cls, dup_groups(ours_p, named), **kwargs, **options)
+    ref = theirs_cls(dup_groups(ref_p, named, duplicate=False), **kwargs)
+    dup = silent(theirs_cls, dup_groups(dup_p, named), **kwargs)
+    for step in (1, 2):
+        dup_step([(ours_p, ours), (ref_p, ref), (dup_p, dup)], step)
+        assert_dup_runs_same(ours_p, ref_p, step, "before saving")
+    sd_ours, sd_dup = copy.deepcopy(ours.state_dict()), copy.deepcopy(dup.state_dict())
+    assert [g["params"] for g in sd_ours["param_groups"]] == [[0, 1, 0], [2]]
+    assert [g["params"] for g in sd_dup["param_groups"]] == [[2, 1, 2], [3]]  # torch.optim's numbers
+    assert [p for p in ours.param_groups[0]["params"]] == ours_p[:2]  # still kept once
+    if named:
+        assert sd_ours["param_groups"][0]["param_names"] == sd_dup["param_groups"][0]["param_names"]
+        assert ours.param_groups[0]["param_names"] == ["w", "b"]
+
+    def fresh(cls, values, sd, duplicate=True):  # an optimizer over copies of ``values``, loaded with ``sd``
+        params = [nn.Parameter(p.detach().clone()) for p in values]
+        more = options if cls is ours_cls else {}
+        opt = silent(cls, dup_groups(params, named, duplicate=duplicate), **kwargs, **more)
+        opt.load_state_dict(copy.deepcopy(sd))
+        return params, opt
+
+    torch_from_ours = fresh(theirs_cls, ours_p, sd_ours)
+    assert_same_states(torch_from_ours[1], torch_from_ours[0], ours, ours_p, "torch.optim loaded flatopt's")
+    ref_from_dup = fresh(theirs_cls, dup_p, without_duplicates(sd_dup), duplicate=False)
+    from_dup = {
+        "flatopt from torch.optim's": fresh(ours_cls, dup_p, sd_dup),
+        "flatopt without the duplicate from torch.optim's": fresh(ours_cls, dup_p, sd_dup, duplicate=False),
+    }
+    from_ours = {"flatopt from flatopt's": fresh(ours_cls, ours_p, sd_ours)}
+    for what, (params, opt) in {**from_dup, **from_ours}.items():
+        source = (dup, dup_p) if what in from_dup else (ours, ours_p)
+        assert_same_states(opt, params, *source, what)
+        again = opt.state_dict()["param_groups"]  # what it loaded, it exports again, with the list it was given
+        listed = [[0, 1], [2]] if "without" in what else [[0, 1, 0], [2]]
+        assert [g["params"] for g in again] == listed, what
+        if named:
+            assert again[0]["param_names"] == (["w", "b"] if "without" in what else ["w", "b", "w_tied"]), what
+            assert opt.param_groups[0]["param_names"] == ["w", "b"], what
+    for step in (3, 4):
+        dup_step([(ours_p, ours), (ref_p, ref), ref_from_dup, *from_dup.values(), *from_ours.values()], step)
+        assert_dup_runs_same(ours_p, ref_p, step, "uninterrupted")
+        for what, (params, _) in from_ours.items():
+            assert_dup_runs_same(params, ref_p, step, what)
+        for what, (params, _) in from_dup.items():
+            assert_dup_runs_same(params, ref_from_dup[0], step, what)
+
+
+@pytest.mark.parametrize("case", ["saved_with_duplicate", "given_with_duplicate"])
+def test_duplicate_parameter_in_a_group_that_does_not_fit_is_named(case):
+    """A state dict whose group does not fit because of a duplicate (saved from ``[w, b, w]`` into ``[w, b, x]``, or
+    the reverse) is refused before anything changes, naming the duplicated parameter and what to do."""
+    torch.manual_seed(0)
+    w, b, x, c = (nn.Parameter(torch.randn(s)) for s in ((4, 3), (3,), (4, 3), (5,)))
+    saved_list, ours_list = ([w, b, w], [w, b, x]) if case == "saved_with_duplicate" else ([w, b, x], [w, b, w])
+    theirs = silent(torch.optim.AdamW, [{"params": saved_list}, {"params": [c]}], lr=0.1)
+    ours = silent(flatopt.AdamW, [{"params": ours_list}, {"params": [c]}], lr=0.1, backend="torch")
+    for p in (w, b, x, c):
+        p.grad = torch.ones_like(p)
+    theirs.step()
+    ours.step()
+    sd = copy.deepcopy(theirs.state_dict())
+    before = [p.detach().clone() for p in (w, b, x, c)], copy.deepcopy(ours.state_dict())
+    if case == "saved_with_duplicate":
+        pattern = (
+            r"param group 0 of the state dict lists 3 entries, 2 distinct parameters \(parameter 2 twice: torch\.optim "
+            r"keeps a parameter given more than once as many times, flatopt once\), and this optimizer's param group "
+            r"0 holds 3 distinct parameters; create the optimizer from the parameter list the state dict was saved from"
+        )
+    else:
+        pattern = (
+            r"param group 0 of the state dict lists 3 entries, 3 distinct parameters, and this optimizer's param group "
+            r"0 holds 2 distinct parameters \(it was given params\[0\] of param group 0 \(shape \(4, 3\)\) twice, and "
+            r"keeps it once\); create the optimizer from the parameter list the state dict was saved from"
+        )
+    with pytest.raises(ValueError, match=r"doesn't match the size of optimizer's group: " + pattern):
+        ours.load_state_dict(sd)
+    after = [p.detach().clone() for p in (w, b, x, c)], ours.state_dict()
+    for i, (p, q) in enumerate(zip(before[0], after[0], strict=True)):
+        torch.testing.assert_close(q, p, atol=0, rtol=0, msg=lambda m: f"params[{i}] changed: {m}")
+    assert before[1]["param_groups"] == after[1]["param_groups"]
+    for k, entry in before[1]["state"].items():
+        for n, t in entry.items():
+            torch.testing.assert_close(after[1]["state"][k][n], t, atol=0, rtol=0, msg=lambda m: f"{k}.{n}: {m}")
+
+
 def test_frozen_parameters_are_left_alone():
     torch.manual_seed(0)
     model = Net()

@@ -393,16 +393,65 @@ def test_load_of_a_bad_step_names_the_parameter(case, engine):
     assert_unchanged(before, snapshot(pair.ours, pair.opt))
 
 
-@pytest.mark.parametrize("lr", ["meta", "two_elements"])
-def test_load_of_a_bad_tensor_lr_changes_nothing(lr):
-    pair = Pair("adamw")
+BAD_TENSOR_HPARAMS = {  # a hyper-parameter the optimizer reads, as a tensor it cannot step with
+    "meta_lr": ("adamw", "lr", lambda: torch.tensor(0.1, device="meta")),
+    "two_element_lr": ("adamw", "lr", lambda: torch.tensor([0.1, 0.2])),
+    "two_element_beta": ("adamw", "betas", lambda: (torch.tensor([0.9, 0.8]), 0.999)),
+    "complex_momentum": ("sgd", "momentum", lambda: torch.tensor(0.9 + 0j)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TENSOR_HPARAMS))
+def test_load_of_a_bad_tensor_hyper_parameter_changes_nothing(case):
+    opt_name, key, value = BAD_TENSOR_HPARAMS[case]
+    pair = Pair(opt_name)
     pair.run(2, "before")
     sd = copy.deepcopy(pair.ref.state_dict())
-    sd["param_groups"][0]["lr"] = torch.tensor(0.1, device="meta") if lr == "meta" else torch.tensor([0.1, 0.2])
+    sd["param_groups"][0][key] = value()
     before = snapshot(pair.ours, pair.opt)
-    with pytest.raises(ValueError, match=r"param group 0 'lr' holding a .*; a hyper-parameter is a number"):
+    with pytest.raises(ValueError, match=rf"param group 0 '{key}' holding a .*; a hyper-parameter is a number"):
         pair.opt.load_state_dict(sd)
     assert_unchanged(before, snapshot(pair.ours, pair.opt))
+
+
+def group_keys():
+    """Keys of a param group that no optimizer reads (a library's per-group record), with tensors no
+    hyper-parameter could be: several elements, in a list, complex, on the meta device."""
+    return {
+        "loss_history": torch.tensor([0.5, 0.4, 0.3]),
+        "bounds": [torch.zeros(2), 1.0],
+        "phase": torch.tensor(1j),
+        "shape_only": torch.empty(2, 3, device="meta"),
+    }
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("source", ["flatopt", "torch"])
+def test_group_keys_the_optimizer_does_not_read_load_as_torch(source, opt_name, engine):
+    """A param group key the optimizer does not read is the caller's, whatever it holds: flatopt steps with it,
+    exports it, and loads it from its own state dict or torch.optim's as torch.optim does (kept as given, a copy
+    of the state dict's), and exports it again; training goes on as torch.optim's."""
+    pair = Pair(opt_name, engine)
+    pair.both(lambda opt, ps: opt.param_groups[0].update(group_keys()))
+    pair.run(2, "with the group keys")
+    sd = copy.deepcopy((pair.opt if source == "flatopt" else pair.ref).state_dict())
+    loaded = copy.deepcopy(sd)
+    pair.opt.load_state_dict(loaded)
+    pair.ref.load_state_dict(copy.deepcopy(sd))
+    for key, value in group_keys().items():
+        ours = pair.opt.param_groups[0][key]
+        if key != "shape_only":  # a meta tensor has no values to compare
+            assert_same_value(ours, pair.ref.param_groups[0][key], f"loaded from {source}: group 0 {key!r}")
+            assert_same_value(ours, value, f"loaded from {source}: group 0 {key!r}")
+        assert ours is not loaded["param_groups"][0][key], f"group 0 {key!r} is the state dict's object"
+    pair.compare(f"loaded from {source}")
+    pair.run(2, f"loaded from {source}")
+    again = pair.opt.state_dict()["param_groups"][0]  # flatopt -> flatopt: what it loaded, it exports
+    for key in group_keys():
+        assert again[key] is pair.opt.param_groups[0][key], f"group 0 {key!r} exported as a copy"
+    torch_again = pair.ref.state_dict()["param_groups"][0]
+    assert set(again) == set(torch_again), f"group keys {sorted(again)}, torch.optim has {sorted(torch_again)}"
 
 
 # ---------------------------------------------------------------------------------------------- hooks
