@@ -38,15 +38,6 @@ class CheckpointMixin:
     """state_dict() and load_state_dict() of :class:`flatopt.optimizer.FlatOptimizer`: torch.optim's format,
     through the optimizer's ``rule`` (which states it keeps) and ``engine`` (where they live)."""
 
-    def _exported_names(self, gi, group):
-        """The states of group ``gi`` a state dict carries: those it has used at a step so far (SGD's momentum
-        buffer stays through a stretch of momentum=0, and appears at the first step with momentum), as
-        torch.optim keeps them; for an engine that does not track them, those it uses now."""
-        used = getattr(self.engine, "group_states", None)
-        if used is not None and gi < len(used):
-            return [n for n in self.rule.state_names if n in used[gi]]
-        return [n for n in self.rule.state_names if self.rule.uses_state(n, group)]
-
     def state_dict(self):
         """Returns the state of the optimizer as a dict, in torch.optim's format.
 
@@ -67,7 +58,10 @@ class CheckpointMixin:
         step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         state = {}
         own_keys = self._own_keys()
-        for gi, group in enumerate(self.param_groups):
+        # SGD's momentum buffer is exported once started (at the first step with momentum, or given), and stays through
+        # a stretch of momentum=0, as torch.optim keeps it; not for a parameter only stepped with momentum=0
+        unstarted = self.engine.unstarted
+        for group in self.param_groups:
             for p in group["params"]:
                 own = self.state.get(p, {})
                 if p not in steps:  # never stepped by this optimizer: keep whatever was loaded
@@ -75,14 +69,14 @@ class CheckpointMixin:
                         state[index[p]] = own
                     continue
                 extra = {k: v for k, v in own.items() if k not in own_keys}  # the caller's keys, as they are
-                if steps[p] == 0 and not self.engine.exports_unstepped:
+                if (steps[p] == 0 or p in unstarted) and not self.engine.exports_unstepped:
                     if extra:  # no state yet, as in torch.optim, whose entry then holds the caller's keys only
                         state[index[p]] = extra
                     continue
                 entry = {
                     n: self.engine.export_state(p, self._exported(own, n, p))
-                    for n in self._exported_names(gi, group)
-                    if own.get(n) is not None
+                    for n in self.rule.state_names
+                    if own.get(n) is not None and p not in unstarted
                 }
                 if self.rule.exported_step:
                     entry = {"step": torch.tensor(steps[p], dtype=step_dtype), **entry}
