@@ -349,8 +349,7 @@ class CheckpointMixin:
                     f"whose shape is {tuple(p.shape)}; the state dict belongs to another model"
                 )
             self._check_copyable(f"'{name}' for parameter {k} ({self.names(p)})", t, p)
-            if name in names:
-                tensors[name] = t
+            tensors[name] = t  # kept where the group does not use it now (SGD at momentum 0), as torch.optim keeps it
         if rule.exported_step:
             if "step" not in saved:
                 raise ValueError(f"loaded state dict has no 'step' for parameter {k} ({self.names(p)})")

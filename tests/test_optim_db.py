@@ -1316,6 +1316,70 @@ def test_sgd_parameter_first_stepped_while_momentum_is_off_starts_its_buffer_whe
         assert_state_dicts_match(ours, theirs, f"step {step}")
 
 
+@pytest.mark.parametrize("saved_by", ["torch", "flatopt"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["built_without_momentum", "built_with_momentum"])
+def test_sgd_load_keeps_momentum_buffers_saved_while_momentum_is_off(backend, saved_by, momentum):
+    """A checkpoint saved during a stretch of momentum=0 holds the momentum buffers (torch.optim keeps them, and so
+    does flatopt): loading it keeps them, whatever momentum the loading optimizer was created with; state_dict()
+    exports them again right after the load, and the step after momentum's return goes on from them."""
+    device = device_for(backend)
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(6, generator=gen)
+    src = nn.Parameter(p0.clone().to(device))
+    make_src = torch.optim.SGD if saved_by == "torch" else flatopt.SGD
+    saver = make_src([src], lr=0.1, momentum=0.9, dampening=0.3)
+    for step in range(4):
+        if step == 3:
+            saver.param_groups[0]["momentum"] = 0.0
+        src.grad = torch.randn(6, generator=gen).to(device)
+        saver.step()
+    saved = copy.deepcopy(saver.state_dict())
+    assert sorted(saved["state"][0]) == ["momentum_buffer"] and saved["param_groups"][0]["momentum"] == 0.0
+    p, q = nn.Parameter(src.detach().clone()), nn.Parameter(src.detach().clone())
+    ours = make_ours(OPTIMS["SGD"], [p], backend, lr=0.1, momentum=momentum)
+    theirs = torch.optim.SGD([q], lr=0.1, momentum=momentum, foreach=False)
+    ours.load_state_dict(copy.deepcopy(saved))
+    theirs.load_state_dict(copy.deepcopy(saved))
+    assert_matches(ours, theirs, [("p", p, q)], "right after the load")
+    assert_state_dicts_match(ours, theirs, "right after the load")
+    for step in range(4):
+        if step == 1:
+            ours.param_groups[0]["momentum"] = theirs.param_groups[0]["momentum"] = 0.9
+        g = torch.randn(6, generator=gen).to(device)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+        assert_matches(ours, theirs, [("p", p, q)], f"step {step} after the load")
+        assert_state_dicts_match(ours, theirs, f"step {step} after the load")
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["never_on", "switched_off"])
+def test_sgd_momentum_buffer_assigned_while_momentum_is_off_is_used(backend, momentum):
+    """``opt.state[p]["momentum_buffer"] = t`` while the group's momentum is 0: torch.optim keeps ``t`` (its
+    state_dict() exports it) and its first step with momentum goes on from it."""
+    device = device_for(backend)
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(4, generator=gen)
+    p, q = nn.Parameter(p0.clone().to(device)), nn.Parameter(p0.clone().to(device))
+    ours = make_ours(OPTIMS["SGD"], [p], backend, lr=0.1, momentum=momentum, dampening=0.2)
+    theirs = torch.optim.SGD([q], lr=0.1, momentum=momentum, dampening=0.2, foreach=False)
+    for step in range(5):
+        if step == 1:
+            ours.param_groups[0]["momentum"] = theirs.param_groups[0]["momentum"] = 0.0
+        if step == 2:
+            buf = torch.linspace(-1.0, 5.0, 4, device=device)
+            ours.state[p]["momentum_buffer"], theirs.state[q]["momentum_buffer"] = buf.clone(), buf.clone()
+            assert_state_dicts_match(ours, theirs, "right after the assignment")
+        if step == 3:
+            ours.param_groups[0]["momentum"] = theirs.param_groups[0]["momentum"] = 0.9
+        g = torch.randn(4, generator=gen).to(device)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+        assert_matches(ours, theirs, [("p", p, q)], f"step {step}")
+        assert_state_dicts_match(ours, theirs, f"step {step}")
+
+
 @pytest.mark.parametrize("optim", OPTIMS.values(), ids=lambda o: o.name)
 def test_deepcopy_refused(optim, backend):
     """torch's test_deepcopy_copies_all_public_attrs: flatopt refuses copies (its tensors are views of buffers

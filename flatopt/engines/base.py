@@ -125,7 +125,8 @@ SET = "set"  # Reconciled.step: at least 1 (a rule without exported step counts 
 
 class Reconciled:
     """What :meth:`FlatEngine.sync_state` does to one parameter: ``reset`` its states (zeros), ``copies``
-    [(view, tensor)] into them, give it ``step`` (a count, SET, or None: unchanged), keep ``extra`` keys."""
+    [(state name, tensor)] into them (a state its buffer lacks is allocated first), give it ``step`` (a count, SET,
+    or None: unchanged), keep ``extra`` keys."""
 
     __slots__ = ("p", "buf", "i", "extra", "reset", "copies", "step")
 
@@ -423,10 +424,16 @@ class FlatEngine(Engine):
         storages = {t.untyped_storage().data_ptr() for buf in self.buffers for t in buf.states.values()}
         steps = {}  # FlatBuffer -> {index: new step count, or SET}
         with torch.no_grad():
+            grown = {}  # a buffer given a state it did not hold (SGD's momentum buffer assigned at momentum 0)
+            for e in plan:
+                for k, _ in e.copies:
+                    if k not in e.buf.state_views:
+                        e.buf.add_state(k)
+                        grown[id(e.buf)] = e.buf
             copies = [
-                (view, v.clone() if v.untyped_storage().data_ptr() in storages else v)
-                for entry in plan
-                for view, v in entry.copies
+                (e.buf.state_views[k][e.i], v.clone() if v.untyped_storage().data_ptr() in storages else v)
+                for e in plan
+                for k, v in e.copies
             ]
             for view, v in copies:
                 view.copy_(v)
@@ -453,6 +460,9 @@ class FlatEngine(Engine):
                 if k not in slots:
                     kept.put(k, v)
             opt.state = self.installed = kept
+        for buf in grown.values():  # the other parameters' entries show the new state's views too
+            for i, p in enumerate(buf.params):
+                self.put_state(p, buf, i)
         for e in plan:
             self.put_state(e.p, e.buf, e.i, e.extra)
         self.installed.changes.reset()
@@ -468,7 +478,10 @@ class FlatEngine(Engine):
                 f"{cls}: opt.state[{opt.names(p)}] is a {type(entry).__name__}; a parameter's state is a dict, as "
                 "in torch.optim (opt.state[p] = {} or del opt.state[p] restarts it)"
             )
-        managed = list(buf.state_views) + (["step"] if opt.rule.exported_step else [])
+        # the rule's states whether the buffer holds them or not: SGD's momentum buffer assigned at momentum 0 is kept
+        managed = list(dict.fromkeys([*buf.state_views, *opt.rule.state_names])) + (
+            ["step"] if opt.rule.exported_step else []
+        )
         present = [k for k in managed if entry.get(k) is not None]
         extra = {k: v for k, v in entry.items() if k not in managed}
         if not present:  # torch.optim's lazy initialisation: as at the first step
@@ -497,7 +510,7 @@ class FlatEngine(Engine):
                 step = step_value(cls, opt.names(p), v)
             else:
                 check_state_tensor(cls, opt.names(p), k, v, p, buf.state_dtype)
-                copies.append((buf.state_views[k][i], v))
+                copies.append((k, v))
         if copies and not opt.rule.exported_step:
             step = SET  # a state given is set (SGD's momentum buffer: not taken from the next gradient)
         return Reconciled(p, buf, i, extra, copies=copies, step=step)
@@ -582,6 +595,11 @@ class FlatEngine(Engine):
         placed = set()
         with torch.no_grad():
             self.ensure_states()
+            for buf in self.buffers:  # a state given for a group that does not use it now (SGD at momentum 0) is kept
+                given = {n for p in buf.params for n in parsed.get(p, (0.0, {}))[1]}
+                for name in self.opt.rule.state_names:
+                    if name in given and name not in buf.states:
+                        buf.add_state(name)
             self.unstarted = set()
             for buf in self.buffers:
                 steps = []
