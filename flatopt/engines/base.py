@@ -228,6 +228,10 @@ class FlatEngine(Engine):
                     members[key][0].append(p)
                     members[key][1].append(gi)
         old_steps = {p: float(s) for p, s in self.steps_by_param().items()}
+        for ps, _ in members.values():  # one left out of the layout (frozen at a load) keeps the state loaded
+            for p in ps:
+                if p not in old_steps:
+                    old_steps[p] = self.entry_step(p)
         old_masters = self.masters_by_param()
         self.detach()
         with_grad = [p for ps, _ in members.values() for p in ps if p.grad is not None]
@@ -235,7 +239,12 @@ class FlatEngine(Engine):
         buffers = []
         for key in keys:
             params, groups = self.order(*members[key])
-            used = [n for n in rule.state_names if any(rule.uses_state(n, opt.param_groups[g]) for g in groups)]
+            used = [
+                n
+                for n in rule.state_names
+                if any(rule.uses_state(n, opt.param_groups[g]) for g in groups)
+                or any(isinstance(self.entry_of(p).get(n), torch.Tensor) for p in params if p not in placed)
+            ]
             precision = opt.precision.of_buffer(key[1], small=key[2], rule=rule)
             buf = self.new_buffer(params, groups, used, precision)
             buf.ordinal = len(buffers)  # mixed into stochastic rounding's seed (see rounding_seed)
@@ -284,6 +293,21 @@ class FlatEngine(Engine):
             if self.leaves_unused(g) and (p in self.unstarted or s == 0)
         }
         self.attach(without_grad, with_grad)
+
+    def entry_of(self, p):
+        """``p``'s ``opt.state`` entry, or {} where there is none (or no dict)."""
+        entry = self.opt.state.get(p)
+        return entry if isinstance(entry, Mapping) else {}
+
+    def entry_step(self, p):
+        """The step count of ``p``, laid out for the first time, from its ``opt.state`` entry: the state that
+        load_state_dict() put there while it was left out (frozen), which torch.optim goes on from; 0 without one."""
+        opt = self.opt
+        entry = self.entry_of(p)
+        if opt.rule.exported_step:
+            step = entry.get("step")
+            return 0.0 if step is None else step_value(self.cls, opt.names(p), step)
+        return 1.0 if any(isinstance(entry.get(n), torch.Tensor) for n in opt.rule.state_names) else 0.0
 
     def leaves_unused(self, g):
         """Whether param group ``g`` leaves a state of the rule unused (SGD at momentum 0), as ensure_states last
