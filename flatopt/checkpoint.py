@@ -2,11 +2,12 @@
 
 A state_dict saved by flatopt loads into the matching torch.optim optimizer and the reverse:
 parameters are numbered across groups in order, a parameter has state once it has been stepped,
-AdamW's ``step`` is a float32 CPU tensor, SGD keeps only ``momentum_buffer`` (when momentum is
-on) and Lion only ``exp_avg``. State tensors are views of the flat buffers, live like
-torch.optim's own state tensors. Any other key of a parameter's ``opt.state`` entry (the caller's:
-``opt.state[p]["note"] = 1``) is exported as it is and loaded back as torch.optim loads it (a tensor cast to
-the parameter's device, and dtype if the parameter is floating point), beside the states (:meth:`_cast_extra`).
+AdamW's ``step`` is a float32 CPU tensor, SGD keeps only ``momentum_buffer`` (once the parameter was
+stepped with momentum; kept through a stretch of momentum=0, and loaded then too) and Lion only
+``exp_avg``. State tensors are views of the flat buffers, live like torch.optim's own state tensors.
+Any other key of a parameter's ``opt.state`` entry (the caller's: ``opt.state[p]["note"] = 1``) is
+exported as it is and loaded back as torch.optim loads it (a tensor cast to the parameter's device,
+and dtype if the parameter is floating point), beside the states (:meth:`_cast_extra`).
 
 With fewer bytes per parameter (:mod:`flatopt.precision`) the states are exported in the dtype they are
 stored in (float32 or bfloat16: torch.optim casts them to the parameters' dtype when it loads them), and a
