@@ -2,11 +2,12 @@
 
 A state_dict saved by flatopt loads into the matching torch.optim optimizer and the reverse:
 parameters are numbered across groups in order, a parameter has state once it has been stepped,
-AdamW's ``step`` is a float32 CPU tensor, SGD keeps only ``momentum_buffer`` (when momentum is
-on) and Lion only ``exp_avg``. State tensors are views of the flat buffers, live like
-torch.optim's own state tensors. Any other key of a parameter's ``opt.state`` entry (the caller's:
-``opt.state[p]["note"] = 1``) is exported as it is and loaded back as torch.optim loads it (a tensor cast to
-the parameter's device, and dtype if the parameter is floating point), beside the states (:meth:`_cast_extra`).
+AdamW's ``step`` is a float32 CPU tensor, SGD keeps only ``momentum_buffer`` (once the parameter was
+stepped with momentum; kept through a stretch of momentum=0, and loaded then too) and Lion only
+``exp_avg``. State tensors are views of the flat buffers, live like torch.optim's own state tensors.
+Any other key of a parameter's ``opt.state`` entry (the caller's: ``opt.state[p]["note"] = 1``) is
+exported as it is and loaded back as torch.optim loads it (a tensor cast to the parameter's device,
+and dtype if the parameter is floating point), beside the states (:meth:`_cast_extra`).
 
 With fewer bytes per parameter (:mod:`flatopt.precision`) the states are exported in the dtype they are
 stored in (float32 or bfloat16: torch.optim casts them to the parameters' dtype when it loads them), and a
@@ -71,15 +72,6 @@ class CheckpointMixin:
     """state_dict() and load_state_dict() of :class:`flatopt.optimizer.FlatOptimizer`: torch.optim's format,
     through the optimizer's ``rule`` (which states it keeps) and ``engine`` (where they live)."""
 
-    def _exported_names(self, gi, group):
-        """The states of group ``gi`` a state dict carries: those it has used at a step so far (SGD's momentum
-        buffer stays through a stretch of momentum=0, and appears at the first step with momentum), as
-        torch.optim keeps them; for an engine that does not track them, those it uses now."""
-        used = getattr(self.engine, "group_states", None)
-        if used is not None and gi < len(used):
-            return [n for n in self.rule.state_names if n in used[gi]]
-        return [n for n in self.rule.state_names if self.rule.uses_state(n, group)]
-
     def state_dict(self):
         """Returns the state of the optimizer as a dict, in torch.optim's format.
 
@@ -107,7 +99,10 @@ class CheckpointMixin:
         step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         state = {}
         own_keys = self._own_keys()
-        for gi, group in enumerate(self.param_groups):
+        # SGD's momentum buffer is exported once started (at the first step with momentum, or given), and stays through
+        # a stretch of momentum=0, as torch.optim keeps it; not for a parameter only stepped with momentum=0
+        unstarted = self.engine.unstarted
+        for group in self.param_groups:
             for p in group["params"]:
                 own = self.state.get(p, {})
                 if p not in steps:  # never stepped by this optimizer: keep whatever was loaded
@@ -115,14 +110,14 @@ class CheckpointMixin:
                         state[index[p]] = own
                     continue
                 extra = {k: v for k, v in own.items() if k not in own_keys}  # the caller's keys, as they are
-                if steps[p] == 0 and not self.engine.exports_unstepped:
+                if (steps[p] == 0 or p in unstarted) and not self.engine.exports_unstepped:
                     if extra:  # no state yet, as in torch.optim, whose entry then holds the caller's keys only
                         state[index[p]] = extra
                     continue
                 entry = {
                     n: self.engine.export_state(p, self._exported(own, n, p))
-                    for n in self._exported_names(gi, group)
-                    if own.get(n) is not None
+                    for n in self.rule.state_names
+                    if own.get(n) is not None and p not in unstarted
                 }
                 if self.rule.exported_step:
                     entry = {"step": torch.tensor(steps[p], dtype=step_dtype), **entry}
@@ -438,8 +433,7 @@ class CheckpointMixin:
                     f"whose shape is {tuple(p.shape)}; the state dict belongs to another model"
                 )
             self._check_copyable(f"'{name}' for parameter {k} ({self.names(p)})", t, p)
-            if name in names:
-                tensors[name] = t
+            tensors[name] = t  # kept where the group does not use it now (SGD at momentum 0), as torch.optim keeps it
         if rule.exported_step:
             if "step" not in saved:
                 raise ValueError(f"loaded state dict has no 'step' for parameter {k} ({self.names(p)})")

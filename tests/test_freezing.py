@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from optim_inputs import assert_matches
 from torch import nn
 
 import flatopt
@@ -268,3 +269,54 @@ def test_in_backward_edits_between_zero_grad_and_backward(edit):
         quiet(o.step)
     assert_same(pairs, 2)
     train_both(pairs, 2, x)
+
+
+LOADED_FROZEN = {  # name -> (flatopt's class, torch.optim's, arguments, momentum while B is frozen)
+    "AdamW": (flatopt.AdamW, torch.optim.AdamW, dict(lr=0.1, weight_decay=0.1), None),
+    "SGD": (flatopt.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.2), None),
+    "SGD_momentum_off": (flatopt.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.2), 0.0),
+}
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
+@pytest.mark.parametrize("kind", list(LOADED_FROZEN))
+def test_a_parameter_frozen_when_a_checkpoint_is_loaded_resumes_from_it_when_unfrozen(kind, in_backward):
+    """Resuming a staged fine-tune: A and B trained, the state saved, B frozen, a new optimizer over [A, B] loads
+    the state, steps A, then B is unfrozen. torch.optim keeps B's loaded state (AdamW's step count with its
+    moments, SGD's momentum buffer) and goes on from it; so does flatopt, which lays B out only when it is
+    unfrozen. With momentum 0 in the loaded group, B's buffer waits for momentum's return."""
+    ours_cls, theirs_cls, kwargs, momentum_off = LOADED_FROZEN[kind]
+    gen = torch.Generator().manual_seed(0)
+    a0, b0 = torch.randn(5, generator=gen), torch.randn(4, generator=gen)
+    grads = [(torch.randn(5, generator=gen), torch.randn(4, generator=gen)) for _ in range(8)]
+    sides = []
+    for make in (lambda ps: ours_cls(ps, in_backward=in_backward, **kwargs), lambda ps: theirs_cls(ps, **kwargs)):
+        a, b = nn.Parameter(a0.clone()), nn.Parameter(b0.clone())
+        opt = make([a, b])
+        for step, (ga, gb) in enumerate(grads[:3]):
+            if step == 2 and momentum_off is not None:
+                opt.param_groups[0]["momentum"] = momentum_off
+            a.grad, b.grad = ga.clone(), gb.clone()
+            opt.step()
+            opt.zero_grad()
+        saved = copy.deepcopy(opt.state_dict())
+        b.requires_grad_(False)
+        opt = make([a, b])
+        opt.load_state_dict(saved)
+        sides.append((opt, a, b))
+    (ours, a, b), (theirs, a2, b2) = sides
+    pairs = [("A", a, a2), ("B", b, b2)]
+    assert_matches(ours, theirs, pairs, "right after the load")
+    for step, (ga, gb) in enumerate(grads[3:]):
+        if step == 1:
+            b.requires_grad_(True)
+            b2.requires_grad_(True)
+        if step == 3 and momentum_off is not None:
+            ours.param_groups[0]["momentum"] = theirs.param_groups[0]["momentum"] = 0.9
+        for p, g in ((a, ga), (a2, ga)) + (((b, gb), (b2, gb)) if step >= 1 else ()):
+            p.grad = g.clone()
+        quiet(ours.step)
+        theirs.step()
+        ours.zero_grad()
+        theirs.zero_grad()
+        assert_matches(ours, theirs, pairs, f"step {step} after the load")

@@ -1280,6 +1280,106 @@ def test_sgd_state_dict_right_after_momentum_is_turned_on(backend):
     torch.testing.assert_close(resumed[0], resumed[1], msg="torch.optim resumed from flatopt's checkpoint")
 
 
+def assert_state_dicts_match(ours, theirs, where):
+    """``state_dict()['state']`` of ``ours`` against ``theirs``: the same parameters, keys and values."""
+    mine, ref = ours.state_dict()["state"], theirs.state_dict()["state"]
+    assert state_keys(ours) == state_keys(theirs), f"{where}: state_dict keys {state_keys(ours)}, {state_keys(theirs)}"
+    for k, entry in ref.items():
+        for key, value in entry.items():
+            where_key = f"{where}, {k}.{key}"
+            torch.testing.assert_close(mine[k][key], value, **TOL[torch.float32], msg=lambda m: f"{where_key}: {m}")
+
+
+@pytest.mark.parametrize("dampening", [0.0, 0.5])
+def test_sgd_parameter_first_stepped_while_momentum_is_off_starts_its_buffer_when_it_comes_back(backend, dampening):
+    """torch.optim.SGD gives a parameter a momentum buffer at its first step with momentum: one that received no
+    gradient before momentum was switched off, and was stepped during the stretch of momentum=0, has none then
+    (state_dict() exports no state for it), and the step that follows momentum's return sets buf = d. Its group's
+    other parameter, whose buffer started, goes on from it (buf = momentum * buf + (1 - dampening) * d)."""
+    device = device_for(backend)
+    gen = torch.Generator().manual_seed(0)
+    a0, b0 = torch.randn(5, generator=gen), torch.randn(7, generator=gen)
+    a, b, a2, b2 = (nn.Parameter(t.clone().to(device)) for t in (a0, b0, a0, b0))
+    kwargs = dict(lr=0.1, momentum=0.9, dampening=dampening)
+    ours = make_ours(OPTIMS["SGD"], [a, b], backend, **kwargs)
+    theirs = torch.optim.SGD([a2, b2], foreach=False, **kwargs)
+    schedule = {1: 0.0, 3: 0.9, 5: 0.0, 7: 0.9}  # step -> momentum, set before that step
+    for step in range(9):
+        if step in schedule:
+            ours.param_groups[0]["momentum"] = theirs.param_groups[0]["momentum"] = schedule[step]
+        ga, gb = torch.randn(5, generator=gen).to(device), torch.randn(7, generator=gen).to(device)
+        a.grad, a2.grad = ga.clone(), ga.clone()
+        b.grad, b2.grad = (gb.clone(), gb.clone()) if step else (None, None)  # b: no gradient at the first step
+        ours.step()
+        theirs.step()
+        assert_matches(ours, theirs, [("a", a, a2), ("b", b, b2)], f"step {step}")
+        assert_state_dicts_match(ours, theirs, f"step {step}")
+
+
+@pytest.mark.parametrize("saved_by", ["torch", "flatopt"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["built_without_momentum", "built_with_momentum"])
+def test_sgd_load_keeps_momentum_buffers_saved_while_momentum_is_off(backend, saved_by, momentum):
+    """A checkpoint saved during a stretch of momentum=0 holds the momentum buffers (torch.optim keeps them, and so
+    does flatopt): loading it keeps them, whatever momentum the loading optimizer was created with; state_dict()
+    exports them again right after the load, and the step after momentum's return goes on from them."""
+    device = device_for(backend)
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(6, generator=gen)
+    src = nn.Parameter(p0.clone().to(device))
+    make_src = torch.optim.SGD if saved_by == "torch" else flatopt.SGD
+    saver = make_src([src], lr=0.1, momentum=0.9, dampening=0.3)
+    for step in range(4):
+        if step == 3:
+            saver.param_groups[0]["momentum"] = 0.0
+        src.grad = torch.randn(6, generator=gen).to(device)
+        saver.step()
+    saved = copy.deepcopy(saver.state_dict())
+    assert sorted(saved["state"][0]) == ["momentum_buffer"] and saved["param_groups"][0]["momentum"] == 0.0
+    p, q = nn.Parameter(src.detach().clone()), nn.Parameter(src.detach().clone())
+    ours = make_ours(OPTIMS["SGD"], [p], backend, lr=0.1, momentum=momentum)
+    theirs = torch.optim.SGD([q], lr=0.1, momentum=momentum, foreach=False)
+    ours.load_state_dict(copy.deepcopy(saved))
+    theirs.load_state_dict(copy.deepcopy(saved))
+    assert_matches(ours, theirs, [("p", p, q)], "right after the load")
+    assert_state_dicts_match(ours, theirs, "right after the load")
+    for step in range(4):
+        if step == 1:
+            ours.param_groups[0]["momentum"] = theirs.param_groups[0]["momentum"] = 0.9
+        g = torch.randn(6, generator=gen).to(device)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+        assert_matches(ours, theirs, [("p", p, q)], f"step {step} after the load")
+        assert_state_dicts_match(ours, theirs, f"step {step} after the load")
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["never_on", "switched_off"])
+def test_sgd_momentum_buffer_assigned_while_momentum_is_off_is_used(backend, momentum):
+    """``opt.state[p]["momentum_buffer"] = t`` while the group's momentum is 0: torch.optim keeps ``t`` (its
+    state_dict() exports it) and its first step with momentum goes on from it."""
+    device = device_for(backend)
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(4, generator=gen)
+    p, q = nn.Parameter(p0.clone().to(device)), nn.Parameter(p0.clone().to(device))
+    ours = make_ours(OPTIMS["SGD"], [p], backend, lr=0.1, momentum=momentum, dampening=0.2)
+    theirs = torch.optim.SGD([q], lr=0.1, momentum=momentum, dampening=0.2, foreach=False)
+    for step in range(5):
+        if step == 1:
+            ours.param_groups[0]["momentum"] = theirs.param_groups[0]["momentum"] = 0.0
+        if step == 2:
+            buf = torch.linspace(-1.0, 5.0, 4, device=device)
+            ours.state[p]["momentum_buffer"], theirs.state[q]["momentum_buffer"] = buf.clone(), buf.clone()
+            assert_state_dicts_match(ours, theirs, "right after the assignment")
+        if step == 3:
+            ours.param_groups[0]["momentum"] = theirs.param_groups[0]["momentum"] = 0.9
+        g = torch.randn(4, generator=gen).to(device)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+        assert_matches(ours, theirs, [("p", p, q)], f"step {step}")
+        assert_state_dicts_match(ours, theirs, f"step {step}")
+
+
 @pytest.mark.parametrize("optim", OPTIMS.values(), ids=lambda o: o.name)
 def test_deepcopy_refused(optim, backend):
     """torch's test_deepcopy_copies_all_public_attrs: flatopt refuses copies (its tensors are views of buffers

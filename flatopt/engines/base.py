@@ -33,6 +33,7 @@ class Engine:
 
     buffers = ()  # the flat buffers (FlatBuffer), for capture() and flatopt.inspect()
     exports_unstepped = False  # state_dict() carries parameters not stepped yet (their zeros, step 0)
+    unstarted = frozenset()  # parameters whose optional states (SGD's momentum buffer) have not started: none here
     devices = ()  # the devices of the trainable parameters
 
     def __init__(self, opt):
@@ -124,7 +125,8 @@ SET = "set"  # Reconciled.step: at least 1 (a rule without exported step counts 
 
 class Reconciled:
     """What :meth:`FlatEngine.sync_state` does to one parameter: ``reset`` its states (zeros), ``copies``
-    [(view, tensor)] into them, give it ``step`` (a count, SET, or None: unchanged), keep ``extra`` keys."""
+    [(state name, tensor)] into them (a state its buffer lacks is allocated first), give it ``step`` (a count, SET,
+    or None: unchanged), keep ``extra`` keys."""
 
     __slots__ = ("p", "buf", "i", "extra", "reset", "copies", "step")
 
@@ -167,7 +169,11 @@ class FlatEngine(Engine):
         self.left_out = []  # those of them not laid out (no .grad then)
         self.members = []  # per param group at the last layout: (its params list, a copy of it)
         self.removed = weakref.WeakSet()  # parameters removed from param_groups (not replaced in the module)
-        self.group_states = []  # per param group: the state names it has used so far
+        self.group_states = []  # per param group: the state names it uses, as ensure_states last saw it
+        # parameters of groups that leave a state unused now (SGD at momentum 0) whose state has not started:
+        # torch.optim has no momentum buffer for them. Their step counts advance all the same (SGD reads them only
+        # as "the buffer is set"), and go back to 0 when their group uses the state again (see ensure_states)
+        self.unstarted = set()
         self.checked_steps = 0  # steps whose binding check passed (a full one every FULL_CHECK_EVERY)
         self.unused_reported = False
         self.step_graph = StepGraph()
@@ -223,6 +229,10 @@ class FlatEngine(Engine):
                     members[key][1].append(gi)
         check_own_memory(self.cls, opt.names, [p for ps, _ in members.values() for p in ps], placed)
         old_steps = {p: float(s) for p, s in self.steps_by_param().items()}
+        for ps, _ in members.values():  # one left out of the layout (frozen at a load) keeps the state loaded
+            for p in ps:
+                if p not in old_steps:
+                    old_steps[p] = self.entry_step(p)
         old_masters = self.masters_by_param()
         self.detach()
         with_grad = [p for ps, _ in members.values() for p in ps if p.grad is not None]
@@ -230,7 +240,12 @@ class FlatEngine(Engine):
         buffers = []
         for key in keys:
             params, groups = self.order(*members[key])
-            used = [n for n in rule.state_names if any(rule.uses_state(n, opt.param_groups[g]) for g in groups)]
+            used = [
+                n
+                for n in rule.state_names
+                if any(rule.uses_state(n, opt.param_groups[g]) for g in groups)
+                or any(isinstance(self.entry_of(p).get(n), torch.Tensor) for p in params if p not in placed)
+            ]
             precision = opt.precision.of_buffer(key[1], small=key[2], rule=rule)
             buf = self.new_buffer(params, groups, used, precision)
             buf.ordinal = len(buffers)  # mixed into stochastic rounding's seed (see rounding_seed)
@@ -272,7 +287,33 @@ class FlatEngine(Engine):
         self.step_graph = StepGraph()  # graphs of the old layout read its freed tables: never replay them
         self.where = {p: (b, i) for b, buf in enumerate(self.buffers) for i, p in enumerate(buf.params)}
         self.masks = [OrderedDict() for _ in self.buffers]
+        self.unstarted = {
+            p
+            for buf in buffers
+            for p, g, s in zip(buf.params, buf.group_ids, buf.meta.steps.tolist())
+            if self.leaves_unused(g) and (p in self.unstarted or s == 0)
+        }
         self.attach(without_grad, with_grad)
+
+    def entry_of(self, p):
+        """``p``'s ``opt.state`` entry, or {} where there is none (or no dict)."""
+        entry = self.opt.state.get(p)
+        return entry if isinstance(entry, Mapping) else {}
+
+    def entry_step(self, p):
+        """The step count of ``p``, laid out for the first time, from its ``opt.state`` entry: the state that
+        load_state_dict() put there while it was left out (frozen), which torch.optim goes on from; 0 without one."""
+        opt = self.opt
+        entry = self.entry_of(p)
+        if opt.rule.exported_step:
+            step = entry.get("step")
+            return 0.0 if step is None else step_value(self.cls, opt.names(p), step)
+        return 1.0 if any(isinstance(entry.get(n), torch.Tensor) for n in opt.rule.state_names) else 0.0
+
+    def leaves_unused(self, g):
+        """Whether param group ``g`` leaves a state of the rule unused (SGD at momentum 0), as ensure_states last
+        saw it: its parameters without that state started are in ``unstarted``."""
+        return g < len(self.group_states) and len(self.group_states[g]) < len(self.opt.rule.state_names)
 
     def members_changed(self):
         """Whether the parameters to lay out differ from the last layout's: a group's params list edited or
@@ -408,10 +449,16 @@ class FlatEngine(Engine):
         storages = {t.untyped_storage().data_ptr() for buf in self.buffers for t in buf.states.values()}
         steps = {}  # FlatBuffer -> {index: new step count, or SET}
         with torch.no_grad():
+            grown = {}  # a buffer given a state it did not hold (SGD's momentum buffer assigned at momentum 0)
+            for e in plan:
+                for k, _ in e.copies:
+                    if k not in e.buf.state_views:
+                        e.buf.add_state(k)
+                        grown[id(e.buf)] = e.buf
             copies = [
-                (view, v.clone() if v.untyped_storage().data_ptr() in storages else v)
-                for entry in plan
-                for view, v in entry.copies
+                (e.buf.state_views[k][e.i], v.clone() if v.untyped_storage().data_ptr() in storages else v)
+                for e in plan
+                for k, v in e.copies
             ]
             for view, v in copies:
                 view.copy_(v)
@@ -419,8 +466,12 @@ class FlatEngine(Engine):
                 if e.reset:
                     for views in e.buf.state_views.values():
                         views[e.i].zero_()
+                    if self.leaves_unused(e.buf.group_ids[e.i]):
+                        self.unstarted.add(e.p)
                 if e.step is not None:
                     steps.setdefault(e.buf, {})[e.i] = e.step
+                if e.copies:  # a state given is started
+                    self.unstarted.discard(e.p)
             for buf, new in steps.items():
                 if SET in new.values():  # keep a step count that is above 0 already
                     host = buf.meta.steps.tolist()
@@ -434,6 +485,9 @@ class FlatEngine(Engine):
                 if k not in slots:
                     kept.put(k, v)
             opt.state = self.installed = kept
+        for buf in grown.values():  # the other parameters' entries show the new state's views too
+            for i, p in enumerate(buf.params):
+                self.put_state(p, buf, i)
         for e in plan:
             self.put_state(e.p, e.buf, e.i, e.extra)
         self.installed.changes.reset()
@@ -449,7 +503,10 @@ class FlatEngine(Engine):
                 f"{cls}: opt.state[{opt.names(p)}] is a {type(entry).__name__}; a parameter's state is a dict, as "
                 "in torch.optim (opt.state[p] = {} or del opt.state[p] restarts it)"
             )
-        managed = list(buf.state_views) + (["step"] if opt.rule.exported_step else [])
+        # the rule's states whether the buffer holds them or not: SGD's momentum buffer assigned at momentum 0 is kept
+        managed = list(dict.fromkeys([*buf.state_views, *opt.rule.state_names])) + (
+            ["step"] if opt.rule.exported_step else []
+        )
         present = [k for k in managed if entry.get(k) is not None]
         extra = {k: v for k, v in entry.items() if k not in managed}
         if not present:  # torch.optim's lazy initialisation: as at the first step
@@ -478,7 +535,7 @@ class FlatEngine(Engine):
                 step = step_value(cls, opt.names(p), v)
             else:
                 check_state_tensor(cls, opt.names(p), k, v, p, buf.state_dtype)
-                copies.append((buf.state_views[k][i], v))
+                copies.append((k, v))
         if copies and not opt.rule.exported_step:
             step = SET  # a state given is set (SGD's momentum buffer: not taken from the next gradient)
         return Reconciled(p, buf, i, extra, copies=copies, step=step)
@@ -516,31 +573,39 @@ class FlatEngine(Engine):
         buf.meta.uniform = len(set(buf.group_ids)) == 1 and bool((steps == steps[0]).all())
 
     def ensure_states(self):
-        """Allocate a state buffer that a group needs now but did not at construction (SGD's
-        momentum buffer once a scheduler turns momentum on), and start a group that uses a state
-        for the first time as at a first step: its parameters' step counts go to 0 (SGD reads them
-        only as "is the momentum buffer set"; AdamW and Lion always use their states, so this
-        never happens to them). A group that used the state before keeps it, as torch.optim keeps
-        a momentum buffer through a stretch of momentum=0."""
+        """Allocate a state buffer that a group needs now but did not at construction (SGD's momentum buffer once a
+        scheduler turns momentum on), and keep track of which parameters have their state started, as torch.optim,
+        which gives a parameter its momentum buffer at its first step with momentum and keeps it through a stretch
+        of momentum=0: when a group stops using a state, its parameters not stepped yet (step count 0) join
+        ``unstarted``; when it uses the state again, those of ``unstarted`` start as at a first step (their step
+        counts go to 0: SGD's next step sets the buffer to the update) and the others go on from their buffer.
+        AdamW and Lion use every state in every group, so none of this happens to them. Called when a group's
+        hyper-parameters change (and at a load): O(groups) per buffer, more only where a group switches."""
         opt = self.opt
         rule = opt.rule
-        starting = set()
-        used_by_group = []
-        for gi, group in enumerate(opt.param_groups):
-            used = {n for n in rule.state_names if rule.uses_state(n, group)}
-            used_by_group.append(used)
-            if gi == len(self.group_states):  # a new group: nothing of it was stepped yet
-                self.group_states.append(used)
-            elif used - self.group_states[gi]:
-                starting.add(gi)
-                self.group_states[gi] |= used
-        for buf in self.buffers:  # O(groups) per buffer unless something changes: called at every lr change
+        everything = set(rule.state_names)
+        before = self.group_states
+        used_by_group = [{n for n in rule.state_names if rule.uses_state(n, group)} for group in opt.param_groups]
+        starting = {g for g, used in enumerate(used_by_group) if g < len(before) and used - before[g]}
+        stopping = {
+            g for g, used in enumerate(used_by_group) if used != everything and (g >= len(before) or before[g] - used)
+        }
+        self.group_states = used_by_group
+        for buf in self.buffers:
             missing = [
                 n for n in rule.state_names if n not in buf.states and any(n in used_by_group[g] for g in buf.group_set)
             ]
             for name in missing:
                 buf.add_state(name)
-            first = [i for i, g in enumerate(buf.group_ids) if g in starting] if starting & buf.group_set else []
+            first = []
+            if (starting | stopping) & buf.group_set:
+                steps = buf.meta.steps.tolist()
+                for i, (p, g) in enumerate(zip(buf.params, buf.group_ids)):
+                    if g in starting and p in self.unstarted:
+                        self.unstarted.discard(p)
+                        first.append(i)
+                    elif g in stopping and steps[i] == 0:
+                        self.unstarted.add(p)
             if first:
                 buf.meta.steps[first] = 0.0
             if missing:
@@ -555,6 +620,12 @@ class FlatEngine(Engine):
         placed = set()
         with torch.no_grad():
             self.ensure_states()
+            for buf in self.buffers:  # a state given for a group that does not use it now (SGD at momentum 0) is kept
+                given = {n for p in buf.params for n in parsed.get(p, (0.0, {}))[1]}
+                for name in self.opt.rule.state_names:
+                    if name in given and name not in buf.states:
+                        buf.add_state(name)
+            self.unstarted = set()
             for buf in self.buffers:
                 steps = []
                 for i, p in enumerate(buf.params):
@@ -568,6 +639,8 @@ class FlatEngine(Engine):
                         elif not (buf.quantized and name.endswith(ABSMAX) and name[: -len(ABSMAX)] in tensors):
                             views[i].zero_()
                     steps.append(step)
+                    if self.leaves_unused(buf.group_ids[i]) and not tensors:
+                        self.unstarted.add(p)
                 buf.meta.steps.copy_(torch.tensor(steps, dtype=torch.float32))
                 self.refresh_uniform(buf)
         self.opt.state = self.installed = OptimizerState()
