@@ -258,6 +258,33 @@ def test_gradients_set_by_hand_on_some_parameters_step_those_with_skip_unused(op
     assert torch.equal(twin.b.weight, untouched.b.weight), "a parameter without a gradient was stepped"
 
 
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_torch_autograd_grad_over_the_parameters_is_not_a_backward_pass_of_the_optimizer(opt):
+    """torch.autograd.grad() over the parameters (a gradient penalty, a norm to log) runs their tensor hooks but adds
+    nothing to .grad and runs no post-accumulate-grad hook: before and after a stepped pass, and while passes are
+    refused after one that raised, it is neither stepped nor refused, and training matches torch.optim."""
+    model, theirs, twin, ours = pair(opt)
+    data = batches(4)
+    for step, batch in enumerate(data[:3], 1):
+        for m, o in ((model, theirs), (twin, ours)):
+            torch.autograd.grad(loss_of(m, batch), list(m.parameters()))
+            loss_of(m, batch).backward()
+            torch.autograd.grad(loss_of(m, batch), list(m.parameters()))
+            o.step()
+            o.zero_grad()
+        assert_matches_torch(twin, model, ours, theirs, step)
+    fail(twin, data[3], "function")
+    with pytest.raises(RuntimeError, match=r"after the previous one raised"):
+        loss_of(twin, data[3]).backward()
+    grads = torch.autograd.grad(loss_of(twin, data[3]), list(twin.parameters()))
+    assert all(g is not None for g in grads)
+    ours.zero_grad()
+    theirs.zero_grad()
+    torch_step(model, theirs, data[3])
+    torch_step(twin, ours, data[3])
+    assert_matches_torch(twin, model, ours, theirs, 4)
+
+
 # ---------------------------------------------------------------------- hooks registered after the optimizer
 
 

@@ -73,6 +73,20 @@ def _graph_task_id():
     return get() if get is not None else -1
 
 
+def _accumulates():
+    """From a parameter's tensor hook: whether autograd will add the gradient to ``.grad`` (and run the
+    post-accumulate-grad hooks). Not in ``torch.autograd.grad``, which returns the gradient instead, and where torch
+    refuses to say for a leaf's node."""
+    will_run = getattr(torch._C, "_will_engine_execute_node", None)
+    node = torch._C._current_autograd_node() if will_run is not None else None
+    if node is None:
+        return False
+    try:
+        return bool(will_run(node))
+    except RuntimeError:  # "A leaf node was passed to _will_engine_execute_node but ... running autograd.grad()"
+        return False
+
+
 class Bucket:
     """Consecutive parameters ``[first, stop)`` of one flat buffer, elements ``[start, end)``."""
 
@@ -368,7 +382,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         if self.paused:
             return
         task = _graph_task_id()
-        if task == self.task or task == self.accumulating:
+        if task == self.task or task == self.accumulating or not _accumulates():
             return
         with self.lock, torch.no_grad():
             refusal = None if task in (self.task, self.accumulating) else self._open(p, task, landed=False)
