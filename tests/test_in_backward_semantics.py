@@ -258,6 +258,33 @@ def test_gradients_set_by_hand_on_some_parameters_step_those_with_skip_unused(op
     assert torch.equal(twin.b.weight, untouched.b.weight), "a parameter without a gradient was stepped"
 
 
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_torch_autograd_grad_over_the_parameters_is_not_a_backward_pass_of_the_optimizer(opt):
+    """torch.autograd.grad() over the parameters (a gradient penalty, a norm to log) runs their tensor hooks but adds
+    nothing to .grad and runs no post-accumulate-grad hook: before and after a stepped pass, and while passes are
+    refused after one that raised, it is neither stepped nor refused, and training matches torch.optim."""
+    model, theirs, twin, ours = pair(opt)
+    data = batches(4)
+    for step, batch in enumerate(data[:3], 1):
+        for m, o in ((model, theirs), (twin, ours)):
+            torch.autograd.grad(loss_of(m, batch), list(m.parameters()))
+            loss_of(m, batch).backward()
+            torch.autograd.grad(loss_of(m, batch), list(m.parameters()))
+            o.step()
+            o.zero_grad()
+        assert_matches_torch(twin, model, ours, theirs, step)
+    fail(twin, data[3], "function")
+    with pytest.raises(RuntimeError, match=r"after the previous one raised"):
+        loss_of(twin, data[3]).backward()
+    grads = torch.autograd.grad(loss_of(twin, data[3]), list(twin.parameters()))
+    assert all(g is not None for g in grads)
+    ours.zero_grad()
+    theirs.zero_grad()
+    torch_step(model, theirs, data[3])
+    torch_step(twin, ours, data[3])
+    assert_matches_torch(twin, model, ours, theirs, 4)
+
+
 # ---------------------------------------------------------------------- hooks registered after the optimizer
 
 
@@ -504,6 +531,241 @@ def test_reentrant_checkpointing_under_no_step_then_step_matches_torch():
             with ours.no_step():
                 for batch in data[2 * step - 2 : 2 * step]:
                     loss_of(m, batch).backward()
+            o.step()
+            o.zero_grad()
+        assert_matches_torch(twin, model, ours, theirs, step)
+
+
+# ---------------------------------------------------------------------- what a refused or failed pass leaves in .grad
+
+
+def grads_of(model):
+    """Every parameter's .grad, copied (None where it has none)."""
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_grads_equal(model, expected, what):
+    for name, p in model.named_parameters():
+        want = expected[name]
+        if want is None:
+            assert p.grad is None, f"{what}: {name} has a .grad, where it had none"
+        else:
+            assert p.grad is not None, f"{what}: {name}'s .grad was dropped"
+            assert torch.equal(p.grad, want), f"{what}: {name}'s .grad changed"
+
+
+@pytest.mark.parametrize("watched", [True, False])
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+@pytest.mark.parametrize("cause", ["function", "user hook"])
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_step_after_a_refused_retry_steps_what_the_failed_pass_left_as_torch(opt, cause, bucket_size, watched):
+    """A retry without zero_grad() after a failed pass is refused; the refusal takes nothing away from the failed
+    pass, so opt.step() then steps every gradient the failed pass delivered, as torch.optim steps them (the
+    user hook defers c.weight's gradient: the failed pass left it in .grad). ``watched=False``: the retry's first
+    gradient (c.bias) is not the one whose tensor hook sees a pass begin, so autograd has set it in .grad when the
+    pass is refused; the failed pass had taken c.bias's gradient from .grad, so the refusal sets it back to None."""
+    model, theirs, twin, ours = pair(opt, bucket_size=bucket_size)
+    data = batches(4)
+    torch_step(model, theirs, data[0])
+    torch_step(twin, ours, data[0])
+    fail(model, data[1], cause)
+    theirs.step()
+    theirs.zero_grad()
+    fail(twin, data[1], cause)
+    if not watched:
+        flatopt.inspect(ours).engine._arm(twin.a.weight)  # the last gradient of a pass
+    left = grads_of(twin)
+    before = [p.detach().clone() for p in twin.parameters()]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"after the previous one raised.*opt\.zero_grad\(\) before"):
+            loss_of(twin, data[2]).backward()
+        assert_grads_equal(twin, left, "the refused retry")
+        assert all(torch.equal(p.detach(), b) for p, b in zip(twin.parameters(), before))
+    ours.step()
+    ours.zero_grad()
+    assert_matches_torch(twin, model, ours, theirs, "step() after the refused retry")
+    for step, batch in enumerate(data[2:], 3):
+        torch_step(model, theirs, batch)
+        torch_step(twin, ours, batch)
+        assert_matches_torch(twin, model, ours, theirs, step)
+
+
+def checkpointed_pair(opt, shape, **kwargs):
+    """``tail``: the pass's first gradients come from layers after the checkpointed segment (refused at the outer
+    pass's first gradient); ``segment``: from inside it (refused at the nested pass's first gradient)."""
+    torch.manual_seed(0)
+    model = Tail() if shape == "tail" else Checkpointed()
+    twin = copy.deepcopy(model)
+    make_ours, make_theirs = PAIRS[opt]
+    return model, make_theirs(model.parameters()), twin, make_ours(twin, in_backward=True, **kwargs)
+
+
+def set_reentrant(model, reentrant):
+    (model.body if isinstance(model, Tail) else model).use_reentrant = reentrant
+
+
+@pytest.mark.parametrize("shape", ["tail", "segment"])
+@pytest.mark.parametrize("how", ["accumulation_steps", "no_step"])
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_a_pass_refused_after_accumulated_micro_batches_leaves_their_gradients_as_they_were(opt, how, shape):
+    """A pass with reentrant checkpointing, after a micro-batch accumulated by an accumulation window (the refused
+    pass would be the window's second micro-batch) or under no_step() (it would step): refused at its first
+    gradient, and every parameter's .grad still holds the micro-batch's gradient, that of the parameter whose
+    gradient came first included. step() then steps the micro-batch as torch.optim does."""
+    kwargs = dict(accumulation_steps=3) if how == "accumulation_steps" else {}
+    model, theirs, twin, ours = checkpointed_pair(opt, shape, bucket_size=64, **kwargs)
+    data = batches(8)
+    for m in (model, twin):
+        set_reentrant(m, False)
+    loss_of(model, data[0]).backward()
+    if how == "no_step":
+        with ours.no_step():
+            loss_of(twin, data[0]).backward()
+    else:
+        loss_of(twin, data[0]).backward()
+    window = grads_of(twin)
+    assert all(g is not None for g in window.values())
+    before = snapshot(twin, ours)
+    set_reentrant(twin, True)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"use_reentrant=True.*use_reentrant=False.*No parameter was updated"):
+            loss_of(twin, data[1]).backward()
+        assert_grads_equal(twin, window, "the refused pass")
+        assert_unchanged(twin, ours, before, "the refused pass")
+    set_reentrant(twin, False)
+    theirs.step()
+    theirs.zero_grad()
+    ours.step()
+    ours.zero_grad()
+    assert_matches_torch(twin, model, ours, theirs, "step() after the refused pass")
+    for step in (1, 2):  # windows of three micro-batches, the last one stepping
+        for m, o in ((model, theirs), (twin, ours)):
+            micro = data[3 * step - 1 : 3 * step + 2]
+            if how == "no_step" and o is ours:
+                with ours.no_step():
+                    for batch in micro[:-1]:
+                        loss_of(m, batch).backward()
+            else:
+                for batch in micro[:-1]:
+                    loss_of(m, batch).backward()
+            loss_of(m, micro[-1]).backward()
+            o.step()
+            o.zero_grad()
+        assert_matches_torch(twin, model, ours, theirs, step)
+
+
+@pytest.mark.parametrize("edit", ["lr", "state"])
+@pytest.mark.parametrize("how", ["step", "no_step"])
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_an_invalid_edit_found_by_a_backward_pass_changes_no_gradient(opt, how, edit):
+    """An invalid hyper-parameter or opt.state edit is found at the first gradient of the next backward pass, which
+    raises. Before the gradient reaches .grad: every .grad is as it was (none after step(), the micro-batch's after
+    one under no_step()), nothing is updated, and once the edit is undone the same pass trains as torch.optim."""
+    model, theirs, twin, ours = pair(opt)
+    data = batches(4)
+    torch_step(model, theirs, data[0])
+    torch_step(twin, ours, data[0])
+    if how == "no_step":
+        loss_of(model, data[1]).backward()
+        with ours.no_step():
+            loss_of(twin, data[1]).backward()
+    left = grads_of(twin)
+    group, state = ours.param_groups[0], ours.state[twin.a.weight]
+    key = next(k for k, v in state.items() if torch.is_tensor(v) and v.shape == twin.a.weight.shape)
+    saved = group["lr"] if edit == "lr" else state[key]
+    if edit == "lr":
+        group["lr"] = -1.0
+    else:
+        state[key] = torch.zeros(3, 3)
+    before = snapshot(twin, ours)  # the edit included
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0" if edit == "lr" else r"shape \(3, 3\)"):
+            loss_of(twin, data[2]).backward()
+        assert_grads_equal(twin, left, "the pass that raised")
+        assert_unchanged(twin, ours, before, "the pass that raised")
+    if edit == "lr":
+        group["lr"] = saved
+    else:
+        state[key] = saved
+    for step, batch in enumerate(data[2:], 2):
+        torch_step(model, theirs, batch)
+        torch_step(twin, ours, batch)
+        assert_matches_torch(twin, model, ours, theirs, step)
+
+
+@pytest.mark.filterwarnings("ignore:.*received no gradient before the first step")
+@pytest.mark.parametrize("recovery", ["zero_grad", "step"])
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_a_micro_batch_that_raised_is_remembered_and_its_retry_refused(opt, k, recovery):
+    """With accumulation_steps=k, a micro-batch whose backward pass raised leaves its gradients in .grad, as
+    torch.optim does; a retry without zero_grad() or step() is refused, leaving .grad as it was, rather than
+    being counted in the window (which would step it a pass early). zero_grad() or step() then recover as with
+    torch.optim."""
+    model, theirs, twin, ours = pair(opt, accumulation_steps=k)
+    data = batches(2 + 2 * k)
+    for m in (model, twin):
+        fail(m, data[0], "function")
+    left = grads_of(twin)
+    for name, g in grads_of(model).items():
+        assert (g is None) == (left[name] is None), name
+        if g is not None:
+            torch.testing.assert_close(left[name], g, atol=0, rtol=0)
+    before = snapshot(twin, ours)
+    for _ in range(k):
+        with pytest.raises(RuntimeError, match=r"after the previous one raised.*opt\.zero_grad\(\) before"):
+            loss_of(twin, data[1]).backward()
+        assert_grads_equal(twin, left, "the refused retry")
+        assert_unchanged(twin, ours, before, "the refused retry")
+    for o in (theirs, ours):
+        if recovery == "step":
+            o.step()
+        o.zero_grad()
+    assert_matches_torch(twin, model, ours, theirs, f"{recovery}() after the refused retry")
+    for step in (1, 2):
+        for m, o in ((model, theirs), (twin, ours)):
+            for batch in data[2 + k * (step - 1) : 2 + k * step]:
+                loss_of(m, batch).backward()
+            o.step()
+            o.zero_grad()
+        assert_matches_torch(twin, model, ours, theirs, step)
+
+
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_a_refused_pass_whose_first_gradient_was_added_to_the_window_says_so(opt):
+    """A micro-batch of a window through the whole model (its first gradient, tail.2.bias's, is the one whose
+    tensor hook sees the next pass begin), then a pass through the checkpointed body alone: its first gradient,
+    head.2.bias's, is added to that parameter's .grad by autograd before any hook of the optimizer sees the pass.
+    The refusal cannot take it out: the message names the parameter and says to call zero_grad(), every other
+    .grad holds the window's gradient, passes are refused until zero_grad(), and after it training matches
+    torch.optim."""
+    model, theirs, twin, ours = checkpointed_pair(opt, "tail", bucket_size=64, accumulation_steps=3)
+    data = batches(8)
+    for m in (model, twin):
+        set_reentrant(m, False)
+    loss_of(twin, data[0]).backward()
+    window = grads_of(twin)
+    before = snapshot(twin, ours)
+    set_reentrant(twin, True)
+    x, _ = data[1]
+    with pytest.raises(
+        RuntimeError, match=r"use_reentrant=False.*head\.2\.bias.*in \.grad now holds this pass's.*zero_grad"
+    ):
+        twin.body(x).square().mean().backward()
+    set_reentrant(twin, False)
+    changed = [n for n, p in twin.named_parameters() if not torch.equal(p.grad, window[n])]
+    assert changed == ["body.head.2.bias"], changed
+    assert_unchanged(twin, ours, before, "the refused pass")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"after the previous one raised.*opt\.zero_grad\(\) before"):
+            loss_of(twin, data[1]).backward()
+        assert_unchanged(twin, ours, before, "the refused pass")
+    assert [n for n, p in twin.named_parameters() if not torch.equal(p.grad, window[n])] == changed
+    ours.zero_grad()
+    for step in (1, 2):
+        for m, o in ((model, theirs), (twin, ours)):
+            for batch in data[3 * step - 1 : 3 * step + 2]:
+                loss_of(m, batch).backward()
             o.step()
             o.zero_grad()
         assert_matches_torch(twin, model, ours, theirs, step)

@@ -36,10 +36,15 @@ the same thread, or at the end of the pass.
 A backward pass that cannot be stepped as one ``step()`` is refused at its first gradient, and
 the refused pass leaves no gradient in ``.grad``: a pass after the window's stepping pass (with
 ``k = 1``, a second pass) with neither ``opt.step()`` nor ``opt.zero_grad()`` in between, a pass
-begun after one that raised with neither ``opt.zero_grad()`` nor ``opt.step()`` in between, and a
-pass that runs others inside it (reentrant activation checkpointing), found at its first gradient
-by one walk of its autograd graph (:mod:`flatopt.engines.nesting`), before anything is stepped. In
-an accumulation window such a pass is refused too, leaving the window's gradients in ``.grad``.
+begun after one that raised (stepping or accumulating) with neither ``opt.zero_grad()`` nor
+``opt.step()`` in between, and a pass that runs others inside it (reentrant activation
+checkpointing), found at its first gradient by one walk of its autograd graph
+(:mod:`flatopt.engines.nesting`), before anything is stepped. In an accumulation window such a pass
+is refused too, leaving the window's gradients in ``.grad``. The first gradient is seen before
+autograd adds it to ``.grad``, by a tensor hook on the parameter whose gradient came first in the
+previous pass (on every parameter while every pass is refused), so a pass refused or raising there
+leaves ``.grad`` as it was; the refusal of a retry leaves the failed pass's gradients (in ``.grad``
+and its open buckets) for ``step()``.
 
 Kernel launches per backward: about ``numel / bucket_size`` plus one per parameter larger than a
 bucket. Gradient memory held by flatopt: the open buckets' staging gradients (one bucket at a
@@ -66,6 +71,20 @@ from flatopt.step_graph import StepGraph
 def _graph_task_id():
     get = getattr(torch._C, "_current_graph_task_id", None)
     return get() if get is not None else -1
+
+
+def _accumulates():
+    """From a parameter's tensor hook: whether autograd will add the gradient to ``.grad`` (and run the
+    post-accumulate-grad hooks). Not in ``torch.autograd.grad``, which returns the gradient instead, and where torch
+    refuses to say for a leaf's node."""
+    will_run = getattr(torch._C, "_will_engine_execute_node", None)
+    node = torch._C._current_autograd_node() if will_run is not None else None
+    if node is None:
+        return False
+    try:
+        return bool(will_run(node))
+    except RuntimeError:  # "A leaf node was passed to _will_engine_execute_node but ... running autograd.grad()"
+        return False
 
 
 class Bucket:
@@ -161,6 +180,13 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         self.window = 0  # backward passes (outside no_step()) begun since the last step() or zero_grad()
         self.accumulating = None  # graph task id of the accumulating pass in progress (window < accumulation_steps)
         self.applied = False  # a pass since the last step() or zero_grad() stepped its gradients and freed them
+        self.micro = None  # graph task id of the accumulating pass in progress, until its end (still set: it raised)
+        self.failed = False  # a pass raised leaving its first gradient added to an earlier one in .grad
+        self.loaded = False  # .grad may hold gradients of earlier passes (no_step(), a window, a pass that raised)
+        self.first = None  # the parameter whose gradient came first in the last pass: its tensor hook sees the next
+        self.first_hook = None  # the handle of that tensor hook
+        self.seen_first = None  # the parameter whose gradient came first in the pass in progress
+        self.guards = []  # tensor hooks on every parameter while passes are refused until zero_grad() or step()
         self.clip = None if options.max_grad_norm is None else BackwardClip(options.max_grad_norm, options.norm_type)
         self.deferred = []  # (thread id, parameter): gradients to take once the parameter's later hooks ran
         self.stepped = 0  # parameters stepped so far in the backward pass in progress
@@ -214,6 +240,48 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         self.hook_id = {p: h.id for p, h in zip(hooked, self.handles)}
         self.outside = set()
         self._finalizer = weakref.finalize(self, _remove, self.handles)  # gone with the engine (and optimizer)
+        # a backward pass delivers the last registered parameter's gradient first (its layer is the last one)
+        order = [p for g in self.opt.param_groups for p in g["params"] if p in self.hook_id]
+        self.first_hook = None  # removed with the other hooks (detach)
+        self._arm(self.first if self.first in self.hook_id else order[-1] if order else None)
+
+    def _arm(self, p):
+        """Move the tensor hook that sees a pass's first gradient before autograd adds it to ``.grad`` to ``p``."""
+        if p is self.first and self.first_hook is not None:
+            return
+        if self.first_hook is not None:
+            self.first_hook.remove()
+            self.handles.remove(self.first_hook)
+        self.first, self.first_hook = p, None
+        if p is not None:
+            self.first_hook = self._tensor_hook(p)
+
+    def _tensor_hook(self, p):
+        """A hook that autograd runs before it adds a gradient to ``p.grad``: :meth:`before`."""
+        method, param = weakref.WeakMethod(self.before), weakref.ref(p)
+
+        def before(grad):
+            engine_before, q = method(), param()
+            if engine_before is not None and q is not None:
+                engine_before(q)
+
+        handle = p.register_hook(before)
+        self.handles.append(handle)  # removed with the optimizer
+        return handle
+
+    def _guard(self):
+        """Every backward pass is refused until zero_grad() or step(): refuse each before its first gradient lands,
+        wherever it comes from, with a tensor hook on every parameter (until then only)."""
+        if not self.guards:
+            self.guards = [self._tensor_hook(p) for p in self.hook_id]
+
+    def _unguard(self):
+        if self.guards:
+            guards = set(self.guards)
+            for h in guards:
+                h.remove()
+            self.handles[:] = [h for h in self.handles if h not in guards]
+            self.guards = []
 
     def detach(self):
         self.remove()
@@ -257,8 +325,9 @@ class InBackwardEngine(ClipCalls, FlatEngine):
     def new_window(self):
         """step() or zero_grad(): the next backward pass is the first of a new accumulation window."""
         self.window = 0
-        self.accumulating = None
-        self.applied = False
+        self.accumulating = self.micro = None
+        self.applied = self.failed = self.loaded = False
+        self._unguard()
 
     def holds(self, p):
         """Whether ``p`` is laid out in this optimizer's buffers now (not moved since by another optimizer)."""
@@ -286,6 +355,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         for h in self.handles:
             h.remove()
         self.handles = []
+        self.first_hook, self.guards = None, []
 
     @contextmanager
     def no_step(self):
@@ -298,14 +368,24 @@ class InBackwardEngine(ClipCalls, FlatEngine):
     # ------------------------------------------------------------------ hooks
     def hook(self, p):
         if self.paused:
-            self.pending = True  # accumulated in p.grad, for the next stepping pass or opt.step()
+            self.pending = self.loaded = True  # accumulated in p.grad, for the next stepping pass or opt.step()
             return
         with self.lock, torch.no_grad():
-            try:
-                refusal = self._arrive(p)
-            except BaseException:
-                self.reset()
-                raise
+            refusal = self._arrive(p)  # a pass that raised here stays begun: refused retries, give-back at step()
+        if refusal is not None:
+            raise RuntimeError(refusal)
+
+    def before(self, p):
+        """The tensor hook of the parameter whose gradient came first in the last pass: the first gradient of a pass
+        is seen here before autograd adds it to ``p.grad``, so a pass refused (or raising) there leaves nothing in
+        ``.grad``. Elsewhere in a pass: one comparison."""
+        if self.paused:
+            return
+        task = _graph_task_id()
+        if task == self.task or task == self.accumulating or not _accumulates():
+            return
+        with self.lock, torch.no_grad():
+            refusal = None if task in (self.task, self.accumulating) else self._open(p, task, landed=False)
         if refusal is not None:
             raise RuntimeError(refusal)
 
@@ -356,21 +436,11 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         ``p.grad`` now, or, when hooks were registered on ``p`` after the optimizer's, once they have run."""
         task = _graph_task_id()
         if task == self.accumulating:
-            self.pending = True  # a micro-batch of the window: accumulated in p.grad, as under no_step()
-            return None
+            return None  # a micro-batch of the window: accumulated in p.grad, as under no_step()
         if task != self.task:
-            accumulate = self.window + 1 < self.accumulation_steps
-            refusal = self._refusal(p, accumulate)
-            if refusal is not None:
+            refusal = self._open(p, task, landed=True)  # p's tensor hook did not see the pass begin
+            if refusal is not None or task == self.accumulating:
                 return refusal
-            if accumulate:
-                self.window += 1
-                self.accumulating = task
-                self.pending = True
-                return None
-            self.accumulating = None
-            self._begin(task)  # a pass refused by its checks (an opt.state edit it cannot honour) is not counted
-            self.window += 1
         if p in self.outside:
             return None  # removed from param_groups: its gradient stays in .grad, as torch.optim leaves it
         elif p in self.bucket_of[p][0].arrived or any(q is p for _, q in self.deferred):
@@ -384,8 +454,69 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             self._flush(thread)  # the previous gradient's later hooks on this thread have run by now
         if self._hooked_after(p):
             self.deferred.append((thread, p))
+            self.loaded = True  # p.grad is held until its later hooks ran: a pass raising before keeps it there
         else:
             self._take(p)
+
+    def _open(self, p, task, landed):
+        """The first gradient of a backward pass, ``p``'s: refuse the pass (returns the message), count it as a
+        micro-batch of the window, or begin it. ``landed``: autograd has added this pass's gradient to ``p.grad``
+        already (seen by the post-accumulate-grad hook; the tensor hook sees it before). A pass refused or raising
+        here leaves ``.grad`` as it was where it can, and the state of a pass that raised before it (its gradients,
+        which step() steps) is kept."""
+        accumulate = self.window + 1 < self.accumulation_steps
+        refusal = self._refusal(p, accumulate)
+        if refusal is not None:
+            return self._unland(p, landed, refusal)
+        accumulating = self.accumulating
+        try:
+            if accumulate:
+                self.accumulating = self.micro = task
+                self.pending = self.loaded = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_batch)
+            else:
+                self.accumulating = None
+                self._begin(task)
+        except BaseException as e:  # an opt.state edit or hyper-parameter found invalid: the pass is not counted
+            self.task, self.accumulating, self.micro = None, accumulating, None
+            note = self._unland(p, landed, None)
+            if note is not None and hasattr(e, "add_note"):
+                e.add_note(note)
+            raise
+        self.window += 1
+        self.seen_first = p
+        return None
+
+    def _unland(self, p, landed, message):
+        """Take the refused pass's gradient out of ``p.grad``, where autograd added it (``landed``): back to None
+        when ``p`` held none before; otherwise it cannot be taken out, and the pass is remembered as one that
+        raised. Returns ``message`` with what was left, or, for ``message=None``, that alone (None if nothing)."""
+        if not landed:
+            return message
+        self._arm(p)  # the next pass's first gradient is likely p's again: seen before it lands
+        if p.grad is None:
+            return message
+        bucket = self.bucket_of[p][0]
+        # a gradient autograd set (not added to one) is a tensor not modified in place since; one that had arrived
+        # in a pass that raised was taken from .grad; without loaded, no earlier pass left one in .grad
+        fresh = p.grad._version == 0 and (not self.loaded or (p in bucket.arrived and self.task is not None))
+        if fresh:
+            p.grad = None
+            return message
+        self.failed = True
+        self._guard()
+        left = (
+            f"The gradient of {self.opt.names(p)} in .grad now holds this pass's gradient added to the one it held "
+            "(autograd adds it before the optimizer's hook runs): call opt.zero_grad() to drop every gradient left "
+            "in .grad; backward passes are refused until opt.zero_grad() or opt.step()"
+        )
+        return left if message is None else f"{message}. {left}"
+
+    def _end_micro_batch(self):
+        """End of an accumulating pass (queued by its first gradient): it did not raise."""
+        with self.lock:
+            self.micro = None
+            self._arm(self.seen_first)
 
     def _refusal(self, p, accumulate):
         """Why the backward pass that delivers ``p``'s gradient, the first of a pass, cannot be stepped, or
@@ -395,18 +526,20 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         Checked before anything is taken or stepped."""
         cls, k = self.cls, self.accumulation_steps
         nested = nesting_backward()
-        ahead = reentrant_segment() if nested is None else None  # once per pass: one walk of its autograd graph
-        if nested is not None or ahead is not None:
-            return self._refuse_nested(p, nested, ahead, accumulate)
-        if self.task is not None:
-            return self._refuse(
-                p,
+        if nested is not None:
+            return self._refuse_nested(p, nested, None, accumulate)
+        if self.task is not None or self.micro is not None or self.failed:  # a stepping or accumulating pass raised
+            self._guard()
+            return (
                 f"{cls}(in_backward=True): a backward pass started after the previous one raised, without "
                 "opt.zero_grad() or opt.step() in between. Call opt.zero_grad() before running backward again (as "
-                "with torch.optim, a retry would otherwise add its gradients to those the failed pass left). Nothing "
-                "was updated by this backward pass",
-                keep_task=True,
+                "with torch.optim, a retry would otherwise add its gradients to those the failed pass left), or "
+                "opt.step() to step what the failed pass left. Nothing was updated by this backward pass, and the "
+                "gradients the failed pass left are kept"
             )
+        ahead = reentrant_segment()  # once per pass: one walk of its autograd graph
+        if ahead is not None:
+            return self._refuse_nested(p, None, ahead, accumulate)
         if self.window >= k:
             if k == 1:
                 what = (
@@ -420,13 +553,12 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                     f"neither opt.step() nor opt.zero_grad() since its first; pass {k} already stepped the parameters "
                     "with the accumulated gradients. "
                 )
-            return self._refuse(
-                p,
+            return (
                 what + "If the loop accumulates gradients over k backward passes per optimizer step (transformers' "
                 "Trainer with gradient_accumulation_steps=k, Lightning's accumulate_grad_batches=k), pass "
                 f"accumulation_steps=k to {cls}; in a hand-written loop, run the micro-batches' backward inside "
                 "`with opt.no_step():`, or call opt.step() (or opt.zero_grad()) after each optimizer step's last "
-                "backward. Nothing was updated by this backward pass",
+                "backward. Nothing was updated by this backward pass"
             )
         return None
 
@@ -451,6 +583,11 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 f"{fix}. No parameter was updated; the gradients accumulated so far stay in .grad, and "
                 "opt.zero_grad() drops them"
             )
+        if self.task is None:  # refused at the pass's first gradient: nothing begun, nothing stepped
+            return (
+                f"{cls}(in_backward=True): {source}, each of which would step its parameters before the outer pass "
+                f"ends. {fix}. No parameter was updated"
+            )
         stepped = (  # only for a nested pass the walk could not foresee (roots not read, a Function of another name)
             f"{self.stepped} parameter(s) stepped earlier in this pass, whose gradients came before the nested pass, "
             "stay stepped: restart from a checkpoint if that matters"
@@ -463,20 +600,16 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             f"ends. {fix}. {stepped}",
         )
 
-    def _refuse(self, p, message, keep_task=False):
-        """Drop the refused pass's gradients (``p``'s, and those waiting for later hooks), so that no later
-        pass or step() applies them, and end the pass; ``keep_task`` keeps the graph task of a pass that
-        raised, so that backward passes are refused until zero_grad() or step() drops it. A stepping pass
-        refused part way (a nested pass in it) is not counted in the window: the next pass steps."""
+    def _refuse(self, p, message):
+        """Refuse a stepping pass part way (its hook fired twice, a nested pass in it): drop its gradients
+        (``p``'s, and those waiting for later hooks), so that no later pass or step() applies them, and end
+        it. It is not counted in the window: the next pass steps."""
         p.grad = None
         for _, q in self.deferred:
             q.grad = None
-        task = self.task
-        self.reset()
-        if keep_task:
-            self.task = task
-        elif task is not None:
+        if self.task is not None:
             self.window -= 1
+        self.reset()
         return message
 
     def _hooked_after(self, p):
@@ -570,6 +703,8 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 if self.clip is not None:
                     self.clip.end()
                 self.applied = True  # the pass's gradients are applied and freed
+                self.loaded = False
+                self._arm(self.seen_first)
             finally:
                 self.reset()
 
