@@ -252,7 +252,7 @@ class FlatEngine(Engine):
             with torch.no_grad():
                 for i, p in enumerate(params):
                     for name, views in buf.state_views.items():
-                        old = opt.state.get(p, {}).get(name)
+                        old = self.entry_of(p).get(name)
                         if isinstance(old, torch.Tensor):
                             views[i].copy_(old)
                     buf.meta.steps[i] = old_steps.get(p, 0.0)
