@@ -26,7 +26,10 @@ Timing: per case (set, dtype, optimizer, variant) every implementation is built 
 each giving every implementation one call in turn in a shuffled order (harness.time_paired: drift and other tenants
 fall on all of them alike), ``time.perf_counter`` around each call, the garbage collector paused. Reported: the
 median ms (20th-80th percentile) and, computed in the same run, flatopt's ratio to the fastest torch implementation
-that steps correctly (AdamW, SGD) or to lion-pytorch (Lion); the target is a ratio <= 1 in every case. Each
+that steps correctly (AdamW, SGD) or to lion-pytorch (Lion), of the medians; the target is a ratio <= 1 in every case.
+Beside it, the rounds' ratio: the median over rounds of each round's flatopt time over the baseline's time in that
+round, with a distribution-free 95% confidence interval (harness.median_interval): an interval that holds 1 says the
+two are not told apart on this machine, whichever side of 1 the ratio of the medians fell. Each
 torch implementation is first checked against torch.optim's for-loop implementation on a small input: torch 2.13's
 fused CPU SGD leaves most bf16 parameters unchanged, and such an implementation is timed and shown but flagged and
 left out of the ratio.
@@ -221,7 +224,7 @@ def run_case(set_, dtype, optimizer, variant, args, correct):
     name, _, _, shapes = set_
     numel = sum(math.prod(s) for _, s in shapes)
     base = dict(set=name, dtype=dtype, optimizer=optimizer, variant=variant, elements=numel, tensors=len(shapes))
-    rows, calls, keep = {}, {}, []
+    rows, calls, keep, times = {}, {}, [], None
     for impl in IMPLS[optimizer]:
         row = dict(base, impl=impl, steps_right=correct.get((impl, optimizer, dtype), (None, None))[0])
 
@@ -245,18 +248,25 @@ def run_case(set_, dtype, optimizer, variant, args, correct):
     keep.clear()  # free this case's tensors before the next one
     calls.clear()
     gc.collect()
-    add_ratios(list(rows.values()))
+    add_ratios(list(rows.values()), times)
     return list(rows.values())
 
 
-def add_ratios(rows):
-    """flatopt's ratio to the fastest baseline of its case that steps right (``baseline``, ``ratio``)."""
+def add_ratios(rows, times=None):
+    """flatopt's ratio to the fastest baseline of its case that steps right (``baseline``, ``ratio``: of the medians).
+    With ``times`` (impl -> ms of each round, in round order), also the ratio of each round's two calls, paired:
+    ``round_ratio_median`` and its 95 % confidence interval ``round_ratio_ci95`` (harness.median_interval), which
+    says whether a ratio near 1 is a difference or noise of the machine."""
     ours = next((r for r in rows if r["impl"] == "flatopt" and r.get("median_ms") is not None), None)
     others = [r for r in rows if r["impl"] != "flatopt" and r.get("median_ms") is not None and r.get("steps_right")]
     if ours is None or not others:
         return
     best = min(others, key=lambda r: r["median_ms"])
     ours.update(baseline=best["impl"], baseline_ms=best["median_ms"], ratio=ours["median_ms"] / best["median_ms"])
+    if times is not None and "flatopt" in times and best["impl"] in times:
+        paired = [a / b for a, b in zip(times["flatopt"], times[best["impl"]])]
+        ours.update(round_ratio_median=harness.quantiles(paired, (0.5,))[0],
+                    round_ratio_ci95=list(harness.median_interval(paired)))  # fmt: skip
 
 
 def targets(rows):
@@ -295,6 +305,14 @@ def _cell(row):
     return text
 
 
+def _interval(row):
+    """ "median (low-high)" of a row's paired per-round ratios; "-" where none was measured."""
+    ci = row.get("round_ratio_ci95")
+    if not ci:
+        return "-"
+    return f"{num(row['round_ratio_median'], '.2f')} ({num(ci[0], '.2f')}-{num(ci[1], '.2f')})"
+
+
 def markdown(record):
     rows = record["results"]
     lines = harness.smoke_banner(record)
@@ -302,7 +320,10 @@ def markdown(record):
     lines += [f"CPU step benchmark: {cpu.get('model')}, {cpu.get('cores')} cores, {cpu.get('threads')} torch "
               f"thread(s); {harness.env_line(record)}.", "", f"Command: `{record.get('command')}`", "",
               "Cells: median ms (20th-80th percentile). Ratio: flatopt / the fastest implementation that steps right "
-              "(torch.optim for AdamW and SGD, lion-pytorch for Lion), measured in the same run.", ""]  # fmt: skip
+              "(torch.optim for AdamW and SGD, lion-pytorch for Lion), measured in the same run, of the medians; "
+              "rounds' ratio: the median of each round's flatopt call over its call of that implementation, with a "
+              "95% confidence interval (an interval holding 1: the two are not told apart on this machine).",
+              ""]  # fmt: skip
     sets = record.get("sets") or {}
     if sets:
         lines += harness.md_table(
@@ -322,10 +343,11 @@ def markdown(record):
             for s, dt in cases:
                 ours = idx.get((s, dt, "flatopt")) or {}
                 table.append([s, dt, *(_cell(idx.get((s, dt, c))) for c in cols),
-                              num(ours.get("ratio"), ".2f"), ours.get("baseline") or "-"])  # fmt: skip
+                              num(ours.get("ratio"), ".2f"), _interval(ours), ours.get("baseline") or "-"])  # fmt: skip
             what = "`step()` alone" if variant == "step" else "`zero_grad()` + backward + `step()`"
             lines += [f"{OPTIMIZER_TITLES[opt]}, {what}:", ""]
-            lines += harness.md_table(["set", "dtype", *cols, "ratio", "against"], table) + [""]
+            lines += harness.md_table(["set", "dtype", *cols, "ratio", "rounds' ratio (95% CI)", "against"], table)
+            lines += [""]
     wrong = [r for r in rows if r.get("steps_right") is False and r["impl"] != "flatopt"]
     if wrong:
         lines += ["(wrong): this implementation's step differs from torch.optim's for-loop one on a check run before "

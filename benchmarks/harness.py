@@ -105,6 +105,25 @@ def quantiles(values, qs=QUANTILES):
     return out
 
 
+def median_interval(values, level=0.95):
+    """A distribution-free confidence interval for the median of ``values`` (independent draws): the order statistics
+    ``k`` and ``n - 1 - k`` of the sorted values, ``k`` the largest index with P(Binomial(n, 1/2) <= k) <= (1 -
+    level) / 2 (so that the interval holds the median with at least that probability). Too few values for it
+    (fewer than 6 at 95 %): their range, which holds the median with less."""
+    xs = sorted(values)
+    n = len(xs)
+    if not n:
+        raise ValueError("an interval of an empty sequence")
+    tail, cum, k = (1.0 - level) / 2, 0.0, -1
+    for i in range(n):
+        cum += math.comb(n, i) / 2.0**n
+        if cum > tail:
+            break
+        k = i
+    k = max(k, 0)
+    return xs[k], xs[n - 1 - k]
+
+
 # ---------------------------------------------------------------------------------------------- timers
 @dataclass
 class Timing:

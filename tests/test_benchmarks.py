@@ -317,14 +317,38 @@ def test_cpu_benchmark_quick_run_then_plot(plot, tmp_path, capsys):
             assert ours["baseline"] == best["impl"] and ours["ratio"] == pytest.approx(
                 ours["median_ms"] / best["median_ms"]
             )
+            lo, hi = ours["round_ratio_ci95"]  # 3 rounds: their range
+            assert 0 < lo <= ours["round_ratio_median"] <= hi
         else:
-            assert ours.get("ratio") is None
+            assert ours.get("ratio") is None and "round_ratio_ci95" not in ours
     assert len(record["targets"]) == len(cases)
     text = drawn_smoke(plot, path, tmp_path / "cpu", capsys)
     assert "AdamW, `step()` alone:" in text and "Lion, `zero_grad()`" in text
     page = import_benchmark("report").render(tmp_path, tmp_path / "performance.md", allow_smoke=True)
     section = page[page.index("## On the CPU") :]
     assert f"Result: [`{path.name}`]" in section and "No stored result yet" not in section.split("\n## ")[0]
+
+
+def test_cpu_benchmark_paired_ratio_and_its_interval():
+    """The rounds' ratio pairs each round's flatopt call with the same round's call of the baseline: a drift that
+    slows both in some rounds moves the ratio of the medians but not the paired one."""
+    cpu_bench = import_benchmark("bench_cpu")
+    base = [1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0]  # the machine slowed down for the last four rounds
+    ours = [1.1, 1.1, 1.1, 3.3, 3.3, 3.3, 3.3]  # 10 % slower in every round
+    rows = [dict(impl="torch-fused", median_ms=3.0, steps_right=True), dict(impl="flatopt", median_ms=3.3)]
+    cpu_bench.add_ratios(rows, {"torch-fused": base, "flatopt": ours})
+    assert rows[1]["round_ratio_median"] == pytest.approx(1.1)
+    assert rows[1]["round_ratio_ci95"] == pytest.approx([1.1, 1.1])
+    assert "1.10 (1.10-1.10)" in cpu_bench._interval(rows[1])
+
+
+def test_median_interval_is_the_binomial_order_statistics(harness):
+    # 100 draws: the 40th and 61st values (1-based), the textbook 95 % interval for the median
+    assert harness.median_interval(range(100)) == (39, 60)
+    assert harness.median_interval(range(1, 8)) == (1, 7)  # 7 draws: too few, the range
+    assert harness.median_interval([5.0, 1.0, 3.0, 2.0, 4.0, 6.0, 7.0, 8.0, 9.0]) == (2.0, 8.0)
+    with pytest.raises(ValueError, match="empty"):
+        harness.median_interval([])
 
 
 def test_cpu_benchmark_ratio_leaves_out_an_implementation_that_steps_wrong():
