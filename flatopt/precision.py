@@ -221,9 +221,15 @@ def split_master(x):
 
 
 def join_master(p, rem):
-    """The float32 master of a bfloat16 parameter ``p`` and its int16 remainder (see :func:`split_master`)."""
+    """The float32 master of a bfloat16 parameter ``p`` and its int16 remainder (see :func:`split_master`).
+
+    A pair that no split makes, a parameter written in place since (``nn.init.zeros_``, ``model.load_state_dict()``)
+    to ±0 or ±inf beside an old remainder of the wrong sign, would join into a NaN (0x0000 with a negative
+    remainder wraps to 0xFFFF....): the master is then the parameter itself. Other written values keep the old low
+    16 bits (less than half a bfloat16 ulp), so that values written back (an EMA swap) restore the master exactly."""
     hi = p.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    return _from_bits(((hi << 16) + rem.to(torch.int64)) & MASK32, torch.float32)
+    x = _from_bits(((hi << 16) + rem.to(torch.int64)) & MASK32, torch.float32)
+    return torch.where(x.isnan() & ~p.isnan(), p.float(), x)
 
 
 def round_nearest(x):

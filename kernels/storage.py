@@ -60,7 +60,8 @@ def round_master(x, P: tl.constexpr):
 def load_param(p_ptr, w_ptr, offsets, active, MASTER: tl.constexpr, COMPUTE: tl.constexpr):
     """The value a step starts from, in COMPUTE (flatopt.precision.load_param): MASTER 1, the float32 master
     unless the parameter is no longer the master rounded (written since: then the parameter); MASTER 2, the
-    bfloat16 parameter and its int16 remainder joined; MASTER 0, the parameter."""
+    bfloat16 parameter and its int16 remainder joined (the parameter where they join into a NaN it is not:
+    written in place since); MASTER 0, the parameter."""
     p = tl.load(p_ptr + offsets, mask=active)
     if MASTER == 1:
         w = tl.load(w_ptr + offsets, mask=active)
@@ -73,6 +74,7 @@ def load_param(p_ptr, w_ptr, offsets, active, MASTER: tl.constexpr, COMPUTE: tl.
         r = tl.load(w_ptr + offsets, mask=active)
         bits = (p.to(tl.uint16, bitcast=True).to(tl.uint32) << 16) + r.to(tl.int32).to(tl.uint32, bitcast=True)
         x = bits.to(tl.float32, bitcast=True)
+        x = tl.where((x != x) & (p == p), p.to(tl.float32), x)  # a written ±0 or ±inf: see precision.join_master
     else:
         x = p.to(COMPUTE)
     return x

@@ -251,6 +251,56 @@ def test_a_parameter_written_in_place_takes_over_from_its_float32_master(backend
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_parameter_written_to_zero_restarts_from_zero_with_remainders(name, backend):
+    """A remainder is the low half of the master's bits: an element written in place to ±0 (nn.init.zeros_, a
+    loaded checkpoint) beside an old negative remainder would join into a NaN, whose update splits back into the
+    same pair, so the element would never move again. It starts from the written value instead."""
+    cls, hp = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(64).bfloat16())
+    opt = cls([w], **hp, master_weights="remainder", backend=backend)
+    for _ in range(3):
+        w.grad = torch.randn(64).bfloat16()
+        opt.step()
+    rem = buffers(opt).master_views[0]
+    assert (rem < 0).any()  # the case: old remainders of the wrong sign for a zero
+    with torch.no_grad():
+        w[:32].zero_()
+        w[32:48].fill_(-0.0)
+    before = w.detach().clone()
+    opt.param_groups[0]["lr"] = 0.0  # a step that moves nothing: it starts from the written values, and keeps them
+    w.grad = torch.ones(64).bfloat16()
+    opt.step()
+    assert torch.equal(w.detach(), before)  # (a zero may change sign, as 0.0 + -0.0 does)
+    hi = w.detach().view(torch.int16).to(torch.int64) & 0xFFFF
+    joined = (((hi << 16) + rem.to(torch.int64)) & 0xFFFFFFFF).to(torch.int32).view(torch.float32)  # bits, as is
+    assert not joined.isnan().any()  # pairs a split makes (a NaN master kept the old remainders of the wrong sign)
+    opt.param_groups[0]["lr"] = hp["lr"]
+    for _ in range(3):
+        opt.step()
+    assert (w[:48] != 0).all()  # every zeroed element moves
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_values_written_back_restore_the_remainder_master_exactly(backend):
+    """An EMA swap (other values written in, then the parameter's own written back) keeps the master bit for bit:
+    a written element keeps its low 16 bits."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(64).bfloat16())
+    opt = flatopt.SGD([w], lr=0.1, master_weights="remainder", backend=backend)
+    for _ in range(3):
+        w.grad = torch.randn(64).bfloat16()
+        opt.step()
+    master = join_master(w.detach(), buffers(opt).master_views[0])
+    own = w.detach().clone()
+    with torch.no_grad():
+        w.copy_(torch.randn(64).bfloat16())
+        w.copy_(own)
+    assert torch.equal(join_master(w.detach(), buffers(opt).master_views[0]), master)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_stochastic_rounding_rounds_the_float32_update_to_a_neighbour_reproducibly(name, backend):
     cls, hp = OPTIMIZERS[name]
     runs = []
