@@ -332,6 +332,11 @@ class CheckpointMixin:
                 "flatopt's state_dict() saves (master copies, seed), or absent"
             )
         saved = compact.get("precision") or {}
+        if not isinstance(saved, dict):
+            raise ValueError(
+                f"loaded state dict has a '{COMPACT_KEY}' 'precision' entry of type {type(saved).__name__}; it is the "
+                "dict of storage options flatopt's state_dict() saves, or absent"
+            )
         seed = compact.get("rounding_seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_BOUND):
             raise ValueError(f"loaded state dict has rounding_seed {seed!r}; a seed is an int in [0, 2**31)")
@@ -356,6 +361,7 @@ class CheckpointMixin:
                         f"loaded state dict has a master copy for parameter {k} ({self.names(p)}) that is {what}; "
                         f"master_weights={self.precision.master_weights!r} keeps {want} of shape {tuple(p.shape)}"
                     )
+                self._check_copyable(f"a master copy for parameter {k} ({self.names(p)})", t, p)
                 masters[p] = t
         steps = {id_map[k]: float(s) for k, s in steps.items()}
         codes = {}
@@ -375,6 +381,7 @@ class CheckpointMixin:
                             f"loaded state dict has 8-bit '{name}' for parameter {k} ({self.names(p)}) that is not "
                             f"{want[name].dtype} of shape {tuple(want[name].shape)}"
                         )
+                    self._check_copyable(f"8-bit '{name}' for parameter {k} ({self.names(p)})", t, p)
                 codes[p] = saved_codes
         return masters, seed if self.rounding_seed is not None else None, steps, codes
 
@@ -454,6 +461,24 @@ class CheckpointMixin:
         else:
             step = 1.0 if tensors else 0.0
         return step, tensors, extra
+
+    def _codes_hold(self, p, saved_codes, parsed):
+        """Whether the 8-bit codes and scales ``saved_codes`` of parameter ``p`` (the ``"flatopt"`` entry's) still
+        read back as the float values beside them in torch.optim's part (``parsed``: (step, {name: tensor}), or
+        None): not when those values were edited, or the parameter's entry removed, after the state dict was saved.
+        Where they hold, the exact codes are loaded; where not, the values are, quantized (or no state at all), as
+        torch.optim would load them."""
+        tensors = parsed[1] if parsed is not None else {}
+        for name in self.rule.state_names:
+            if name not in saved_codes:
+                continue
+            t = tensors.get(name)
+            if t is None:
+                return False
+            values = dequantize_param(saved_codes[name], saved_codes[name + ABSMAX], p.shape, p.stride())
+            if not torch.equal(values, t.to(values.device, torch.float32)):
+                return False
+        return True
 
     @staticmethod
     def _is_step_count(step):
@@ -575,6 +600,7 @@ class CheckpointMixin:
             if keys:
                 extra[id_map[k]] = keys
         masters, seed, steps, codes = self._parse_compact(state_dict.get(COMPACT_KEY), id_map)
+        codes = {p: c for p, c in codes.items() if self._codes_hold(p, c, parsed.get(p))}
         clips, prev_norm = self._parse_clip(state_dict.get(COMPACT_KEY))
         for k, p in id_map.items():  # the step counts torch.optim's format leaves out (SGD, Lion)
             if p in steps and not self.rule.exported_step:

@@ -139,6 +139,8 @@ def test_masters_saved_under_another_mode_are_not_taken():
         (lambda c: c.update(rounding_seed=-1), r"rounding_seed -1"),
         (lambda c: c["master"].update({0: torch.zeros(3)}), r"parameter 0 .*float32 of shape \(3,\); master_weights"),
         (lambda c: c["master"].update({99: torch.zeros(3)}), r"master copy for parameter 99"),
+        (lambda c: c["master"].update({0: c["master"][0].to("meta")}), r"master copy for parameter 0 .*meta device"),
+        (lambda c: c.update(precision="fp32"), r"'precision' entry of type str"),
     ],
 )
 def test_a_bad_flatopt_entry_is_refused_before_anything_changes(edit, match):
@@ -170,3 +172,49 @@ def test_a_checkpoint_loads_right_after_a_state_reset(mode):
     assert want.keys() == got.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+def int8_checkpoint():
+    """An AdamW with 8-bit states after 3 steps, its state dict through torch.save, and the index of the parameter
+    whose states are 8-bit."""
+    net = model()
+    opt = flatopt.AdamW(groups(net), lr=1e-2, state_dtype="int8", backend="torch")
+    run(net, opt, 3)
+    sd = saved(opt.state_dict())
+    (k,) = sd["flatopt"]["codes"]
+    return net, opt, sd, k
+
+
+def test_8bit_codes_on_the_meta_device_are_refused_before_anything_changes():
+    net, opt, sd, k = int8_checkpoint()
+    sd["flatopt"]["codes"][k]["exp_avg"] = sd["flatopt"]["codes"][k]["exp_avg"].to("meta")
+    sd["param_groups"][0]["lr"] = 0.5
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=r"8-bit 'exp_avg' for parameter .*meta device"):
+        opt.load_state_dict(sd)
+    after = snapshot(opt)
+    assert all(torch.equal(before[key], after[key]) for key in before)
+    assert opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_edited_values_of_8bit_states_win_over_the_saved_codes():
+    """torch.optim users edit sd["state"] (zero a moment, drop a parameter's entry to restart it): the codes saved
+    beside it no longer read back as those values, and the values are what loads."""
+    net, opt, sd, k = int8_checkpoint()
+    sd["state"][k]["exp_avg"] = torch.zeros_like(sd["state"][k]["exp_avg"])
+    opt.load_state_dict(sd)
+    assert not opt.state_dict()["state"][k]["exp_avg"].any()
+    assert torch.equal(opt.state_dict()["state"][k]["exp_avg_sq"], sd["state"][k]["exp_avg_sq"])  # codes: exact
+
+    net, opt, sd, k = int8_checkpoint()
+    del sd["state"][k]  # this parameter starts again, as torch.optim starts it
+    opt.load_state_dict(sd)
+    p = {i: q for i, q in enumerate(q for g in opt.param_groups for q in g["params"])}[k]
+    assert "step" not in opt.state_dict()["state"].get(k, {})
+    g = torch.full_like(p, 0.5)
+    for q in net.parameters():
+        q.grad = torch.zeros_like(q)
+    p.grad = g
+    opt.step()
+    m = opt.state_dict()["state"][k]["exp_avg"]
+    torch.testing.assert_close(m, torch.full_like(m, 0.05), rtol=0.02, atol=0)  # (1 - beta1) * g, not old moments
