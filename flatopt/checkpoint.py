@@ -94,39 +94,7 @@ class CheckpointMixin:
                     same = given.names is not None and first_entries(given.order, given.names) == list(names)
                     packed["param_names"] = list(given.names) if same else [names[j] for j in given.order]
             groups.append(packed)
-        steps = self.engine.host_steps()
-        # torch.optim's step tensors: float64 under torch.set_default_dtype(torch.float64), float32 otherwise
-        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        state = {}
-        own_keys = self._own_keys()
-        # SGD's momentum buffer is exported once started (at the first step with momentum, or given), and stays through
-        # a stretch of momentum=0, as torch.optim keeps it; not for a parameter only stepped with momentum=0
-        unstarted = self.engine.unstarted
-        for group in self.param_groups:
-            for p in group["params"]:
-                own = self.state.get(p, {})
-                if p not in steps:  # never stepped by this optimizer: keep whatever was loaded
-                    if own:
-                        state[index[p]] = own
-                    continue
-                extra = {k: v for k, v in own.items() if k not in own_keys}  # the caller's keys, as they are
-                if (steps[p] == 0 or p in unstarted) and not self.engine.exports_unstepped:
-                    if extra:  # no state yet, as in torch.optim, whose entry then holds the caller's keys only
-                        state[index[p]] = extra
-                    continue
-                entry = {
-                    n: self.engine.export_state(p, self._exported(own, n, p))
-                    for n in self.rule.state_names
-                    if own.get(n) is not None and p not in unstarted
-                }
-                if self.rule.exported_step:
-                    entry = {"step": torch.tensor(steps[p], dtype=step_dtype), **entry}
-                entry.update(extra)
-                if entry:
-                    state[index[p]] = entry
-        for k, v in self.state.items():  # keys that are no parameter (a hook's opt.state["test"]), as torch.optim
-            if not isinstance(k, torch.Tensor):
-                state[k] = v
+        state = {k: entry for k, entry in self._exported_entries(index)}
         state_dict = {"state": state, "param_groups": groups}
         clip = self._backward_clip()
         saved_clip = None if clip is None else clip.export()
@@ -139,6 +107,48 @@ class CheckpointMixin:
             if hook_result is not None:
                 state_dict = hook_result
         return state_dict
+
+    def _exported_entries(self, index=None):
+        """(key, entry) of each entry state_dict()'s ``"state"`` holds, in its order (``index``: {parameter: its
+        index}; None: the parameters themselves as keys, for a test of whether there is any)."""
+        steps = self.engine.host_steps()
+        # torch.optim's step tensors: float64 under torch.set_default_dtype(torch.float64), float32 otherwise
+        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        own_keys = self._own_keys()
+        # SGD's momentum buffer is exported once started (at the first step with momentum, or given), and stays through
+        # a stretch of momentum=0, as torch.optim keeps it; not for a parameter only stepped with momentum=0
+        unstarted = self.engine.unstarted
+        for group in self.param_groups:
+            for p in group["params"]:
+                key = p if index is None else index[p]
+                own = self.state.get(p, {})
+                if p not in steps:  # never stepped by this optimizer: keep whatever was loaded
+                    if own:
+                        yield key, own
+                    continue
+                extra = {k: v for k, v in own.items() if k not in own_keys}  # the caller's keys, as they are
+                if (steps[p] == 0 or p in unstarted) and not self.engine.exports_unstepped:
+                    if extra:  # no state yet, as in torch.optim, whose entry then holds the caller's keys only
+                        yield key, extra
+                    continue
+                entry = {
+                    n: self.engine.export_state(p, self._exported(own, n, p))
+                    for n in self.rule.state_names
+                    if own.get(n) is not None and p not in unstarted
+                }
+                if self.rule.exported_step:
+                    entry = {"step": torch.tensor(steps[p], dtype=step_dtype), **entry}
+                entry.update(extra)
+                if entry:
+                    yield key, entry
+        for k, v in self.state.items():  # keys that are no parameter (a hook's opt.state["test"]), as torch.optim
+            if not isinstance(k, torch.Tensor):
+                yield k, v
+
+    def _has_exported_state(self):
+        """Whether state_dict() would export any state: what ``bool(opt.state)`` says, as torch.optim's ``opt.state``
+        is empty until a parameter's first step (see :class:`flatopt.state.OptimizerState`)."""
+        return next(self._exported_entries(), None) is not None
 
     def _keep_given_entries(self, group):
         """Remember the entries of param group ``group``, given a parameter more than once, before the group keeps

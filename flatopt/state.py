@@ -99,6 +99,18 @@ class OptimizerState(defaultdict):
     def __init__(self, *args, **kwargs):
         super().__init__(dict, *args, **kwargs)
         self.changes = Changes()
+        self.owner = None  # weakref to the optimizer, whose state_dict() says whether there is any state
+
+    def __bool__(self):
+        """True once any parameter has state, as torch.optim's ``opt.state``, empty until a parameter's first step
+        (``torch.distributed.checkpoint`` reads ``if optim.state`` to know whether the optimizer must step once
+        before its state_dict() can serve as a template): the flat engines' entries exist from construction (zeros,
+        step 0), so it is whether state_dict() would export any. With edits pending (``opt.state.clear()``...),
+        the dict's own length, which they set."""
+        owner = self.owner() if self.owner is not None else None
+        if owner is None or self.changes:
+            return dict.__len__(self) > 0
+        return owner._has_exported_state()
 
     def copy(self):
         return defaultdict(self.default_factory, self)

@@ -863,3 +863,74 @@ def test_an_amsgrad_state_is_refused_by_adamw_alone(opt_name, engine):
     pair.run(2, "after loading")
     again = pair.opt.state_dict()["state"][first]["max_exp_avg_sq"]
     assert_same_value(again, theirs["max_exp_avg_sq"], "exported again")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: torch.optim.AdamW(m.parameters(), lr=0.1),
+        lambda m: flatopt.AdamW(m, lr=0.1, backend="torch"),
+        lambda m: flatopt.AdamW(m, lr=0.1, backend="torch", in_backward=True),
+        lambda m: flatopt.SGD(m, lr=0.1, momentum=0.9, backend="torch"),
+    ],
+    ids=["torch", "flatopt", "flatopt-in-backward", "flatopt-sgd"],
+)
+def test_opt_state_is_empty_until_a_first_step_as_torch_optim_s(make):
+    """torch.optim's opt.state is empty until a parameter's first step; flatopt's entries exist from construction
+    (views of the buffers), but bool(opt.state) says what torch's says: torch.distributed.checkpoint reads it."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    opt = make(model)
+    assert not opt.state
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert opt.state
+    opt.state.clear()  # a reset, pending until the next step
+    assert not opt.state
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert opt.state
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process: DCP says so
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_new_optimizer_resumes_through_torch_distributed_checkpoint(tmp_path, in_backward, full):
+    """The usual DCP resume (outside FSDP2 too): a new model and optimizer, get_optimizer_state_dict as the
+    template, dcp.load into it, set_optimizer_state_dict. DCP steps an optimizer whose opt.state is empty once
+    with lr 0 so that its state_dict() has every state to load into; flatopt's opt.state must say it is empty."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=full)
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        return model, flatopt.AdamW(model, lr=0.1, backend="torch", in_backward=in_backward)
+
+    def train(model, opt, steps):
+        for i in range(steps):
+            model(torch.full((2, 4), 0.5 + i)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = make()
+    train(model, opt, 3)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt, options=options)}, checkpoint_id=str(tmp_path))
+    want = copy.deepcopy(opt.state_dict())
+    train(model, opt, 1)
+
+    new_model, new_opt = make()
+    state = {"optim": get_optimizer_state_dict(new_model, new_opt, options=options)}
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    set_optimizer_state_dict(new_model, new_opt, state["optim"], options=options)
+    got = new_opt.state_dict()
+    assert got["state"].keys() == want["state"].keys() == {0, 1, 2, 3}
+    for k, entry in want["state"].items():
+        for name, t in entry.items():
+            assert torch.equal(got["state"][k][name], t), (k, name)

@@ -408,8 +408,13 @@ class FlatEngine(Engine):
             replaced = self.installed is not None
             state = OptimizerState(state)
             state.changes.everything = replaced
-            opt.state = self.installed = state
+            self.install(state)
         return state
+
+    def install(self, state):
+        """Put the OptimizerState ``state`` in ``opt.state``, as the one this engine keeps track of."""
+        state.owner = self._opt  # for bool(opt.state)
+        self.opt.state = self.installed = state
 
     def slots_of(self):
         """{parameter: (FlatBuffer, its index there)} of the current layout."""
@@ -438,7 +443,7 @@ class FlatEngine(Engine):
 
     def reconcile(self, state):
         """:meth:`sync_state`'s work, once ``opt.state`` was edited or replaced."""
-        opt, cls = self.opt, self.cls
+        cls = self.cls
         check_state_mapping(cls, state)
         slots = self.slots_of()
         everything = state is not self.installed or state.changes.everything
@@ -484,7 +489,7 @@ class FlatEngine(Engine):
             for k, v in state.items():
                 if k not in slots:
                     kept.put(k, v)
-            opt.state = self.installed = kept
+            self.install(kept)
         for buf in grown.values():  # the other parameters' entries show the new state's views too
             for i, p in enumerate(buf.params):
                 self.put_state(p, buf, i)
@@ -643,7 +648,7 @@ class FlatEngine(Engine):
                         self.unstarted.add(p)
                 buf.meta.steps.copy_(torch.tensor(steps, dtype=torch.float32))
                 self.refresh_uniform(buf)
-        self.opt.state = self.installed = OptimizerState()
+        self.install(OptimizerState())
         for buf in self.buffers:
             for i, p in enumerate(buf.params):
                 self.put_state(p, buf, i)
