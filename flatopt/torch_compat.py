@@ -68,6 +68,22 @@ def is_dtensor(p):
     return isinstance(p.data, DTensor)
 
 
+def at_storage_start(t):
+    """A tensor sharing ``t``'s memory, shape and strides, over a storage that starts where ``t`` does (a slice of
+    ``t``'s storage, which holds the whole storage alive): torch 2.13 cannot pickle or deep-copy a DTensor whose
+    local tensor lies at an offset in its storage ("invalid python storage"), as a view of a flat buffer does.
+    ``t`` itself where it starts its storage, holds no element, or the storage cannot be sliced."""
+    if t.storage_offset() == 0 or t.numel() == 0:
+        return t
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    start = t.storage_offset() * t.element_size()
+    try:
+        storage = t.untyped_storage()[start : start + span * t.element_size()]
+        return t.new_empty(0).set_(storage, 0, t.shape, t.stride())
+    except (RuntimeError, TypeError):  # a storage that cannot be sliced: the view as it is
+        return t
+
+
 def hooked_step(step):
     """torch.optim's wrapper of ``step()``: the step pre-hooks (global, then the optimizer's), ``step``,
     the profiler's entry point, the post-hooks (the optimizer's, then global), all inside the profiler

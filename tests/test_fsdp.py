@@ -19,6 +19,7 @@ Three runs of processes: two ranks (everything above but the loads on other worl
 the two-rank checkpoint; save one), two ranks (load the four-rank checkpoint).
 """
 
+import io
 import os
 import warnings
 from contextlib import nullcontext
@@ -705,9 +706,9 @@ RESUME_SCALES = [1.0, 30.0, 0.03, 1.0]  # pass 2's norm is below pass 1's: N_pre
 
 def run_in_backward_clip_resume(rank):
     """SGD (in_backward=True, max_grad_norm) over FSDP2, two passes, then resumed three ways, each going on two
-    passes beside the original: from opt.state_dict() through opt.load_state_dict() (its "flatopt" entry holds
-    N_prev), and through torch.distributed.checkpoint's get_optimizer_state_dict / set_optimizer_state_dict,
-    sharded and full, which carry "state" and "param_groups" only (the load warns)."""
+    passes beside the original: from opt.state_dict() through torch.save, torch.load and opt.load_state_dict()
+    (its "flatopt" entry holds N_prev), and through torch.distributed.checkpoint's get_optimizer_state_dict /
+    set_optimizer_state_dict, sharded and full, which carry "state" and "param_groups" only (the load warns)."""
     dcp, sd = dcp_api()
     world = dist.get_world_size()
     flat_cls, _, hp = OPTIMIZERS["SGD"]
@@ -727,6 +728,8 @@ def run_in_backward_clip_resume(rank):
     out = {"norms": [run_pass(model, opt, step) for step in range(2)]}
     saved = opt.state_dict()
     out["saved_clip"] = {k: v if k == "norm_type" else v.clone() for k, v in saved["flatopt"]["clip"].items()}
+    file = io.BytesIO()  # as each rank saves it: torch.save (DTensor states over views of the flat buffers)
+    torch.save(saved, file)
     full_msd = sd.get_model_state_dict(model, options=dcp_options(True))
     exported = {
         "dcp_sharded": sd.get_optimizer_state_dict(model, opt),
@@ -741,7 +744,8 @@ def run_in_backward_clip_resume(rank):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if name == "load_state_dict":
-                o.load_state_dict(saved)
+                file.seek(0)
+                o.load_state_dict(torch.load(file))
             else:
                 sd.set_optimizer_state_dict(m, o, exported[name], options=dcp_options(name == "dcp_full"))
         out[f"{name}_warnings"] = [str(w.message) for w in caught if "N_prev" in str(w.message)]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from flatopt.distributed import fsdp
 from flatopt.engines.base import FlatEngine, clip_coefficient
 from flatopt.layout import FlatBuffer, GradSources
+from flatopt.torch_compat import at_storage_start
 
 
 def acquire_grad(buf):
@@ -89,12 +90,15 @@ class FSDPStepEngine(FlatEngine):
         self.expected.pop(p, None)
 
     def export_state(self, p, t):
-        """A state tensor of ``p`` as ``state_dict()`` exports it: a DTensor with the parameter's sharding."""
+        """A state tensor of ``p`` as ``state_dict()`` exports it: a DTensor with the parameter's sharding, whose
+        local tensor shares the flat buffer's memory (over a slice of its storage, so that torch.save and
+        copy.deepcopy take it: see torch_compat.at_storage_start)."""
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or p not in self.shards:
             return t
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        local = at_storage_start(t)
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
     def load(self, parsed):
         local = {}
