@@ -314,6 +314,51 @@ def run_in_backward(rank, accumulate):
     return out
 
 
+def run_in_backward_second_pass(rank):
+    """Two backward passes with neither step() nor zero_grad() between them, as a torch.optim loop accumulates:
+    in-backward mode stepped the first, so the second is refused at its first gradient, before anything changes."""
+    world = dist.get_world_size()
+    flat_cls, _, hp = OPTIMIZERS["AdamW"]
+    model = sharded(world)
+    opt = flat_cls(model, in_backward=True, **hp)
+    x, y = (t.chunk(world)[rank] for t in batch(0))
+    nn.functional.mse_loss(model(x), y).backward()
+    before = snapshot(model, opt)
+    out = {"refusal": None}  # (not "error": a scenario's result under that key is the traceback it raised)
+    try:
+        nn.functional.mse_loss(model(x), y).backward()
+    except RuntimeError as e:
+        out["refusal"] = str(e)
+    after = snapshot(model, opt)
+    out["params_same"] = all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
+    out["steps"] = sorted(entry["step"] for entry in after["state"].values())
+    return out
+
+
+def run_in_backward_unfreeze(rank):
+    """in_backward=True over FSDP2 with model[2] frozen at construction and unfrozen after the first step, against
+    torch.optim on the same FSDP2 model: the first pass after unfreezing has no hook for it, FSDP2 leaves its
+    gradient in .grad, and step() lays it out and steps it, as torch.optim steps it."""
+    world = dist.get_world_size()
+    flat_cls, ref_cls, hp = OPTIMIZERS["AdamW"]
+    model, ref = sharded(world), sharded(world)
+    for m in (model, ref):
+        m[2].requires_grad_(False)
+    opt, ref_opt = flat_cls(model, in_backward=True, **hp), ref_cls(ref.parameters(), **hp)
+    out = {"history": []}
+    for step in range(4):
+        if step == 1:
+            for m in (model, ref):
+                m[2].requires_grad_(True)
+        x, y = (t.chunk(world)[rank] for t in batch(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+    return out
+
+
 # In-backward clipping: what each of the STEPS steps runs. "pass": one backward pass, stepped in backward; "accumulate":
 # a micro-batch under opt.no_step(), then one stepped in backward (on the sum); "exact": every micro-batch under
 # opt.no_step(), then step() clips by the exact global norm.
@@ -782,6 +827,8 @@ SCENARIOS = {
     **{f"in_backward_clip:{o}-{n}": (run_in_backward_clip, (o, n)) for o, n in IN_BACKWARD_CLIP},
     **{f"in_backward_recover:{s}": (run_in_backward_recover, (s,)) for s in (True, False) if fsdp_resets()},
     "in_backward_clip_resume": (run_in_backward_clip_resume, ()),
+    "in_backward_second_pass": (run_in_backward_second_pass, ()),
+    "in_backward_unfreeze": (run_in_backward_unfreeze, ()),
     "errors": (run_errors, ()),
     "checkpoints": (run_checkpoints, ()),
 }
@@ -926,6 +973,21 @@ def test_in_backward_clips_by_the_global_norm(runs, opt_name, norm_type):
         assert "asks for another clipping" in (result["other_max_norm"] or ""), result["other_max_norm"]
         assert result["launches"] == 3 * len(stepped), result["launches"]  # one launch per group and stepped pass
     assert results[0]["last"] == results[1]["last"], "the ranks clipped by different norms"
+
+
+def test_in_backward_refuses_a_second_backward_pass_before_anything_changes(runs):
+    """A second backward pass with neither step() nor zero_grad() since the first, which in-backward mode stepped:
+    torch.optim would step once with the summed gradients; flatopt refuses it on every rank, at its first gradient,
+    with nothing updated (single-process in-backward mode refuses it alike)."""
+    for rank, result in enumerate(runs["two"]("in_backward_second_pass")):
+        assert "a second backward pass started with neither opt.step() nor opt.zero_grad()" in (result["refusal"] or "")
+        assert result["params_same"] and set(result["steps"]) == {1.0}, (rank, result)
+
+
+def test_in_backward_steps_a_parameter_unfrozen_after_construction_as_torch_optim(runs):
+    for rank, result in enumerate(runs["two"]("in_backward_unfreeze")):
+        hist = result["history"]
+        ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}", **TOL)
 
 
 def test_in_backward_clipping_resumes_with_the_previous_norm(runs):

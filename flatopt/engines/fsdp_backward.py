@@ -11,7 +11,9 @@ the group is set to None, which frees FSDP2's reduce-scatter output.
 
 * Accumulation: under ``opt.no_step()`` the hooks do nothing and FSDP2 adds each micro-batch's gradient into
   ``.grad``; the next pass outside it steps with the sum. FSDP2's own ``set_requires_gradient_sync(False)``
-  works too: FSDP2 reduce-scatters nothing (so no hook runs) until the pass that syncs.
+  works too: FSDP2 reduce-scatters nothing (so no hook runs) until the pass that syncs. A pass begun after one
+  that stepped, with neither ``step()`` nor ``zero_grad()`` since, is refused at its first gradient
+  (:meth:`refuse_second`).
 * Gradients that no hook stepped (accumulated under ``no_step()`` and not followed by a stepping pass, or a
   group whose parameters did not all receive a gradient in the pass) are stepped at the end of the backward
   pass, or by ``step()``, as the step engine steps them.
@@ -138,6 +140,8 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
             return
         if self.open is not None and self.open() is None:
             self.refuse(p)  # the pass begun by an earlier gradient raised, and nothing dropped it since
+        if self.open is None and self.applied:
+            self.refuse_second(p)  # an earlier pass stepped, and neither step() nor zero_grad() came since
         if self.open is None:
             self.stepped_groups = set()
             end = PassEnd(self)
@@ -194,6 +198,21 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
             "model.reset_iter_state() on the root module, where torch has it) before running backward again: as "
             "with torch.optim, a retry would otherwise add its gradients to those the failed pass left. Nothing was "
             "updated by this backward pass"
+        )
+
+    def refuse_second(self, p):
+        """The first gradient of a backward pass begun after one that stepped, with neither ``step()`` nor
+        ``zero_grad()`` since: torch.optim would step once, with the passes' summed gradients, and this pass cannot
+        be added to the gradients the previous one applied. Drop it and raise, before anything is stepped (as
+        single-process in-backward mode refuses it)."""
+        p.grad = None
+        raise RuntimeError(
+            f"{self.cls}(in_backward=True) over FSDP2: a second backward pass started with neither opt.step() nor "
+            "opt.zero_grad() since the previous one, which in-backward mode already stepped (each backward pass "
+            "updates the parameters and frees its gradients). To accumulate gradients over several backward passes "
+            "per optimizer step, run all but the last inside `with opt.no_step():` (or FSDP2's "
+            "set_requires_gradient_sync(False)); otherwise call opt.step() (or opt.zero_grad()) after each backward. "
+            "Nothing was updated by this backward pass"
         )
 
     def abandon(self):
@@ -253,6 +272,9 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
             )
         self.abandon()
         loss = self.run_closure(closure)
+        # a parameter that requires grad since the layout (frozen at construction) had no hook in the pass: laid out
+        # (and hooked) now, so that its gradient, which FSDP2 left in .grad, is stepped with the others
+        self.follow_members()
         if any(p.grad is not None for ps in self.group_members.values() for p in ps):
             self.step_pending(all_known=True)  # not the groups a pass that raised stepped (stepped_groups)
             if self.clip is not None:
