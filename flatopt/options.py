@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from flatopt import precision as precision_options
-from flatopt.distributed import is_ddp
+from flatopt.distributed import is_ddp, is_fsdp
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: 128 MiB of float32 staging gradient in in-backward mode
 GATHER = "gather"  # direct_grads: no covered layer nor copying hook; step() reads the gradients in place
@@ -149,9 +149,15 @@ class FlatOptions:
                 f"{cls_name}: bucket_size applies to in_backward=True only; drop it or pass in_backward=True"
             )
         for name in ("direct_grads", "model"):
-            # in-backward mode takes a DistributedDataParallel model: param groups with model=ddp (engines.ddp_backward)
-            ddp_model = name == "model" and in_backward and flat and is_ddp(kwargs.get("model"))
-            if kwargs.get(name) is not None and (in_backward or not flat) and not ddp_model:  # None: the default
+            # in-backward mode takes a DistributedDataParallel model (param groups with model=ddp: engines.ddp_backward)
+            # and an FSDP2 one (model=model beside param groups: flatopt finds the shards through it)
+            wrapped = (
+                name == "model"
+                and in_backward
+                and flat
+                and (is_ddp(kwargs.get("model")) or is_fsdp(kwargs.get("model")))
+            )
+            if kwargs.get(name) is not None and (in_backward or not flat) and not wrapped:  # None: the default
                 mode = "in_backward=True" if in_backward else "flat=False"
                 raise ValueError(
                     f"{cls_name}: {name} applies to step mode with flat=True (gradients landing in the flat "

@@ -359,6 +359,25 @@ def run_in_backward_unfreeze(rank):
     return out
 
 
+def run_in_backward_groups(rank):
+    """in_backward=True over FSDP2 with param groups (decay / no decay) and model=model, against torch.optim on the
+    same FSDP2 model and groups."""
+    world = dist.get_world_size()
+    flat_cls, ref_cls, hp = OPTIMIZERS["AdamW"]
+    model, ref = sharded(world), sharded(world)
+    opt = flat_cls(groups_of(model, hp), model=model, in_backward=True, **hp)
+    ref_opt = ref_cls(groups_of(ref, hp), **hp)
+    out = {"history": []}
+    for step in range(3):
+        x, y = (t.chunk(world)[rank] for t in batch(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+    return out
+
+
 # In-backward clipping: what each of the STEPS steps runs. "pass": one backward pass, stepped in backward; "accumulate":
 # a micro-batch under opt.no_step(), then one stepped in backward (on the sum); "exact": every micro-batch under
 # opt.no_step(), then step() clips by the exact global norm.
@@ -829,6 +848,7 @@ SCENARIOS = {
     "in_backward_clip_resume": (run_in_backward_clip_resume, ()),
     "in_backward_second_pass": (run_in_backward_second_pass, ()),
     "in_backward_unfreeze": (run_in_backward_unfreeze, ()),
+    "in_backward_groups": (run_in_backward_groups, ()),
     "errors": (run_errors, ()),
     "checkpoints": (run_checkpoints, ()),
 }
@@ -986,6 +1006,14 @@ def test_in_backward_refuses_a_second_backward_pass_before_anything_changes(runs
 
 def test_in_backward_steps_a_parameter_unfrozen_after_construction_as_torch_optim(runs):
     for rank, result in enumerate(runs["two"]("in_backward_unfreeze")):
+        hist = result["history"]
+        ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}", **TOL)
+
+
+def test_in_backward_takes_param_groups_beside_the_model(runs):
+    """flatopt.AdamW(groups, model=model, in_backward=True) over FSDP2 (decay / no decay, the usual setup), as in step
+    mode and under DDP: it matches torch.optim with the same groups."""
+    for rank, result in enumerate(runs["two"]("in_backward_groups")):
         hist = result["history"]
         ranks.assert_history([h["flat"] for h in hist], [h["ref"] for h in hist], f"rank {rank}", **TOL)
 

@@ -19,6 +19,15 @@ def is_ddp(module):
     return isinstance(module, DistributedDataParallel)
 
 
+def is_fsdp(module):
+    """Whether ``module`` has had FSDP2's ``fully_shard`` applied (False where torch.distributed is not available)."""
+    if not torch.distributed.is_available() or not isinstance(module, torch.nn.Module):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 def check_single_process(cls, allow_several_ranks=False):
     """In-backward mode steps each bucket from this rank's own gradient, as soon as it exists, before
     DistributedDataParallel averages gradients across ranks (DDP then writes its averages into
