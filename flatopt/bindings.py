@@ -72,6 +72,14 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
         missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
         if missing:
             shown = ", ".join(f"'{n}'" for n in missing[:8]) + (", ..." if len(missing) > 8 else "")
+            if any(is_dtensor(p) for p in module.parameters()) and not any(
+                is_dtensor(p) for b in buffers for p in b.params
+            ):
+                raise RuntimeError(
+                    f"{cls}: the module's parameters ({shown}) are DTensors now: FSDP2's fully_shard was applied "
+                    "after the optimizer was created, which holds the plain tensors they replaced and would train "
+                    "nothing. Create the optimizer after fully_shard"
+                )
             raise RuntimeError(
                 f"{cls}: the module's trainable parameter(s) {shown} are not among the parameters the optimizer "
                 "was created with, so they would never be stepped: they were replaced (load_state_dict(..., "

@@ -262,6 +262,20 @@ def run_errors(rank):
         out["moved"] = None
     except Exception as e:
         out["moved"] = error_of(e)
+    from torch.distributed.fsdp import fully_shard
+
+    late = net()
+    late_opt = flatopt.AdamW(late)  # the usual mistake: the optimizer before fully_shard
+    fully_shard(late, mesh=mesh)
+    late_before = [p.to_local().clone() for p in late.parameters()]
+    try:
+        x, y = (t.chunk(world)[rank] for t in batch(0))
+        nn.functional.mse_loss(late(x), y).backward()
+        late_opt.step()
+        out["sharded_after"] = None
+    except Exception as e:
+        out["sharded_after"] = error_of(e)
+    out["late_unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(late_before, late.parameters()))
     return out
 
 
@@ -1102,7 +1116,8 @@ def test_what_cannot_work_is_refused_at_construction(runs):
     """In-backward mode with accumulation_steps, flat=False, FSDP2 parameters given without their model, the storage
     options (master_weights, stochastic_rounding, state_dtype) and tensor-parallel DTensors are refused by the
     constructor, saying why, before the shards move; a model
-    whose shards FSDP2 replaced (model.double()) by the next step(); capture() by capture()."""
+    whose shards FSDP2 replaced (model.double()) by the next step(), as is an optimizer created before fully_shard
+    (saying so); capture() by capture()."""
     expected = {
         "accumulation_steps": r"in_backward=True\) over FSDP2 does not take accumulation_steps: accumulate under",
         "flat_false": r"flat=False\) cannot step '0.weight', a DTensor",
@@ -1111,6 +1126,7 @@ def test_what_cannot_work_is_refused_at_construction(runs):
         "tensor_parallel": r"'weight' is a DTensor that fully_shard \(FSDP2\) does not manage",
         "moved": r"the local shard of parameter '0.weight' no longer lives in the optimizer's flat buffer",
         "capture": r"AdamW.capture\(\) cannot record the step of an FSDP2 model",
+        "sharded_after": r"are DTensors now: FSDP2's fully_shard was applied after the optimizer was created",
     }
     import re
 
@@ -1118,9 +1134,10 @@ def test_what_cannot_work_is_refused_at_construction(runs):
         for name, pattern in expected.items():
             err = result[name]
             assert err is not None, f"rank {rank}: {name} was accepted"
-            kind = "RuntimeError" if name in ("moved", "capture") else "ValueError"
+            kind = "RuntimeError" if name in ("moved", "capture", "sharded_after") else "ValueError"
             assert err["type"] == kind and re.search(pattern, err["message"]), (name, err)
         assert result["unchanged"], f"rank {rank}: a refused constructor moved the shards"
+        assert result["late_unchanged"], f"rank {rank}: the refused step moved the parameters"
 
 
 def test_state_dicts_and_resuming(runs):
