@@ -203,6 +203,9 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{cls}(flat={flat}) needs dense parameters (no gaps or overlaps), got shape "
                 f"{tuple(p.shape)} with strides {p.stride()}; make it contiguous before creating the optimizer"
             )
+        precision = getattr(self, "precision", None)  # (set once the constructor's groups are in: it checks those)
+        if precision is not None:  # a parameter trainable since construction, or added: as check_params checks
+            precision.check_dtype(cls, p.dtype, self.names(p))
 
     def _choose_backend(self, backend):
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]

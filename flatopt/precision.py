@@ -91,19 +91,32 @@ class Precision:
         unsigned = () if rule is None or state_dtype != "int8" else tuple(rule.nonnegative_states)
         return BufferPrecision(state_dtype, master, stochastic, unsigned)
 
+    def check_dtype(self, cls, dtype, name=None):
+        """Raise ValueError for a trainable parameter of ``dtype`` (``name``: one that starts to train after
+        construction) that the options cannot store: float16 with ``"remainder"`` or stochastic rounding."""
+        if dtype != torch.float16 or not (self.master_weights == "remainder" or self.stochastic_rounding):
+            return
+        some = "some parameters are float16" if name is None else f"parameter {name} is float16"
+        if self.master_weights == "remainder":
+            raise ValueError(
+                f"{cls}(master_weights='remainder') keeps the 16 low bits that bfloat16 drops from a float32 "
+                f"master, and {some}, whose bits are not the top half of a float32; use master_weights='fp32' for "
+                "float16 parameters"
+            )
+        raise ValueError(
+            f"{cls}(stochastic_rounding=True) rounds bfloat16 parameters, and {some}; use master_weights='fp32' for "
+            "float16 parameters"
+        )
+
     def check_params(self, cls, rule, param_groups):
         """Raise ValueError for options that the parameters (trainable, of ``param_groups``) or the rule make
         meaningless: a master copy or stochastic rounding that applies to no parameter, ``"remainder"`` or
         stochastic rounding with float16 parameters, a ``state_dtype`` for SGD without momentum."""
         dtypes = {p.dtype for g in param_groups for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad}
+        if torch.float16 in dtypes:
+            self.check_dtype(cls, torch.float16)
         if self.master_weights is not None:
             fits = _MASTER_DTYPES[self.master_weights]
-            if self.master_weights == "remainder" and torch.float16 in dtypes:
-                raise ValueError(
-                    f"{cls}(master_weights='remainder') keeps the 16 low bits that bfloat16 drops from a float32 "
-                    "master, and some parameters are float16, whose bits are not the top half of a float32; use "
-                    "master_weights='fp32' for float16 parameters"
-                )
             if dtypes and not dtypes & fits:
                 have = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
                 want = " or ".join(str(d).removeprefix("torch.") for d in sorted(fits, key=str))
@@ -113,11 +126,6 @@ class Precision:
                     "model (model.to(torch.bfloat16)) before creating the optimizer"
                 )
         if self.stochastic_rounding:
-            if torch.float16 in dtypes:
-                raise ValueError(
-                    f"{cls}(stochastic_rounding=True) rounds bfloat16 parameters, and some parameters are float16; "
-                    "use master_weights='fp32' for float16 parameters"
-                )
             if dtypes and torch.bfloat16 not in dtypes:
                 have = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
                 raise ValueError(

@@ -556,3 +556,27 @@ def test_captured_steps_match_eager_steps(mode):
     eager, replayed = results
     for key in eager:
         torch.testing.assert_close(replayed[key].float(), eager[key].float(), atol=1e-6, rtol=2**-7)
+
+
+@pytest.mark.parametrize("mode", [dict(master_weights="remainder"), dict(stochastic_rounding=True)], ids=str)
+def test_a_float16_parameter_that_starts_training_later_is_refused_as_at_construction(mode):
+    """The constructor refuses float16 parameters with "remainder" or stochastic rounding; one frozen at
+    construction and unfrozen later, or appended to a group's params, is refused at the step that would lay it
+    out, before anything changes (it would otherwise be stepped in plain float16, with no master and no stochastic
+    rounding)."""
+    w = nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    h = nn.Parameter(torch.ones(8, dtype=torch.float16), requires_grad=False)
+    opt = flatopt.SGD([w, h], lr=1e-2, **mode)
+    h.requires_grad_(True)
+    w.grad, h.grad = torch.ones_like(w), torch.ones_like(h)
+    with pytest.raises(ValueError, match=r"parameter params\[1\] .* is float16"):
+        opt.step()
+    assert (w == 1).all() and (h == 1).all()
+
+    opt = flatopt.SGD([w], lr=1e-2, **mode)
+    late = nn.Parameter(torch.ones(8, dtype=torch.float16))
+    opt.param_groups[0]["params"].append(late)  # torch.optim steps what the groups hold
+    late.grad = torch.ones_like(late)
+    with pytest.raises(ValueError, match="is float16"):
+        opt.step()
+    assert (w == 1).all() and (late == 1).all()
