@@ -359,17 +359,29 @@ def run_in_backward_unfreeze(rank):
     for m in (model, ref):
         m[2].requires_grad_(False)
     opt, ref_opt = flat_cls(model, in_backward=True, **hp), ref_cls(ref.parameters(), **hp)
-    out = {"history": []}
-    for step in range(4):
+
+    def unfreeze(step):
         if step == 1:
             for m in (model, ref):
                 m[2].requires_grad_(True)
+
+    return side_by_side(rank, (model, opt), (ref, ref_opt), 4, before=unfreeze)
+
+
+def side_by_side(rank, ours, theirs, steps, before=None):
+    """``steps`` plain steps (backward, step(), zero_grad()) of two (model, optimizer) pairs on the same data;
+    ``before(step)`` runs first at each. Returns {"history": their snapshots after each step}."""
+    world = dist.get_world_size()
+    out = {"history": []}
+    for step in range(steps):
+        if before is not None:
+            before(step)
         x, y = (t.chunk(world)[rank] for t in batch(step))
-        for m, o in ((model, opt), (ref, ref_opt)):
+        for m, o in (ours, theirs):
             nn.functional.mse_loss(m(x), y).backward()
             o.step()
             o.zero_grad()
-        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
+        out["history"].append({"flat": snapshot(*ours), "ref": snapshot(*theirs)})
     return out
 
 
@@ -381,15 +393,7 @@ def run_in_backward_groups(rank):
     model, ref = sharded(world), sharded(world)
     opt = flat_cls(groups_of(model, hp), model=model, in_backward=True, **hp)
     ref_opt = ref_cls(groups_of(ref, hp), **hp)
-    out = {"history": []}
-    for step in range(3):
-        x, y = (t.chunk(world)[rank] for t in batch(step))
-        for m, o in ((model, opt), (ref, ref_opt)):
-            nn.functional.mse_loss(m(x), y).backward()
-            o.step()
-            o.zero_grad()
-        out["history"].append({"flat": snapshot(model, opt), "ref": snapshot(ref, ref_opt)})
-    return out
+    return side_by_side(rank, (model, opt), (ref, ref_opt), 3)
 
 
 # In-backward clipping: what each of the STEPS steps runs. "pass": one backward pass, stepped in backward; "accumulate":
