@@ -285,6 +285,12 @@ class LandingSlots:
         if all(s.param.grad is None for slots in self._by_buffer for s in slots):
             self.zero_grad(set_to_none=True)
 
+    @classmethod
+    def keeps(cls, device):
+        """Whether a gradient buffer on ``device`` keeps its storage through ``zero_grad()`` (the CPU's policy:
+        see the module docstring), so that FlatBuffer may lay it out as a storage that cannot be resized."""
+        return torch.device(device).type == "cpu" and not cls.release_on_cpu
+
     def _releasable(self, b):
         return not self._released[b] and not (self._on_cpu[b] and not self.release_on_cpu)
 

@@ -43,6 +43,56 @@ def align_up(n, align=ALIGN):
     return (n + align - 1) // align * align
 
 
+HUGE_PAGE = 2 << 20  # bytes: the transparent huge page of x86-64 and arm64 Linux
+
+
+def flat_zeros(numel, dtype, device):
+    """A zeroed flat tensor of ``numel`` elements for a buffer that is never resized (parameters, states, master).
+
+    On the CPU under Linux, one of at least HUGE_PAGE bytes lies in anonymous memory of its own (``mmap``),
+    aligned to HUGE_PAGE and marked ``MADV_HUGEPAGE``, so that the kernel backs it with transparent huge pages
+    where it can (``/sys/kernel/mm/transparent_hugepage/enabled`` set to ``madvise`` or ``always``): a step
+    streams every byte of the buffers, and 2 MiB pages spare it most TLB misses (on a 2-core Xeon, torch's fused
+    AdamW over 4.3M elements with the caches flushed: float32 2.70 -> 2.27 ms, bfloat16 3.40 -> 2.01). Memory
+    from torch's allocator also depends on what the process freed before: glibc serves large requests from its
+    heap once a large block was freed (its mmap threshold grows), and there the same step ran about 30 % slower
+    (bfloat16 AdamW over 4.3M elements in the benchmark: 3.49 ms against 2.71 in a fresh process).
+    Elsewhere, or where ``mmap`` or ``madvise`` is refused, ``torch.zeros``. The tensor holds the mapping alive
+    (``torch.frombuffer``); its storage cannot be resized, which these buffers never are."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type == "cpu" and nbytes >= HUGE_PAGE and _MMAP is not None:
+        mm = _MMAP
+        try:
+            area = mm.mmap(-1, nbytes + HUGE_PAGE, flags=mm.MAP_PRIVATE | mm.MAP_ANONYMOUS)
+            raw = torch.frombuffer(area, dtype=torch.uint8)  # anonymous memory: zeroed
+            start = (-raw.data_ptr()) % HUGE_PAGE
+            area.madvise(mm.MADV_HUGEPAGE, start, nbytes - nbytes % mm.PAGESIZE)
+            # a storage of the buffer's bytes alone (holding the mapping alive), so that torch.save of a view of it
+            # writes the buffer, not the alignment's slack
+            storage = raw.untyped_storage()[start : start + nbytes]
+            return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
+        except (OSError, ValueError, RuntimeError):  # no such mapping or advice here: torch's allocator
+            pass
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def _torch_zeros(numel, dtype, device):
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def _mmap_module():
+    """Python's mmap module where it offers what flat_zeros needs (Linux), else None."""
+    import mmap
+    import sys
+
+    if sys.platform != "linux" or not all(hasattr(mmap, n) for n in ("MAP_ANONYMOUS", "MAP_PRIVATE", "MADV_HUGEPAGE")):
+        return None
+    return mmap
+
+
+_MMAP = _mmap_module()
+
+
 def is_dense(t):
     """True when the elements of ``t`` fill one contiguous range of memory exactly once."""
     if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
@@ -85,8 +135,9 @@ class FlatBuffer:
         groups (list[int]): the param-group index of each parameter.
         state_names (tuple[str]): one zeroed flat buffer is allocated per name now; more with
             :meth:`add_state`.
-        grad (bool): allocate the flat gradient buffer and make every ``p.grad`` a view into it
-            (``False`` in in-backward mode, where gradients are stepped and freed as they arrive).
+        grad (bool or "kept"): allocate the flat gradient buffer and make every ``p.grad`` a view into it
+            (``False`` in in-backward mode, where gradients are stepped and freed as they arrive); ``"kept"``: one
+            whose storage is never released, allocated as the parameters' (:func:`flat_zeros`).
         like (list[Tensor], optional): the tensor whose shape, strides, dtype and device each parameter's views
             take, when it is not the parameter itself (FSDP2's local shard of a DTensor parameter).
         room (list[int], optional): the elements reserved for each parameter, at least its own (FSDP2's padded
@@ -125,8 +176,15 @@ class FlatBuffer:
         self.unsigned = () if precision is None else precision.unsigned
         master = None if precision is None else precision.master_dtype
 
-        self.data = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self.grad = torch.zeros_like(self.data) if grad else None
+        # FSDP2 keeps its local shards in a data buffer given ``like`` (and manages the memory it gathers into): that
+        # one stays torch's; the others are laid out by flat_zeros
+        self.data = (flat_zeros if like is None else _torch_zeros)(self.numel, self.dtype, self.device)
+        # a gradient buffer whose storage zero_grad() releases (LandingSlots) stays torch's, which can be resized;
+        # one that is kept ("kept": on the CPU) is laid out as the others
+        if grad == "kept":
+            self.grad = flat_zeros(self.numel, self.dtype, self.device)
+        else:
+            self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device) if grad else None
         self.states = {}
         self.state_views = {}
         owner = torch.zeros(self.numel // ALIGN, dtype=torch.int32)
@@ -143,7 +201,7 @@ class FlatBuffer:
         self.data_views = [self.view(self.data, i) for i in range(len(self.params))]
         self.grad_views = [self.view(self.grad, i) for i in range(len(self.params))] if grad else None
         # the master copy (float32) or the low bits the parameters drop (int16), set from the parameters at adopt()
-        self.master = None if master is None else torch.zeros(self.numel, dtype=master, device=self.device)
+        self.master = None if master is None else flat_zeros(self.numel, master, self.device)
         self.master_views = None if master is None else [self.view(self.master, i) for i in range(len(self.params))]
         for name in state_names:
             self.add_state(name)
@@ -168,7 +226,7 @@ class FlatBuffer:
                 scales[s // QBLOCK : align_up(s + p.numel(), QBLOCK) // QBLOCK]
                 for s, p in zip(self.starts, self.params)
             ]
-        self.states[name] = torch.zeros(self.numel, dtype=dtype, device=self.device)
+        self.states[name] = flat_zeros(self.numel, dtype, self.device)
         self.state_views[name] = [self.view(self.states[name], i) for i in range(len(self.params))]
 
     def padding(self, flat):

@@ -12,7 +12,7 @@ from torch import nn
 
 import flatopt
 from flatopt import cpu, kernels, reference
-from flatopt.layout import ALIGN, FlatBuffer, GradSources, align_up
+from flatopt.layout import _MMAP, ALIGN, HUGE_PAGE, FlatBuffer, GradSources, align_up, flat_zeros
 
 # Sizes that are not multiples of ALIGN, exactly ALIGN, one past it, a scalar-like one and an
 # empty one in the middle.
@@ -776,3 +776,50 @@ def test_grad_sources_share_the_buffers_index_tables():
     assert a.start is b.start and a.numel is b.numel
     assert a.start.tolist() == buf.starts and a.numel.tolist() == [5, 64, 3]
     assert a.src.tolist() == [buf.grad_views[0].data_ptr(), grads[1].data_ptr(), buf.grad_views[2].data_ptr()]
+
+
+HUGE_PAGES = pytest.mark.skipif(_MMAP is None, reason="huge-page buffers are laid out on Linux only (mmap, madvise)")
+
+
+@HUGE_PAGES
+def test_a_large_cpu_buffer_lies_in_huge_page_aligned_memory_of_its_own():
+    """flat_zeros: at least HUGE_PAGE bytes on the CPU, in an anonymous mapping aligned to HUGE_PAGE (so that the
+    kernel can back it with transparent huge pages), zeroed, with a storage of exactly its bytes (torch.save of a
+    view writes the buffer, not the alignment's slack); smaller, or elsewhere, torch's allocator."""
+    t = flat_zeros(HUGE_PAGE // 4 + 3, torch.float32, "cpu")
+    assert t.data_ptr() % HUGE_PAGE == 0 and t.is_contiguous() and t.numel() == HUGE_PAGE // 4 + 3
+    assert not t.any() and not t.untyped_storage().resizable()
+    assert t.untyped_storage().nbytes() == t.numel() * 4
+    t[-1] = 2.0  # writable to the end
+    small = flat_zeros(100, torch.bfloat16, "cpu")
+    assert small.untyped_storage().resizable() and small.dtype == torch.bfloat16 and not small.any()
+
+
+@HUGE_PAGES
+@pytest.mark.cpu_gradient_policy
+def test_an_optimizer_over_large_cpu_parameters_steps_as_torch_optim_and_saves_its_bytes():
+    """Parameters, states and the kept CPU gradient buffer of a model of several MiB lie in those mappings; the
+    optimizer steps as torch.optim's, and checkpoints of the model and the optimizer hold their bytes only."""
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 8))
+    twin = copy.deepcopy(model)
+    opt = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    buf = flatopt.inspect(opt).buffers[0]
+    for t in (buf.data, buf.grad, *buf.states.values()):
+        assert not t.untyped_storage().resizable(), "not laid out by flat_zeros"
+    for step in range(3):
+        x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (twin, ref)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    for obj, expected in ((model.state_dict(), nbytes), (opt.state_dict(), 2 * nbytes)):
+        f = io.BytesIO()
+        torch.save(obj, f)
+        assert expected <= f.tell() < expected + 64 * 1024, (f.tell(), expected)

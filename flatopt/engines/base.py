@@ -18,6 +18,7 @@ import torch
 
 from flatopt.bindings import FULL_CHECK_EVERY, check_data_bindings, check_own_memory, ends_bound
 from flatopt.distributed import world_size
+from flatopt.landing import LandingSlots
 from flatopt.layout import FlatBuffer
 from flatopt.precision import SEED_BOUND
 from flatopt.quantize import ABSMAX, QBLOCK, quantize_into
@@ -199,7 +200,10 @@ class FlatEngine(Engine):
     def new_buffer(self, params, groups, state_names, precision=None):
         """The FlatBuffer of one (device, dtype)'s ``params`` (in their order), before they are adopted
         (``precision``: how its states and master copy are stored, see :mod:`flatopt.precision`)."""
-        return FlatBuffer(params, groups, state_names, grad=self.has_grad_buffer, precision=precision)
+        grad = self.has_grad_buffer
+        if grad and LandingSlots.keeps(params[0].device):  # never released: laid out as the other flat tensors
+            grad = "kept"
+        return FlatBuffer(params, groups, state_names, grad=grad, precision=precision)
 
     def adopt(self, buf):
         """Copy the parameters of a new buffer into it and make their data views of it."""
