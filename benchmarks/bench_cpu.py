@@ -265,8 +265,8 @@ def add_ratios(rows, times=None):
     ours.update(baseline=best["impl"], baseline_ms=best["median_ms"], ratio=ours["median_ms"] / best["median_ms"])
     if times is not None and "flatopt" in times and best["impl"] in times:
         paired = [a / b for a, b in zip(times["flatopt"], times[best["impl"]])]
-        ours.update(round_ratio_median=harness.quantiles(paired, (0.5,))[0],
-                    round_ratio_ci95=list(harness.median_interval(paired)))  # fmt: skip
+        ci = harness.median_interval(paired)  # None for fewer than 6 rounds (--quick)
+        ours.update(round_ratio_median=harness.quantiles(paired, (0.5,))[0], round_ratio_ci95=ci and list(ci))
 
 
 def targets(rows):
@@ -306,11 +306,13 @@ def _cell(row):
 
 
 def _interval(row):
-    """ "median (low-high)" of a row's paired per-round ratios; "-" where none was measured."""
-    ci = row.get("round_ratio_ci95")
-    if not ci:
+    """ "median (low-high)" of a row's paired per-round ratios, "median (too few rounds)" without an interval; "-"
+    where none was measured."""
+    if row.get("round_ratio_median") is None:
         return "-"
-    return f"{num(row['round_ratio_median'], '.2f')} ({num(ci[0], '.2f')}-{num(ci[1], '.2f')})"
+    ci = row.get("round_ratio_ci95")
+    spread = "too few rounds" if not ci else f"{num(ci[0], '.2f')}-{num(ci[1], '.2f')}"
+    return f"{num(row['round_ratio_median'], '.2f')} ({spread})"
 
 
 def markdown(record):

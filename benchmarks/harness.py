@@ -108,8 +108,8 @@ def quantiles(values, qs=QUANTILES):
 def median_interval(values, level=0.95):
     """A distribution-free confidence interval for the median of ``values`` (independent draws): the order statistics
     ``k`` and ``n - 1 - k`` of the sorted values, ``k`` the largest index with P(Binomial(n, 1/2) <= k) <= (1 -
-    level) / 2 (so that the interval holds the median with at least that probability). Too few values for it
-    (fewer than 6 at 95 %): their range, which holds the median with less."""
+    level) / 2 (so that the interval holds the median with at least that probability). None when there are too
+    few values for it (fewer than 6 at 95 %: even their range holds the median with less)."""
     xs = sorted(values)
     n = len(xs)
     if not n:
@@ -120,7 +120,8 @@ def median_interval(values, level=0.95):
         if cum > tail:
             break
         k = i
-    k = max(k, 0)
+    if k < 0:
+        return None
     return xs[k], xs[n - 1 - k]
 
 
