@@ -346,6 +346,13 @@ def run_in_backward_second_pass(rank):
     after = snapshot(model, opt)
     out["params_same"] = all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
     out["steps"] = sorted(entry["step"] for entry in after["state"].values())
+    if fsdp_resets():  # the recovery the message gives: FSDP2's reset (where torch has it) and zero_grad(), then on
+        reset_fsdp(model)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        out["recovered_steps"] = sorted(entry["step"] for entry in snapshot(model, opt)["state"].values())
     return out
 
 
@@ -1019,7 +1026,10 @@ def test_in_backward_refuses_a_second_backward_pass_before_anything_changes(runs
     with nothing updated (single-process in-backward mode refuses it alike)."""
     for rank, result in enumerate(runs["two"]("in_backward_second_pass")):
         assert "a second backward pass started with neither opt.step() nor opt.zero_grad()" in (result["refusal"] or "")
+        assert "model.reset_iter_state()" in result["refusal"]
         assert result["params_same"] and set(result["steps"]) == {1.0}, (rank, result)
+        if fsdp_resets():
+            assert set(result["recovered_steps"]) == {2.0}, (rank, result)
 
 
 def test_in_backward_steps_a_parameter_unfrozen_after_construction_as_torch_optim(runs):

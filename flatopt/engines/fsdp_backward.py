@@ -212,7 +212,8 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
             "updates the parameters and frees its gradients). To accumulate gradients over several backward passes "
             "per optimizer step, run all but the last inside `with opt.no_step():` (or FSDP2's "
             "set_requires_gradient_sync(False)); otherwise call opt.step() (or opt.zero_grad()) after each backward. "
-            "Nothing was updated by this backward pass"
+            "Nothing was updated by this backward pass; FSDP2 stopped inside it, so call FSDP2's "
+            "model.reset_iter_state() on the root module (where torch has it) and opt.zero_grad() before the next"
         )
 
     def abandon(self):
