@@ -292,7 +292,13 @@ class LandingSlots:
         return torch.device(device).type == "cpu" and not cls.release_on_cpu
 
     def _releasable(self, b):
-        return not self._released[b] and not (self._on_cpu[b] and not self.release_on_cpu)
+        # (a storage laid out as one that is never released, FlatBuffer's "kept", cannot be resized: never released,
+        # also if release_on_cpu is changed after the buffer was made)
+        return (
+            not self._released[b]
+            and not (self._on_cpu[b] and not self.release_on_cpu)
+            and self._storages[b].resizable()
+        )
 
     def _release(self, b):
         if not self._releasable(b) or self.release_blocked(b):

@@ -105,8 +105,9 @@ class OptimizerState(defaultdict):
         """True once any parameter has state, as torch.optim's ``opt.state``, empty until a parameter's first step
         (``torch.distributed.checkpoint`` reads ``if optim.state`` to know whether the optimizer must step once
         before its state_dict() can serve as a template): the flat engines' entries exist from construction (zeros,
-        step 0), so it is whether state_dict() would export any. With edits pending (``opt.state.clear()``...),
-        the dict's own length, which they set."""
+        step 0), so it is whether state_dict() would export any (it reads the step counts: a device synchronisation
+        on a GPU; ``len(opt.state)`` still counts every entry). With edits pending (``opt.state.clear()``...), the
+        dict's own length, which they set."""
         owner = self.owner() if self.owner is not None else None
         if owner is None or self.changes:
             return dict.__len__(self) > 0

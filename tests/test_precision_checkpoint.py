@@ -204,7 +204,9 @@ def test_edited_values_of_8bit_states_win_over_the_saved_codes():
     sd["state"][k]["exp_avg"] = torch.zeros_like(sd["state"][k]["exp_avg"])
     opt.load_state_dict(sd)
     assert not opt.state_dict()["state"][k]["exp_avg"].any()
-    assert torch.equal(opt.state_dict()["state"][k]["exp_avg_sq"], sd["state"][k]["exp_avg_sq"])  # codes: exact
+    p = [q for g in opt.param_groups for q in g["params"]][k]
+    for name in ("exp_avg_sq", "exp_avg_sq_absmax"):  # not edited: its exact codes and scales
+        assert torch.equal(opt.state[p][name], sd["flatopt"]["codes"][k][name]), name
 
     net, opt, sd, k = int8_checkpoint()
     del sd["state"][k]  # this parameter starts again, as torch.optim starts it
