@@ -52,13 +52,12 @@ def flat_zeros(numel, dtype, device):
     On the CPU under Linux, one of at least HUGE_PAGE bytes lies in anonymous memory of its own (``mmap``),
     aligned to HUGE_PAGE and marked ``MADV_HUGEPAGE``, so that the kernel backs it with transparent huge pages
     where it can (``/sys/kernel/mm/transparent_hugepage/enabled`` set to ``madvise`` or ``always``): a step
-    streams every byte of the buffers, and 2 MiB pages spare it most TLB misses (on a 2-core Xeon, torch's fused
-    AdamW over 4.3M elements with the caches flushed: float32 2.70 -> 2.27 ms, bfloat16 3.40 -> 2.01). Memory
-    from torch's allocator also depends on what the process freed before: glibc serves large requests from its
-    heap once a large block was freed (its mmap threshold grows), and there the same step ran about 30 % slower
-    (bfloat16 AdamW over 4.3M elements in the benchmark: 3.49 ms against 2.71 in a fresh process).
-    Elsewhere, or where ``mmap`` or ``madvise`` is refused, ``torch.zeros``. The tensor holds the mapping alive
-    (``torch.frombuffer``); its storage cannot be resized, which these buffers never are."""
+    streams every byte of the buffers, and 2 MiB pages spare it most TLB misses. Memory from torch's allocator
+    also depends on what the process freed before: glibc serves large requests from its heap once a large block
+    was freed (its mmap threshold grows), and a step over such memory was measurably slower (docs/optimizers.md,
+    "The CPU backend", quotes benchmark runs before and after). Elsewhere, or where ``mmap`` or ``madvise`` is
+    refused, ``torch.zeros``. The tensor holds the mapping alive (``torch.frombuffer``); its storage cannot be
+    resized, which these buffers never are."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type == "cpu" and nbytes >= HUGE_PAGE and _MMAP is not None:
         mm = _MMAP
