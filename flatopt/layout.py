@@ -70,7 +70,7 @@ def flat_zeros(numel, dtype, device):
             # writes the buffer, not the alignment's slack
             storage = raw.untyped_storage()[start : start + nbytes]
             return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
-        except (OSError, ValueError, RuntimeError):  # no such mapping or advice here: torch's allocator
+        except (OSError, ValueError, RuntimeError, TypeError):  # no such mapping or advice here: torch's allocator
             pass
     return torch.zeros(numel, dtype=dtype, device=device)
 
