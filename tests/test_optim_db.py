@@ -1290,6 +1290,14 @@ def assert_state_dicts_match(ours, theirs, where):
             torch.testing.assert_close(mine[k][key], value, **TOL[torch.float32], msg=lambda m: f"{where_key}: {m}")
 
 
+def step_and_compare(ours, theirs, pairs, where):
+    """One step of both optimizers, then their parameters (``pairs``: (name, ours, theirs)) and state dicts."""
+    ours.step()
+    theirs.step()
+    assert_matches(ours, theirs, pairs, where)
+    assert_state_dicts_match(ours, theirs, where)
+
+
 @pytest.mark.parametrize("dampening", [0.0, 0.5])
 def test_sgd_parameter_first_stepped_while_momentum_is_off_starts_its_buffer_when_it_comes_back(backend, dampening):
     """torch.optim.SGD gives a parameter a momentum buffer at its first step with momentum: one that received no
@@ -1310,10 +1318,7 @@ def test_sgd_parameter_first_stepped_while_momentum_is_off_starts_its_buffer_whe
         ga, gb = torch.randn(5, generator=gen).to(device), torch.randn(7, generator=gen).to(device)
         a.grad, a2.grad = ga.clone(), ga.clone()
         b.grad, b2.grad = (gb.clone(), gb.clone()) if step else (None, None)  # b: no gradient at the first step
-        ours.step()
-        theirs.step()
-        assert_matches(ours, theirs, [("a", a, a2), ("b", b, b2)], f"step {step}")
-        assert_state_dicts_match(ours, theirs, f"step {step}")
+        step_and_compare(ours, theirs, [("a", a, a2), ("b", b, b2)], f"step {step}")
 
 
 @pytest.mark.parametrize("saved_by", ["torch", "flatopt"])
@@ -1347,10 +1352,7 @@ def test_sgd_load_keeps_momentum_buffers_saved_while_momentum_is_off(backend, sa
             ours.param_groups[0]["momentum"] = theirs.param_groups[0]["momentum"] = 0.9
         g = torch.randn(6, generator=gen).to(device)
         p.grad, q.grad = g.clone(), g.clone()
-        ours.step()
-        theirs.step()
-        assert_matches(ours, theirs, [("p", p, q)], f"step {step} after the load")
-        assert_state_dicts_match(ours, theirs, f"step {step} after the load")
+        step_and_compare(ours, theirs, [("p", p, q)], f"step {step} after the load")
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["never_on", "switched_off"])
@@ -1374,10 +1376,7 @@ def test_sgd_momentum_buffer_assigned_while_momentum_is_off_is_used(backend, mom
             ours.param_groups[0]["momentum"] = theirs.param_groups[0]["momentum"] = 0.9
         g = torch.randn(4, generator=gen).to(device)
         p.grad, q.grad = g.clone(), g.clone()
-        ours.step()
-        theirs.step()
-        assert_matches(ours, theirs, [("p", p, q)], f"step {step}")
-        assert_state_dicts_match(ours, theirs, f"step {step}")
+        step_and_compare(ours, theirs, [("p", p, q)], f"step {step}")
 
 
 @pytest.mark.parametrize("optim", OPTIMS.values(), ids=lambda o: o.name)
