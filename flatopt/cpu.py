@@ -22,8 +22,8 @@ nothing. Each piece is stepped by:
 
 The chunked path steps ``CHUNK`` elements at a time with torch's in-place operations, the temporaries being
 scratch buffers of one chunk, reused, that stay in the cache: each element is read from memory and written back
-once, as a fused kernel does. bfloat16 and float16 chunks are upcast into float32 scratch buffers, computed as the
-rule computes them, and rounded once when stored.
+once, as a fused kernel does. bfloat16 and float16 chunks are upcast into float32 scratch buffers, computed in float32,
+and rounded once when stored.
 
 Buffers stored with fewer bytes (a master buffer, stochastic rounding, states of another dtype than the parameters:
 see :mod:`flatopt.precision`) are stepped by the pure-torch reference (:mod:`flatopt.reference`), which computes
@@ -52,7 +52,7 @@ from flatopt.rules import ADAMW, LION, SGD
 __all__ = ["adamw_step", "sgd_step", "lion_step", "CHUNK"]
 
 # Elements per chunk of the chunked path: 2 MiB of float32 per scratch buffer, a chunk's tensors and temporaries
-# (12 MiB for float32 Lion) small enough to stay in the last-level cache between its operations, large enough that
+# (8 MiB for float32 Lion) small enough to stay in the last-level cache between its operations, large enough that
 # each operation's fixed cost (dispatch, a parallel region: tens of microseconds with 2 threads) is small against its
 # work. On a 2-core AMD EPYC (1 MiB L2 per core, 32 MiB L3), 14M-element float32 Lion: 18 ms in 64K-element chunks,
 # 12.5 in 256K and 1M, 24 in 4M; 14M-element bfloat16 SGD with momentum: 16.5 ms in 64K, 8.7 in 256K, 6.3-7.4 in
@@ -381,9 +381,13 @@ def _chunk_parts(segments, s, e, k):
 
 def _lion_chunked(param, exp_avg, segments, h, scale):
     """Lion over the elements the ``segments`` cover (sorted ``(start, end, gradient)`` runs: slices of the flat
-    gradient buffer and gradients read where they lie), a chunk at a time, in the rule's order of operations and
-    roundings (the sign of a sum near zero depends on them): ``p * (1 - lr * weight_decay) + (-lr) * sign(m * beta1
-    + (1 - beta1) * g)``, ``m * beta2 + (1 - beta2) * g``. A chunk's gradient is read in place when one segment
+    gradient buffer and gradients read where they lie), a chunk at a time: ``p * (1 - lr * weight_decay) + (-lr) *
+    sign(m * beta1 + (1 - beta1) * g)``, ``m * beta2 + (1 - beta2) * g``, each interpolation of ``m`` and ``g``
+    one ``lerp`` (a pass over the chunk where the rule's order of roundings takes three: five passes in all rather
+    than nine). Its rounding differs from the rule's by an ulp or so, as the Triton kernel's fused multiply-adds do,
+    and so may the sign of a sum that close to zero; float32 values hardly ever cancel to that point. bfloat16 and
+    float16 ones (8 and 11 bits) do: there the sum inside ``sign`` is computed in the rule's roundings, exactly
+    zero where the rule's is. A chunk's gradient is read in place when one segment
     holds it, and otherwise gathered into a scratch buffer that stays in the cache (a gradient read in place is not
     copied into the flat buffer first: a write and a read of its bytes through memory less). bfloat16 and float16
     chunks are upcast into float32 scratch buffers and rounded once when stored back (operations mixing dtypes would
@@ -391,17 +395,17 @@ def _lion_chunked(param, exp_avg, segments, h, scale):
     torch's fused kernels leave them in ``.grad``."""
     dtype = compute_dtype(param.dtype)
     upcast = param.dtype != dtype
-    c_all, t_all, g_all, *up = _scratch_buffers(dtype, 5 if upcast else 3)
+    c_all, g_all, *up = _scratch_buffers(dtype, 5 if upcast else 2)
     if scale is not None:
         scale = scale.to(dtype)
     lr, wd = h["lr"], h["weight_decay"]
-    beta1, omb1, beta2, omb2 = h["beta1"], h["one_minus_beta1"], h["beta2"], h["one_minus_beta2"]
+    beta1, omb1, omb2 = h["beta1"], h["one_minus_beta1"], h["one_minus_beta2"]
     decay = (1.0 - torch.tensor(lr, dtype=dtype) * wd).item()  # rounded as the rule rounds it in the table's dtype
     k = 0
     for s in range(segments[0][0], segments[-1][1], CHUNK):
         e = min(s + CHUNK, segments[-1][1])
         n, p, m = e - s, param[s:e], exp_avg[s:e]
-        c, t = c_all[:n], t_all[:n]
+        c = c_all[:n]
         parts, k = _chunk_parts(segments, s, e, k)
         gathered = upcast or len(parts) > 1
         if gathered:
@@ -419,13 +423,14 @@ def _lion_chunked(param, exp_avg, segments, h, scale):
             if gathered:
                 for lo, hi, g in parts:
                     g.copy_(gf[lo - s : hi - s])  # the unscaled gradient stays where it lies
-        torch.mul(mf, beta1, out=c).add_(torch.mul(gf, omb1, out=t)).sign_()
+        if upcast:  # m * beta1 + (1 - beta1) * g in the rule's roundings (see the docstring)
+            torch.mul(mf, beta1, out=c).add_(torch.mul(gf, omb1, out=up[2][:n])).sign_()
+        else:  # the same in one pass
+            torch.lerp(gf, mf, beta1, out=c).sign_()
         if wd != 0.0:
             pf.mul_(decay)
         pf.add_(c, alpha=-lr)
-        if upcast:  # one operation: its float32 rounding differs from the rule's, the stored bfloat16 hardly ever
-            mf.lerp_(gf, omb2)
+        mf.lerp_(gf, omb2)  # m * beta2 + (1 - beta2) * g, in one pass
+        if upcast:
             p.copy_(pf)
             m.copy_(mf)
-        else:
-            mf.mul_(beta2).add_(torch.mul(gf, omb2, out=t))

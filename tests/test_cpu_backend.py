@@ -309,7 +309,7 @@ def test_a_launch_that_fails_counts_no_step(opt, monkeypatch):
 
     cpu.fused_sgd_steps(torch.float32)  # found once, before the kernel is broken (the answer is cached)
 
-    for name in ("_fused_adamw_", "_fused_sgd_", "mul", "addcmul"):  # what the first call of each optimizer is
+    for name in ("_fused_adamw_", "_fused_sgd_", "lerp", "mul", "addcmul"):  # the first call of each optimizer
         monkeypatch.setattr(torch, name, broken)
     monkeypatch.setattr(torch.Tensor, "addcmul_", broken)
     with pytest.raises(RuntimeError, match="kernel failed"):
