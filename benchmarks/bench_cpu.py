@@ -24,7 +24,8 @@ flat buffer and reads the others where they lie, as on any CPU model without cov
 
 Timing: per case (set, dtype, optimizer, variant) every implementation is built and warmed up, then timed in rounds,
 each giving every implementation one call in turn in a shuffled order (harness.time_paired: drift and other tenants
-fall on all of them alike), ``time.perf_counter`` around each call, the garbage collector paused. Reported: the
+fall on all of them alike), ``time.perf_counter`` around each call, the garbage collector paused, glibc's malloc
+set as a long-running training process has it (see steady_allocator; recorded). Reported: the
 median ms (20th-80th percentile) and, computed in the same run, flatopt's ratio to the fastest torch implementation
 that steps correctly (AdamW, SGD) or to lion-pytorch (Lion), of the medians; the target is a ratio <= 1 in every case.
 Beside it, the rounds' ratio: the median over rounds of each round's flatopt time over the baseline's time in that
@@ -282,6 +283,38 @@ def targets(rows):
 
 
 # ------------------------------------------------------------------------------------------ machine
+MMAP_THRESHOLD = 32 << 20  # bytes: glibc's largest dynamic mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
+
+
+def steady_allocator():
+    """Put glibc's malloc, which torch's CPU allocator calls, in the state of a long-running training process,
+    before any case runs, and return what was set (recorded in the JSON), or None where it is not glibc.
+
+    glibc serves a large request with a mapping of its own (page faults on every first touch, and an munmap when
+    freed) until a block of that size has been freed once; then its mmap threshold rises to that size (up to 32 MiB)
+    and its trim threshold to twice that, and such requests come from its heap. A training loop frees large tensors
+    at every step, so after its first steps every tensor up to 32 MiB is served from the heap. In one process
+    running case after case, that state depended on the cases before: the gradients autograd allocates at every
+    backward, and lion-pytorch's temporaries, came from fresh mappings in one case and from the heap in the next,
+    and a case's times moved with the cases run before it (lion-pytorch's loop most). Setting both thresholds here
+    (M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 64 MiB: the values the dynamic rule reaches) gives every case the
+    long-running state (not in a ``--quick`` run). flatopt's flat buffers are mapped by flatopt itself
+    (flatopt.layout.flat_zeros) and are not concerned."""
+    import ctypes
+    import ctypes.util
+
+    if sys.platform != "linux" or not platform.libc_ver()[0] == "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    if not (libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD) and libc.mallopt(m_trim_threshold, 2 * MMAP_THRESHOLD)):
+        return None
+    return dict(malloc="glibc", mmap_threshold=MMAP_THRESHOLD, trim_threshold=2 * MMAP_THRESHOLD)
+
+
 def cpu_model():
     """The CPU's model name from /proc/cpuinfo (Linux), else platform's."""
     try:
@@ -315,6 +348,14 @@ def _interval(row):
     return f"{num(row['round_ratio_median'], '.2f')} ({spread})"
 
 
+def _allocator_line(allocator):
+    if not allocator:
+        return "Allocator: as the process found it (a smoke run, not glibc, or its thresholds could not be set)."
+    return (f"Allocator: glibc malloc with its mmap threshold at {allocator['mmap_threshold'] >> 20} MiB and its trim "
+            f"threshold at {allocator['trim_threshold'] >> 20} MiB, a long-running training process's state "
+            "(bench_cpu.steady_allocator).")  # fmt: skip
+
+
 def markdown(record):
     rows = record["results"]
     lines = harness.smoke_banner(record)
@@ -325,7 +366,7 @@ def markdown(record):
               "(torch.optim for AdamW and SGD, lion-pytorch for Lion), measured in the same run, of the medians; "
               "rounds' ratio: the median of each round's flatopt call over its call of that implementation, with a "
               "95% confidence interval (an interval holding 1: the two are not told apart on this machine).",
-              ""]  # fmt: skip
+              "", _allocator_line(cpu.get("allocator")), ""]  # fmt: skip
     sets = record.get("sets") or {}
     if sets:
         lines += harness.md_table(
@@ -403,6 +444,7 @@ def _run(args, argv, start):
     deadline = start + args.budget_s
     sets = shape_sets(args.quick)
     path = harness.output_path(args, "cpu")
+    allocator = None if args.quick else steady_allocator()  # a smoke run (the test suite's) leaves its process alone
     record = harness.new_record(
         "cpu",
         "on the CPU, flatopt's step (backend='cpu') against torch.optim's fastest implementation and lion-pytorch, "
@@ -410,7 +452,8 @@ def _run(args, argv, start):
         "bench_cpu", args, argv, "cpu",
         cpu=dict(model=cpu_model(), cores=os.cpu_count(), threads=torch.get_num_threads(),
                  interop_threads=torch.get_num_interop_threads(), python=platform.python_version(),
-                 torch=torch.__version__, torch_config_parallel=torch.__config__.parallel_info().splitlines()[:4]),
+                 torch=torch.__version__, torch_config_parallel=torch.__config__.parallel_info().splitlines()[:4],
+                 allocator=allocator),
         settings=dict(quick=args.quick, rounds=args.rounds, variants=args.variants, dtypes=args.dtypes,
                       optimizers=args.optimizers, budget_s=args.budget_s, seed=args.seed),
         hparams=HPARAMS,

@@ -13,8 +13,10 @@ import importlib.util
 import json
 import math
 import os
+import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -295,6 +297,7 @@ def test_cpu_benchmark_quick_run_then_plot(plot, tmp_path, capsys):
     assert record["benchmark"] == "cpu" and record["schema"] == 1 and record["smoke"] is True
     assert record["cpu"]["threads"] == 1 and record["cpu"]["cores"] == os.cpu_count() and record["cpu"]["model"]
     assert record["env"]["torch"] == torch.__version__ and "bench_cpu.py --quick" in record["command"]
+    assert record["cpu"]["allocator"] is None  # a smoke run leaves the test process's malloc as it is
     lion = importlib.util.find_spec("lion_pytorch") is not None
     rows = {(r["variant"], r["set"], r["dtype"], r["optimizer"], r["impl"]): r for r in record["results"]}
     cases = {k[:4] for k in rows}
@@ -326,6 +329,21 @@ def test_cpu_benchmark_quick_run_then_plot(plot, tmp_path, capsys):
     page = import_benchmark("report").render(tmp_path, tmp_path / "performance.md", allow_smoke=True)
     section = page[page.index("## On the CPU") :]
     assert f"Result: [`{path.name}`]" in section and "No stored result yet" not in section.split("\n## ")[0]
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+def test_cpu_benchmark_sets_the_allocator_of_a_long_running_process():
+    """A full bench_cpu.py run sets glibc's mmap and trim thresholds before any case (in a process of its own here:
+    they stay set for the process's life) and records them."""
+    code = (
+        "import json, sys; sys.path.insert(0, '.'); from benchmarks import bench_cpu; "
+        "print(json.dumps(bench_cpu.steady_allocator()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == dict(malloc="glibc", mmap_threshold=32 << 20, trim_threshold=64 << 20)
+    line = import_benchmark("bench_cpu")._allocator_line(got)
+    assert "mmap threshold at 32 MiB" in line and "trim threshold at 64 MiB" in line
 
 
 def test_cpu_benchmark_paired_ratio_and_its_interval():
