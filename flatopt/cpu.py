@@ -34,12 +34,13 @@ is the rule's (:mod:`flatopt.rules`), with the single roundings in a different o
 rounds a product first): the results agree with the reference to the tests' tolerances, not bit for bit.
 GradScaler's ``found_inf`` skips the whole launch (read on the host), ``grad_scale`` leaves the unscaled
 gradients in ``grad`` (and in the gradients read in place) as torch's fused kernels do; the step counts advance as
-the reference advances them, after the kernels ran.
+the reference advances them, before the pieces run (each piece was given its count), and go back if one raises.
 """
 
 import bisect
 import functools
 import math
+import operator
 import threading
 
 import torch
@@ -73,8 +74,13 @@ def _scratch_buffers(dtype, count):
     return bufs[:count]
 
 
-def _check(rule, param, grad, states, hparams):
-    """What the in-place calls need of the buffers, checked before anything changes."""
+def _check(rule, param, grad, states, hparams, meta):
+    """What the in-place calls need of the buffers, checked before anything changes (once per set of tensors: the
+    tensors last checked are kept in ``meta.checked``, and a launch with the same objects is not checked again)."""
+    seen = (rule, param, grad, *states, hparams)
+    last = meta.checked
+    if last is not None and len(last) == len(seen) and all(map(operator.is_, last, seen)):
+        return
     rule.check_table(hparams, param.dtype)
     named = [("param", param), ("grad", grad), *((n, t) for n, t in zip(rule.state_names, states) if t is not None)]
     for name, t in named:
@@ -93,37 +99,48 @@ def _check(rule, param, grad, states, hparams):
                 f"backend='cpu': {name} is {t.dtype} of {t.numel()} elements, the parameters {param.dtype} of "
                 f"{param.numel()}; every buffer of a launch has the parameters' dtype and length"
             )
+    meta.checked = seen
 
 
-def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, found_inf, sources):
+def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, found_inf, sources, flat=True):
     """Check, gather the gradients from ``sources`` (as the reference does; with ``sources.store`` False, only
-    those :func:`_in_place` leaves where they lie), then call ``piece_step(segments, h, steps, grad_scale)`` for
-    each active piece unless ``found_inf`` skips the launch, and advance the step counts. ``segments``: the piece as
-    ``(start, end, gradient)`` runs, the gradient a slice of ``grad`` or a gradient read in place; ``h``: the
-    piece's row by column name, floats; ``steps``: its completed steps."""
-    _check(rule, param, grad, states, hparams)
-    own = _in_place(grad, sources, meta)
+    those :func:`_in_place` leaves where they lie), advance the step counts, then call ``piece_step(segments, h,
+    steps, grad_scale)`` for each active piece unless ``found_inf`` skips the launch. ``segments``: the piece as
+    ``(start, end, gradient)`` runs, the gradient a slice of ``grad`` or a gradient read in place (1-D, or, with
+    ``flat`` False, a contiguous one of any shape: torch's fused kernels read their tensors' memory in order);
+    ``h``: the piece's row by column name, floats; ``steps``: its completed steps. A piece that raises leaves the
+    step counts as they were."""
+    _check(rule, param, grad, states, hparams, meta)
+    own = _in_place(grad, sources, meta, flat)
     ok = None if found_inf is None else found_inf.reshape(()) == 0
+    pieces = []
     if ok is None or bool(ok):
         if grad_scale is not None:
             grad_scale = grad_scale.reshape(()).to("cpu")
         rows = hparams.tolist()
-        for start, end, group, steps in runs(meta, param.numel()):
-            if end > start:
-                piece_step(_segments(start, end, grad, own), rule.named(rows[group]), steps, grad_scale)
+        pieces = [(a, b, rule.named(rows[group]), steps) for a, b, group, steps in runs(meta, param.numel()) if b > a]
+    # the counts advance before the pieces run (each piece was given its count above): the first operations after a
+    # kernel that streamed the buffers through the caches cost several times what they cost before it
     advance_steps(meta, ok)
+    try:
+        for start, end, h, steps in pieces:
+            piece_step(_segments(meta, start, end, grad, own), h, steps, grad_scale)
+    except BaseException:
+        advance_steps(meta, ok, -1)
+        raise
 
 
-def _in_place(grad, sources, meta):
-    """The gradients read where they lie, ``[(start, end, 1-D tensor)]`` in buffer order: with ``sources.store``
-    False, every source tensor (checked as the reference checks them); otherwise none, the sources gathered into
-    ``grad`` first, as the reference and the kernels store them."""
+def _in_place(grad, sources, meta, flat=True):
+    """The gradients read where they lie, ``[(start, end, tensor)]`` in buffer order (1-D in memory order, or with
+    ``flat`` False the tensor itself where it is contiguous): with ``sources.store`` False, every source tensor
+    (checked as the reference checks them); otherwise none, the sources gathered into ``grad`` first, as the
+    reference and the kernels store them."""
     if sources is None or sources.store:
         gather(grad, sources, meta)
         return []
     sources.check(meta, grad)
     return [
-        (start, start + n, g.as_strided((n,), (1,)))  # memory order, as the kernels read it
+        (start, start + n, g if not flat and g.is_contiguous() else g.as_strided((n,), (1,)))
         for start, n, g in sources.pieces()
         if n > 0
     ]
@@ -145,31 +162,61 @@ def _slices(meta, segments, tensors):
     if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
         return hit[1]
     count = len(segments) * len(tensors)
-    if meta.cut_slices + count > SLICES_MAX:
-        meta.cuts.clear()
-        meta.cut_slices = 0
+    _room(meta, count)
     out = [[t[s:e] for s, e, _ in segments] for t in tensors]
     meta.cuts[key] = (tensors, out)
     meta.cut_slices += count
     return out
 
 
-def _segments(start, end, grad, own):
+def _room(meta, count):
+    """Make room for ``count`` more slices in ``meta.cuts`` (see SLICES_MAX): all of them dropped when needed."""
+    if meta.cut_slices + count > SLICES_MAX:
+        meta.cuts.clear()
+        meta.cut_slices = 0
+
+
+def _segments(meta, start, end, grad, own):
     """Elements ``[start, end)`` as ``(s, e, gradient)`` runs: the gradients of ``own`` (sorted, each within one
-    piece: a piece is whole parameters) and the slices of ``grad`` between them. (Not kept as :func:`_slices` keeps
-    slices: a view kept of the gradient buffer would hold its storage through ``zero_grad()``.)"""
-    if not own:
-        return [(start, end, grad[start:end])]
-    out, at = [], start
-    for s, e, g in own[bisect.bisect_left(own, (start,)) :]:
+    piece: a piece is whole parameters) and the slices of ``grad`` between them. The runs' bounds and the slices of
+    ``grad`` are kept in ``meta.cuts`` for the next step whose gradients read in place lie at the same offsets,
+    where ``grad`` is a buffer that is never released (its storage cannot be resized: a view kept of a gradient
+    buffer that zero_grad() releases would hold its storage)."""
+    key = ("segments", id(grad), start, end, tuple([s for s, _, _ in own]))
+    hit = meta.cuts.get(key)
+    if hit is None or hit[0] is not grad:
+        hit = _segments_of(start, end, grad, own)
+        if grad.untyped_storage().resizable():
+            return _fill(hit[1], hit[2], own)
+        _room(meta, len(hit[1]))
+        meta.cuts[key] = hit
+        meta.cut_slices += len(hit[1])
+    return _fill(hit[1], hit[2], own)
+
+
+def _segments_of(start, end, grad, own):
+    """(grad, runs, holes): the runs of elements ``[start, end)``, those between the gradients of ``own`` as
+    ``(s, e, slice of grad)``, and ``holes``, ``(run index, own index)`` of each run that one of ``own`` fills."""
+    runs_, holes, at = [], [], start
+    first = bisect.bisect_left(own, (start,)) if own else 0
+    for j in range(first, len(own)):
+        s, e, _ = own[j]
         if s >= end:
             break
         if s > at:
-            out.append((at, s, grad[at:s]))
-        out.append((s, e, g))
+            runs_.append((at, s, grad[at:s]))
+        holes.append((len(runs_), j))
+        runs_.append((s, e, None))
         at = e
     if at < end:
-        out.append((at, end, grad[at:end]))
+        runs_.append((at, end, grad[at:end]))
+    return grad, runs_, holes
+
+
+def _fill(runs_, holes, own):
+    out = list(runs_)
+    for k, j in holes:
+        out[k] = own[j]
     return out
 
 
@@ -218,7 +265,7 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=No
         )  # fmt: skip
 
     _step(ADAMW, piece, param, grad, (exp_avg, exp_avg_sq), hparams=hparams, meta=meta, grad_scale=grad_scale,
-          found_inf=found_inf, sources=sources)  # fmt: skip
+          found_inf=found_inf, sources=sources, flat=False)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------- SGD
@@ -257,7 +304,7 @@ def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, fo
                 _sgd_chunked(param[s:e], g, buf, h, momentum, first, scale)
 
     _step(SGD, piece, param, grad, (momentum_buffer,), hparams=hparams, meta=meta, grad_scale=grad_scale,
-          found_inf=found_inf, sources=sources)  # fmt: skip
+          found_inf=found_inf, sources=sources, flat=kernel is not _fused_sgd)  # fmt: skip
 
 
 def _fused_sgd(params, grads, bufs, h, momentum, first, scale):

@@ -268,35 +268,26 @@ class GradLanding:
         parameters' gradients taken (None for the others), in the buffer's order."""
         zero, copy, taken = [], [], {}
         strided = torch.strided
+        least = in_place_min if in_place_min is not None else -1
         for p, view, slot, dtype, device, numel, shape, stride in self.entries:
             g = p.grad
-            if g is not None and (g is slot.grad or g is view):  # in place: a covered layer's, or settled
-                continue
-            if p.dtype is not dtype or p.get_device() != device:
-                continue  # the parameter moved or was cast: check_bindings() raises for it
             if g is None:
-                zero.append((p, view))
+                if p.dtype is dtype and p.get_device() == device:  # else moved or cast: check_bindings() raises
+                    zero.append((p, view))
                 continue
-            if g.dtype is not dtype:
-                continue  # cast with it: check_bindings() raises
+            if g is slot.grad or g is view:  # in place: a covered layer's, or settled
+                continue
+            if g.dtype is not dtype or p.dtype is not dtype or p.get_device() != device:
+                continue  # the parameter moved or was cast (its .grad with it): check_bindings() raises for it
             if g.layout is not strided or g.requires_grad:
                 self._check(p, g)  # raises, naming the parameter
-            at, strides = g.data_ptr(), g.stride()
-            if at == view.data_ptr() and strides == stride:
-                copy.append((p, view, None))  # the view itself, as another tensor object
-            elif (  # GradSources.fits, with the view's shape and strides read once
-                in_place_min is not None
-                and numel >= in_place_min
-                and strides == stride
-                and g.shape == shape
-                and g.get_device() == device
-                and at % 16 == 0
-            ):
-                row = taken.get(slot.b)
+            # (torch gives a .grad the shape, dtype and device of its parameter)
+            if 0 <= least <= numel and g.stride() == stride and g.shape == shape and g.data_ptr() % 16 == 0:
+                row = taken.get(slot.b)  # GradSources.fits, with the view's shape and strides read once
                 if row is None:
                     row = taken[slot.b] = [None] * self.counts[slot.b]
                 row[slot.index] = g
-            else:
+            else:  # copied in (a view of the slot itself as another tensor object too: see _copy_in)
                 copy.append((p, view, g))
         return zero, copy, taken
 
@@ -340,20 +331,27 @@ class GradLanding:
         for view in self.firsts_views:
             st = view.untyped_storage()
             spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
-        groups = {}
+        one = len(spans) == 1  # one buffer (the usual case): one dtype and device, one batched copy
+        groups = {None: ([], [])} if one else {}
+        dst, src = groups.get(None, (None, None))
         for _, view, g in copy:
             if g is None:
                 continue
             at = g.data_ptr()
             for lo, hi in spans:
-                if lo <= at < hi:  # a view into the buffer itself (p.grad = p.grad.t()): may overlap a destination
-                    g = g.clone()
+                if lo <= at < hi:  # a view into the buffer itself: its own slot (nothing to copy), or another place
+                    # (p.grad = p.grad.t()), which may overlap a destination
+                    g = None if at == view.data_ptr() and g.stride() == view.stride() else g.clone()
                     break
-            dst, src = groups.setdefault((view.dtype, view.get_device()), ([], []))
+            if g is None:
+                continue
+            if not one:
+                dst, src = groups.setdefault((view.dtype, view.get_device()), ([], []))
             dst.append(view)
             src.append(g)
-        for dst, src in groups.values():
-            torch._foreach_copy_(dst, src)
+        for views, grads in groups.values():
+            if views:
+                torch._foreach_copy_(views, grads)
 
     def _check(self, p, g):
         if g.layout == torch.strided and not g.requires_grad:

@@ -120,10 +120,26 @@ class StepMeta:
     # the CPU backend's slices of the launch's buffers, the same at every step: see flatopt.cpu._slices
     cuts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     cut_slices: int = field(default=0, init=False, repr=False, compare=False)  # how many slices ``cuts`` holds
+    hosts: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # see host()
+    checked: tuple | None = field(default=None, init=False, repr=False, compare=False)  # see flatopt.cpu._check
 
     def __post_init__(self):
         if self.stop is None:
             self.stop = self.param_group.numel()
+
+    def host(self, name):
+        """The CPU tensor ``name`` of this meta (``steps``, ``param_group``) as a numpy array over its memory, kept
+        while that attribute is the same tensor: the CPU step reads the step counts and group of a launch and adds
+        one to the counts without a torch operation each (several microseconds of host time each, several times
+        that right after a kernel that streamed the buffers through the caches). These tensors are never resized
+        in place, so the array stays over their memory."""
+        t = getattr(self, name)
+        hit = self.hosts.get(name)
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        arr = t.numpy()
+        self.hosts[name] = (t, arr)
+        return arr
 
 
 class FlatBuffer:
@@ -247,6 +263,17 @@ class FlatBuffer:
         if tables is None:
             tables = self._index_tables = (_table(self.starts, self.device), _table(self.sizes, self.device))
         return tables
+
+    def load_width(self):
+        """(width, starts): the widest load, in elements, that every parameter's size allows (16 bytes of elements,
+        or 1), and the parameters' offsets as a tuple; found once (the layout does not change)."""
+        found = self.__dict__.get("_load_width")
+        if found is None:
+            vec = 16 // torch.empty((), dtype=self.dtype).element_size()
+            if any(n % vec for n in self.sizes):
+                vec = 1
+            found = self._load_width = (vec, tuple(self.starts))
+        return found
 
     def view(self, flat, i):
         """The view of parameter ``i`` in ``flat``, with the parameter's shape and strides."""
@@ -415,11 +442,8 @@ class GradSources:
         buffer, whose tables are built if a kernel asks for them (:meth:`tables`)."""
         if not checked:
             cls._check_fit(buf, grads)
-        numel = buf.sizes
-        vec = 16 // buf.grad.element_size()
-        if any(n % vec for n in numel):
-            vec = 1
-        out = cls(None, None, None, list(grads), vec, numel, vec, buf.numel, buf.dtype, store, tuple(buf.starts),
+        vec, starts = buf.load_width()
+        out = cls(None, None, None, list(grads), vec, buf.sizes, vec, buf.numel, buf.dtype, store, starts,
                   buf.grad_views, buf.device)  # fmt: skip
         if store or buf.device.type != "cpu":
             out.start, out.numel = buf.index_tables()

@@ -27,7 +27,8 @@ def runs(meta, numel):
     Python per run: the parameters of a flat buffer lie in order, so ``meta.param_of_granule`` is non-decreasing
     and each parameter's granules are found by a binary search."""
     if meta.uniform:
-        return [(0, numel, int(meta.param_group[meta.first]), float(meta.steps[meta.first]))]
+        first = meta.first
+        return [(0, numel, int(meta.host("param_group")[first]), float(meta.host("steps")[first]))]
     owner = meta.param_of_granule
     if owner.numel() == 0:
         return []
@@ -86,15 +87,18 @@ def _run(meta, hparams, numel, found_inf, update, dtype):
     advance_steps(meta, ok)
 
 
-def advance_steps(meta, ok=None):
-    """Add one to the completed steps of the launch's active parameters (``ok``: a bool tensor, False when
-    found_inf skipped the step, or None)."""
+def advance_steps(meta, ok=None, by=1):
+    """Add ``by`` (one; -1 takes it back) to the completed steps of the launch's active parameters (``ok``: a bool
+    tensor, False when found_inf skipped the step, or None)."""
+    if meta.active is None and ok is None and meta.steps.device.type == "cpu":  # every CPU step: no torch operation
+        meta.host("steps")[meta.first : meta.stop] += by
+        return
     whole = meta.first == 0 and meta.stop == len(meta.steps)
     steps = meta.steps if whole else meta.steps[meta.first : meta.stop]
     if meta.active is None and ok is None:
-        steps.add_(1)  # one operation: this runs at every CPU step
+        steps.add_(by)
         return
-    inc = torch.ones_like(steps)
+    inc = torch.full_like(steps, by)
     if meta.active is not None:
         inc = inc * meta.active[meta.first : meta.stop].float()
     if ok is not None:

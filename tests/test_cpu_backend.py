@@ -28,7 +28,7 @@ from conftest import TOL, LionReference
 from torch import nn
 
 import flatopt
-from flatopt import cpu, functional, reference
+from flatopt import cpu, functional, layout, reference
 from flatopt.layout import ALIGN, FlatBuffer, GradSources, StepMeta, compute_dtype
 from flatopt.rules import ADAMW, LION, SGD
 
@@ -95,13 +95,13 @@ def close(actual, expected, what, **tol):
 class Case:
     """Flat buffers of SHAPES, their StepMeta and hyper-parameter table, and the launch's other arguments."""
 
-    def __init__(self, opt, dtype, variant, seed=0):
+    def __init__(self, opt, dtype, variant, seed=0, grad=True):
         rule, rows = OPTS[opt]
         uniform = variant in ("uniform", "grad_scale", "sources")
         gen = torch.Generator().manual_seed(seed)
         params = [torch.zeros(s, dtype=dtype) for s in SHAPES]
         states = () if variant == "no-momentum" else rule.state_names
-        self.buf = b = FlatBuffer(params, [0] * len(SHAPES) if uniform else GROUP_OF, states)
+        self.buf = b = FlatBuffer(params, [0] * len(SHAPES) if uniform else GROUP_OF, states, grad=grad)
         for i, s in enumerate(SHAPES):
             b.data_views[i].copy_(torch.randn(s, generator=gen))
             b.grad_views[i].copy_(torch.randn(s, generator=gen))
@@ -315,6 +315,58 @@ def test_a_launch_that_fails_counts_no_step(opt, monkeypatch):
     with pytest.raises(RuntimeError, match="kernel failed"):
         case.launch("cpu")
     assert torch.equal(case.meta.steps, before)
+
+
+@pytest.mark.parametrize("opt", list(OPTS))
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-grad", "released-grad"])
+def test_runs_are_kept_for_the_next_step_with_its_gradients_in_the_same_places(opt, kept, monkeypatch):
+    """A launch reading gradients in place finds its runs (their bounds and the slices of the gradient buffer
+    between the gradients) again at the next step whose gradients of their own belong to the same parameters,
+    new tensors as they are, where the gradient buffer is never released (its storage cannot be resized); with
+    other parameters' gradients, or a buffer zero_grad() may release, they are made anew. The results are the
+    reference's at every step."""
+    if kept:  # the gradient buffer in a mapping of its own (flat_zeros), as the CPU's of 2 MiB and more
+        monkeypatch.setattr(layout, "HUGE_PAGE", 1)
+    ours = Case(opt, torch.float32, "in-place", grad="kept" if kept else True)
+    assert ours.buf.grad.untyped_storage().resizable() is not kept
+    ref = ours.clone()
+    gen = torch.Generator().manual_seed(5)
+
+    def entries():
+        return {k: v for k, v in ours.meta.cuts.items() if k[0] == "segments"}
+
+    for step, every in enumerate([2, 2, 3]):  # every other gradient in place twice, then every third
+        ours.grads = [torch.randn(sh, generator=gen) if i % every else None for i, sh in enumerate(SHAPES)]
+        ref.grads = [None if g is None else g.clone() for g in ours.grads]
+        ours.sources = GradSources.of(ours.buf, ours.grads, store=False)
+        ref.sources = GradSources.of(ref.buf, ref.grads, store=False)
+        before = entries()
+        ours.launch("cpu")
+        ref.launch("torch")
+        compare(ours, ref, f"{opt}, step {step}")
+        ref.load(ours)
+        after = entries()
+        if not kept:
+            assert not after
+        elif step == 1:  # the same places: the entries of step 0 (one per piece), not made again
+            assert after.keys() == before.keys() and all(after[k] is before[k] for k in after)
+        else:
+            assert len(after) > len(before) and all(after[k] is before[k] for k in before)
+
+
+def test_a_launch_with_other_tensors_than_the_last_is_checked_again():
+    """The checks of a launch's buffers are skipped only for the very tensors that passed them last."""
+    case = Case("adamw", torch.float32, "uniform")
+    case.launch("cpu")
+    assert case.meta.checked is not None
+    spoiled = case.buf.data.clone().to(torch.float64)
+    with pytest.raises(ValueError, match="every buffer of a launch has the parameters' dtype"):
+        functional.adamw(case.buf.data, spoiled, *case.buf.states.values(), hparams=case.hparams, meta=case.meta,
+                         backend="cpu")  # fmt: skip
+    strided = torch.zeros(2 * case.buf.numel)[::2]
+    with pytest.raises(ValueError, match="flat, contiguous 1-D buffers"):
+        functional.adamw(strided, case.buf.grad, *case.buf.states.values(), hparams=case.hparams, meta=case.meta,
+                         backend="cpu")  # fmt: skip
 
 
 def test_slices_are_found_again_at_the_next_step_however_many_pieces(monkeypatch):

@@ -19,9 +19,11 @@ from flatopt.torch_compat import bump_versions, has_step_pre_hooks, remove_hooks
 
 # On the CPU, a gradient of its own (an uncovered use) of at least this many elements is read where autograd left it
 # by step(), rather than copied into the flat buffer first; smaller ones are copied in with one batched copy, so that
-# the step's call per piece does not take a tensor per parameter. On a 2-core AMD EPYC (float32, in cache) a copy of
-# 64K elements takes about 6 us and of 256K about 14 us, and each extra tensor in a fused kernel's lists 13 to 16 us.
-IN_PLACE_MIN = 1 << 17
+# the step's call per piece does not take a tensor per parameter. In cache a copy of 64K float32 elements takes about
+# 6 us and of 256K about 14 us; each extra tensor in a fused kernel's lists 13 to 16 us on a 2-core AMD EPYC, 2 (SGD)
+# to 4 (AdamW) on a 2-core Intel Xeon. In a training loop the copies run out of cache, at about three times those
+# times (the batched copy of a GPT-2-style model's 64K-element gradients and small ones, timed inside its steps).
+IN_PLACE_MIN = 1 << 16
 
 
 class FlatStepEngine(FlatEngine):
@@ -189,6 +191,9 @@ class FlatStepEngine(FlatEngine):
                         found_inf=found_inf, sources=sources.get(buf),
                     )  # fmt: skip
 
+        # the version counters first: after a kernel that streamed the buffers through the caches, the first
+        # operations cost several times what they cost before it (a CPU step's, measured)
+        self._count_updates(idle, plan[0] if opt.skip_unused else ())
         if self.graph_usable() and not sources:  # the step graph's key does not cover sources
             key = StepGraph.key_of(self.buffers, opt.hparams.on(self.buffers[0].device), grad_scale, found_inf)
             key += (opt.rounding_seed,)  # baked into the launches (a load_state_dict may change it)
@@ -196,7 +201,6 @@ class FlatStepEngine(FlatEngine):
         else:
             launch()
         self.keep_padding_zero()
-        self._count_updates(idle, plan[0] if opt.skip_unused else ())
         return loss
 
     def _count_updates(self, idle, without):
