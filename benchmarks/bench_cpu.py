@@ -299,7 +299,7 @@ def steady_allocator():
     and a case's times moved with the cases run before it (lion-pytorch's loop most). Setting both thresholds here
     (M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 64 MiB: the values the dynamic rule reaches) gives every case the
     long-running state (not in a ``--quick`` run). flatopt's flat buffers are mapped by flatopt itself
-    (flatopt.layout.flat_zeros) and are not concerned."""
+    (see flat_zeros in its layout module) and are not concerned."""
     import ctypes
     import ctypes.util
 
@@ -348,7 +348,9 @@ def _interval(row):
     return f"{num(row['round_ratio_median'], '.2f')} ({spread})"
 
 
-def _allocator_line(allocator):
+def _allocator_line(allocator, recorded=True):
+    if not recorded:
+        return "Allocator: not recorded (a run from before bench_cpu set glibc's thresholds: as the process found it)."
     if not allocator:
         return "Allocator: as the process found it (a smoke run, not glibc, or its thresholds could not be set)."
     return (f"Allocator: glibc malloc with its mmap threshold at {allocator['mmap_threshold'] >> 20} MiB and its trim "
@@ -366,7 +368,7 @@ def markdown(record):
               "(torch.optim for AdamW and SGD, lion-pytorch for Lion), measured in the same run, of the medians; "
               "rounds' ratio: the median of each round's flatopt call over its call of that implementation, with a "
               "95% confidence interval (an interval holding 1: the two are not told apart on this machine).",
-              "", _allocator_line(cpu.get("allocator")), ""]  # fmt: skip
+              "", _allocator_line(cpu.get("allocator"), "allocator" in cpu), ""]  # fmt: skip
     sets = record.get("sets") or {}
     if sets:
         lines += harness.md_table(
