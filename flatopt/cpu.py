@@ -102,16 +102,37 @@ def _check(rule, param, grad, states, hparams, meta):
     meta.checked = seen
 
 
-def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, found_inf, sources, flat=True):
+def _step(rule, param, grad, states, *, hparams, meta, grad_scale, found_inf, sources):
     """Check, gather the gradients from ``sources`` (as the reference does; with ``sources.store`` False, only
-    those :func:`_in_place` leaves where they lie), advance the step counts, then call ``piece_step(segments, h,
-    steps, grad_scale)`` for each active piece unless ``found_inf`` skips the launch. ``segments``: the piece as
-    ``(start, end, gradient)`` runs, the gradient a slice of ``grad`` or a gradient read in place (1-D, or, with
-    ``flat`` False, a contiguous one of any shape: torch's fused kernels read their tensors' memory in order);
-    ``h``: the piece's row by column name, floats; ``steps``: its completed steps. A piece that raises leaves the
-    step counts as they were."""
+    those :func:`_in_place` leaves where they lie), then step the pieces (:func:`_run`)."""
     _check(rule, param, grad, states, hparams, meta)
-    own = _in_place(grad, sources, meta, flat)
+    piece, flat = _piece_of(rule, param.dtype)
+    _run(rule, piece, param, grad, states, hparams, meta, _in_place(grad, sources, meta, flat), grad_scale, found_inf)
+
+
+def step_own(rule, param, grad, states, *, hparams, meta, own):
+    """One launch of ``rule`` over flat buffers whose gradients of their own ``own`` (``[(start, end, tensor)]`` in
+    buffer order, each tensor of its parameter's shape and strides) are read where they lie, the others' from
+    ``grad``: what the ``*_step`` functions do with ``store=False`` sources, no ``grad_scale`` nor ``found_inf``,
+    for buffers :func:`steps_fused` accepts (the step engine's CPU lane: flatopt.engines.cpu_lane)."""
+    _check(rule, param, grad, states, hparams, meta)
+    piece, flat = _piece_of(rule, param.dtype)
+    if flat:  # memory order, as the kernels read it
+        own = [(s, e, g if g.dim() == 1 else g.as_strided((e - s,), (1,))) for s, e, g in own]
+    _run(rule, piece, param, grad, states, hparams, meta, own, None, None)
+
+
+def steps_fused(rule, param, states, precision):
+    """Whether the parameters and ``states`` of a launch (``precision``: its master buffer, rounding seed and scales,
+    as the launchers take them) are stepped by this backend's own pieces, not by the reference."""
+    return not _compact(param, states, precision) and _piece_of(rule, param.dtype)[0] is not None
+
+
+def _run(rule, piece, param, grad, states, hparams, meta, own, grad_scale, found_inf):
+    """Advance the step counts, then call ``piece(meta, param, states, segments, h, steps, grad_scale)`` for each
+    active piece unless ``found_inf`` skips the launch. ``segments``: the piece as ``(start, end, gradient)`` runs,
+    the gradient a slice of ``grad`` or one of ``own`` (see :func:`_in_place`); ``h``: the piece's row by column
+    name, floats; ``steps``: its completed steps. A piece that raises leaves the step counts as they were."""
     ok = None if found_inf is None else found_inf.reshape(()) == 0
     pieces = []
     if ok is None or bool(ok):
@@ -124,10 +145,25 @@ def _step(rule, piece_step, param, grad, states, *, hparams, meta, grad_scale, f
     advance_steps(meta, ok)
     try:
         for start, end, h, steps in pieces:
-            piece_step(_segments(meta, start, end, grad, own), h, steps, grad_scale)
+            piece(meta, param, states, _segments(meta, start, end, grad, own), h, steps, grad_scale)
     except BaseException:
         advance_steps(meta, ok, -1)
         raise
+
+
+def _piece_of(rule, dtype):
+    """(piece, flat): the function that steps a piece of ``rule`` over buffers of ``dtype`` (None: no torch kernel
+    steps them as the rule does, and the reference steps them), and whether it takes 1-D gradients (else contiguous
+    ones of any shape: torch's fused kernels read their tensors' memory in order)."""
+    if rule is ADAMW:
+        return _adamw_piece, False
+    if rule is LION:
+        return _lion_piece, True
+    if fused_sgd_steps(dtype):
+        return _sgd_fused_piece, False
+    if fused_sgd_steps(compute_dtype(dtype)):
+        return _sgd_chunked_piece, True
+    return None, True  # no torch kernel steps as the rule does, for the buffers nor for their math's dtype
 
 
 def _in_place(grad, sources, meta, flat=True):
@@ -250,61 +286,64 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, *, hparams, meta, grad_scale=No
         reference.adamw_step(param, grad, exp_avg, exp_avg_sq, hparams=hparams, meta=meta, grad_scale=grad_scale,
                                     found_inf=found_inf, sources=sources, **precision)  # fmt: skip
         return
+    _step(ADAMW, param, grad, (exp_avg, exp_avg_sq), hparams=hparams, meta=meta, grad_scale=grad_scale,
+          found_inf=found_inf, sources=sources)  # fmt: skip
 
-    def piece(segments, h, steps, scale):
-        grads = [g for _, _, g in segments]
-        params, avgs, avg_sqs = _slices(meta, segments, (param, exp_avg, exp_avg_sq))
-        # The kernel computes the bias corrections 1 - beta**t in float64 from the betas it is given: betas
-        # rebuilt from the table's logarithms, as the rule computes them (a float32 table's beta2 = 0.999 is off by
-        # 1.3e-8, which 1 - beta2**3 = 0.003 would magnify to 1.3e-5)
-        torch._fused_adamw_(
-            params, grads, avgs, avg_sqs, [], [torch.tensor(steps + 1.0)] * len(segments),
-            lr=h["lr"], beta1=math.exp(h["log_beta1"]), beta2=math.exp(h["log_beta2"]),
-            weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=h["grad_sign"] < 0,
-            grad_scale=_kernel_scale(grads, scale),
-        )  # fmt: skip
 
-    _step(ADAMW, piece, param, grad, (exp_avg, exp_avg_sq), hparams=hparams, meta=meta, grad_scale=grad_scale,
-          found_inf=found_inf, sources=sources, flat=False)  # fmt: skip
+def _adamw_piece(meta, param, states, segments, h, steps, scale):
+    exp_avg, exp_avg_sq = states
+    grads = [g for _, _, g in segments]
+    params, avgs, avg_sqs = _slices(meta, segments, (param, exp_avg, exp_avg_sq))
+    # The kernel computes the bias corrections 1 - beta**t in float64 from the betas it is given: betas
+    # rebuilt from the table's logarithms, as the rule computes them (a float32 table's beta2 = 0.999 is off by
+    # 1.3e-8, which 1 - beta2**3 = 0.003 would magnify to 1.3e-5)
+    torch._fused_adamw_(
+        params, grads, avgs, avg_sqs, [], [torch.tensor(steps + 1.0)] * len(segments),
+        lr=h["lr"], beta1=math.exp(h["log_beta1"]), beta2=math.exp(h["log_beta2"]),
+        weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=h["grad_sign"] < 0,
+        grad_scale=_kernel_scale(grads, scale),
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------- SGD
 def sgd_step(param, grad, momentum_buffer, *, hparams, meta, grad_scale=None, found_inf=None, block_size=None,
              sources=None, **precision):  # fmt: skip
     """One SGD step over flat buffers (``block_size``: the kernels', ignored here)."""
-    if _compact(param, (momentum_buffer,), precision):
-        kernel = None
-    elif fused_sgd_steps(param.dtype):
-        kernel = _fused_sgd
-    elif fused_sgd_steps(compute_dtype(param.dtype)):
-        kernel = _sgd_chunked
-    else:  # no torch kernel steps as the rule does, for the buffers nor for their math's dtype
-        kernel = None
-    if kernel is None:  # the reference, for compact storage too (see the module docstring)
+    if not steps_fused(SGD, param, (momentum_buffer,), precision):  # the reference (see the module docstring)
         reference.sgd_step(param, grad, momentum_buffer, hparams=hparams, meta=meta, grad_scale=grad_scale,
                                   found_inf=found_inf, sources=sources, **precision)  # fmt: skip
         return
+    _step(SGD, param, grad, (momentum_buffer,), hparams=hparams, meta=meta, grad_scale=grad_scale,
+          found_inf=found_inf, sources=sources)  # fmt: skip
 
-    def piece(segments, h, steps, scale):
-        # the rule leaves the buffer alone where a group has no momentum, or where no group has one (None)
-        momentum = h["momentum"] if momentum_buffer is not None else 0.0
-        first = steps == 0
-        if kernel is _fused_sgd:  # one call for the piece
-            if momentum != 0.0:
-                params, bufs = _slices(meta, segments, (param, momentum_buffer))
-            else:
-                (params,), bufs = _slices(meta, segments, (param,)), []
-            return _fused_sgd(params, [g for _, _, g in segments], bufs, h, momentum, first, scale)
-        low = _low_precision_steps(h, momentum, first, scale)
-        for s, e, g in segments:
-            buf = momentum_buffer[s:e] if momentum != 0.0 else None
-            if low:
-                _sgd_low_precision(param[s:e], g, buf, h, momentum, first)
-            else:
-                _sgd_chunked(param[s:e], g, buf, h, momentum, first, scale)
 
-    _step(SGD, piece, param, grad, (momentum_buffer,), hparams=hparams, meta=meta, grad_scale=grad_scale,
-          found_inf=found_inf, sources=sources, flat=kernel is not _fused_sgd)  # fmt: skip
+def _sgd_momentum(states, h):
+    """The momentum a piece steps with: none where its group has none, or where no group has one (no buffer), the
+    rule leaving the buffer alone."""
+    return h["momentum"] if states[0] is not None else 0.0
+
+
+def _sgd_fused_piece(meta, param, states, segments, h, steps, scale):
+    """One ``torch._fused_sgd_`` call for the piece (buffers whose dtype it steps as the rule does)."""
+    momentum = _sgd_momentum(states, h)
+    if momentum != 0.0:
+        params, bufs = _slices(meta, segments, (param, states[0]))
+    else:
+        (params,), bufs = _slices(meta, segments, (param,)), []
+    _fused_sgd(params, [g for _, _, g in segments], bufs, h, momentum, steps == 0, scale)
+
+
+def _sgd_chunked_piece(meta, param, states, segments, h, steps, scale):
+    """bfloat16 and float16 buffers: in-place addcmul passes where they step the group as the rule does, the float32
+    kernel a chunk at a time otherwise."""
+    momentum, first = _sgd_momentum(states, h), steps == 0
+    low = _low_precision_steps(h, momentum, first, scale)
+    for s, e, g in segments:
+        buf = states[0][s:e] if momentum != 0.0 else None
+        if low:
+            _sgd_low_precision(param[s:e], g, buf, h, momentum, first)
+        else:
+            _sgd_chunked(param[s:e], g, buf, h, momentum, first, scale)
 
 
 def _fused_sgd(params, grads, bufs, h, momentum, first, scale):
@@ -404,12 +443,12 @@ def lion_step(param, grad, exp_avg, *, hparams, meta, grad_scale=None, found_inf
         reference.lion_step(param, grad, exp_avg, hparams=hparams, meta=meta, grad_scale=grad_scale,
                                    found_inf=found_inf, sources=sources, **precision)  # fmt: skip
         return
+    _step(LION, param, grad, (exp_avg,), hparams=hparams, meta=meta, grad_scale=grad_scale, found_inf=found_inf,
+          sources=sources)  # fmt: skip
 
-    def piece(segments, h, steps, scale):
-        _lion_chunked(param, exp_avg, segments, h, scale)
 
-    _step(LION, piece, param, grad, (exp_avg,), hparams=hparams, meta=meta, grad_scale=grad_scale,
-          found_inf=found_inf, sources=sources)  # fmt: skip
+def _lion_piece(meta, param, states, segments, h, steps, scale):
+    _lion_chunked(param, states[0], segments, h, scale)
 
 
 def _chunk_parts(segments, s, e, k):

@@ -269,6 +269,8 @@ class GradLanding:
         zero, copy, taken = [], [], {}
         strided = torch.strided
         least = in_place_min if in_place_min is not None else -1
+        spans = self._spans()
+        lo, hi = spans[0] if len(spans) == 1 else (0, 0)
         for p, view, slot, dtype, device, numel, shape, stride in self.entries:
             g = p.grad
             if g is None:
@@ -277,19 +279,34 @@ class GradLanding:
                 continue
             if g is slot.grad or g is view:  # in place: a covered layer's, or settled
                 continue
-            if g.dtype is not dtype or p.dtype is not dtype or p.get_device() != device:
-                continue  # the parameter moved or was cast (its .grad with it): check_bindings() raises for it
+            # torch gives a .grad its parameter's shape, dtype and device: a parameter moved or cast since the layout
+            # has a .grad of another dtype or device, left alone (check_bindings() raises for the parameter)
+            if g.dtype is not dtype or g.get_device() != device:
+                continue
             if g.layout is not strided or g.requires_grad:
                 self._check(p, g)  # raises, naming the parameter
-            # (torch gives a .grad the shape, dtype and device of its parameter)
-            if 0 <= least <= numel and g.stride() == stride and g.shape == shape and g.data_ptr() % 16 == 0:
+            at = g.data_ptr()
+            if lo <= at < hi or (len(spans) > 1 and any(a <= at < b for a, b in spans)):
+                # a view into a gradient buffer: its own slot as another tensor object (nothing to copy), or another
+                # place (p.grad = p.grad.t()), which may overlap a destination: copied from a clone
+                copy.append((p, view, None if at == view.data_ptr() and g.stride() == stride else g.clone()))
+            elif 0 <= least <= numel and g.stride() == stride and g.shape == shape and at % 16 == 0:
                 row = taken.get(slot.b)  # GradSources.fits, with the view's shape and strides read once
                 if row is None:
                     row = taken[slot.b] = [None] * self.counts[slot.b]
                 row[slot.index] = g
-            else:  # copied in (a view of the slot itself as another tensor object too: see _copy_in)
+            else:
                 copy.append((p, view, g))
         return zero, copy, taken
+
+    def _spans(self):
+        """Each gradient buffer's storage as ``(start, end)`` addresses, as it is now (empty while released)."""
+        out = []
+        for view in self.firsts_views:
+            st = view.untyped_storage()
+            at = st.data_ptr()
+            out.append((at, at + st.nbytes()))
+        return out
 
     def apply(self, plan, put=True):
         """Do what :meth:`plan` planned: zero the views of the parameters without a gradient, copy the gradients of
@@ -325,33 +342,22 @@ class GradLanding:
                 self.hook(p)  # a covered parameter whose gradient came torch's way: copied as it comes from now on
 
     def _copy_in(self, copy):
-        """Copy each gradient of ``copy`` ((parameter, view, tensor or None: the view itself)) into its view: one
-        batched copy (a few kernels) per dtype and device rather than one per parameter."""
-        spans = []  # each buffer's storage, [start, end) addresses, as it is now
-        for view in self.firsts_views:
-            st = view.untyped_storage()
-            spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
-        one = len(spans) == 1  # one buffer (the usual case): one dtype and device, one batched copy
-        groups = {None: ([], [])} if one else {}
-        dst, src = groups.get(None, (None, None))
-        for _, view, g in copy:
-            if g is None:
-                continue
-            at = g.data_ptr()
-            for lo, hi in spans:
-                if lo <= at < hi:  # a view into the buffer itself: its own slot (nothing to copy), or another place
-                    # (p.grad = p.grad.t()), which may overlap a destination
-                    g = None if at == view.data_ptr() and g.stride() == view.stride() else g.clone()
-                    break
-            if g is None:
-                continue
-            if not one:
-                dst, src = groups.setdefault((view.dtype, view.get_device()), ([], []))
-            dst.append(view)
-            src.append(g)
-        for views, grads in groups.values():
+        """Copy each gradient of ``copy`` ((parameter, view, tensor or None: the view itself), as :meth:`plan` lists
+        them: none of them overlaps a view) into its view: one batched copy (a few kernels) per dtype and device
+        rather than one per parameter."""
+        if len(self.firsts_views) == 1:  # one buffer (the usual case): one dtype and device
+            views = [view for _, view, g in copy if g is not None]
             if views:
-                torch._foreach_copy_(views, grads)
+                torch._foreach_copy_(views, [g for _, _, g in copy if g is not None])
+            return
+        groups = {}
+        for _, view, g in copy:
+            if g is not None:
+                dst, src = groups.setdefault((view.dtype, view.get_device()), ([], []))
+                dst.append(view)
+                src.append(g)
+        for views, grads in groups.values():
+            torch._foreach_copy_(views, grads)
 
     def _check(self, p, g):
         if g.layout == torch.strided and not g.requires_grad:

@@ -264,3 +264,108 @@ def test_the_default_covers_the_layers_whose_slots_are_on_a_gpu():
         slots.uninstall()
     assert slots.install(model, cpu=True) == ["0", "1"]
     slots.uninstall()
+
+
+# ------------------------------------------------------------------------------------------------------ the lane
+def lane_decisions(opt):
+    """The CPU lane's answer at every step from now on (flatopt.engines.cpu_lane: True where it stepped)."""
+    lane, answers = opt.engine.lane, []
+    real = lane.step
+
+    def step(eng, in_place_min):
+        answers.append(real(eng, in_place_min))
+        return answers[-1]
+
+    lane.step = step
+    return answers
+
+
+def check_identical(m1, o1, m2, o2, step):
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.equal(a, b), f"step {step}: {n} differs"
+    sd1, sd2 = o1.state_dict()["state"], o2.state_dict()["state"]
+    for i, entry in sd2.items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(sd1[i][key]), torch.as_tensor(value)), f"step {step}: {i} {key}"
+
+
+# what a step does before step() (after zero_grad() and backward, but where it says otherwise), and whether the lane
+# takes it: a first step (it names the parameters without a gradient), and any step that is not a loop's ordinary one,
+# go the general way
+EVENTS = [
+    ("first step", False),
+    ("ordinary", True),
+    ("a parameter without a gradient", False),
+    ("ordinary", True),  # the mask of the step before dropped
+    ("zero_grad(set_to_none=False)", False),
+    ("ordinary", True),
+    ("opt.state cleared", False),
+    ("ordinary", True),
+    ("a gradient of other strides", False),
+    ("a gradient set to a view of the buffer", False),
+    ("a new learning rate", True),
+    ("momentum turned on", True),  # SGD's momentum buffer allocated: the lane finds its rows again
+    ("ordinary", True),
+]
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_the_lane_steps_as_the_general_step_does_and_leaves_it_the_rest(name):
+    """With the CPU lane and without it (the general step alone), the same loop gives the same parameters and
+    states bit for bit: the lane steps a loop's ordinary steps (a new learning rate included) with the same pieces
+    of the CPU backend, and leaves every other step to the general path before changing anything."""
+    ours_cls, _, kw = PAIRS[name]
+    kw = dict(kw, momentum=0.0) if name == "sgd" else kw
+    m1, m2 = Model(), Model()
+    o1, o2 = ours_cls(m1, **kw), ours_cls(m2, **kw)
+    assert o1.engine.lane is not None
+    o2.engine.lane = None
+    answers = lane_decisions(o1)
+    for step, ((event, _), x) in enumerate(zip(EVENTS, batches(len(EVENTS)))):
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad(set_to_none=event != "zero_grad(set_to_none=False)")
+            m(x).backward()
+            if event == "a parameter without a gradient":
+                m.shift.grad = None
+            elif event == "opt.state cleared":
+                o.state.clear()
+            elif event == "a gradient of other strides":
+                m.mix.grad = m.mix.grad.t().contiguous().t()
+            elif event == "a gradient set to a view of the buffer":
+                o.zero_grad(set_to_none=False)
+                view = m.shift.grad
+                m(x).backward()
+                m.shift.grad = view.detach()  # another tensor object over its slot
+            elif event == "a new learning rate":
+                for group in o.param_groups:
+                    group["lr"] *= 0.5
+            elif event == "momentum turned on" and name == "sgd":
+                for group in o.param_groups:
+                    group["momentum"] = 0.9
+            o.step()
+        check_identical(m1, o1, m2, o2, f"{step} ({event})")
+    assert answers == [lane for event, lane in EVENTS]
+
+
+def test_the_lane_refuses_what_the_general_step_refuses_before_anything_changes():
+    """A sparse gradient, or one with autograd history, after ordinary steps: the lane leaves the step to the
+    general path, which raises its error and changes nothing."""
+    m = Model()
+    opt = flatopt.AdamW(m, lr=1e-2)
+    for x in batches(2):
+        opt.zero_grad()
+        m(x).backward()
+        opt.step()
+    answers = lane_decisions(opt)
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.zero_grad()
+    m(batches(1)[0]).backward(create_graph=True)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        opt.step()
+    opt.zero_grad()
+    m(batches(1)[0]).backward()
+    m.shift.grad = m.shift.grad.to_sparse()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+    assert answers == [False, False]
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))

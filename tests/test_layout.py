@@ -687,6 +687,14 @@ def test_one_launch_per_buffer_per_step(backend, opt_name, case, monkeypatch):
         return real(param, *args, **kwargs)
 
     monkeypatch.setattr(module, entry, counted)
+    if backend == "cpu":  # an ordinary CPU step launches through the lane's entry (flatopt.engines.cpu_lane)
+        real_own = cpu.step_own
+
+        def counted_own(rule, param, *args, **kwargs):
+            calls.append(param)
+            return real_own(rule, param, *args, **kwargs)
+
+        monkeypatch.setattr(cpu, "step_own", counted_own)
     groups, n_buffers = layouts(case, device_for(backend))
     params = [p for g in groups for p in g["params"]]
     opt = make(groups, backend=backend)

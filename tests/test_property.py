@@ -18,7 +18,10 @@ once with torch.optim, from equal models. An example draws:
 
 After every step the parameters and every state tensor torch.optim keeps are compared (``conftest.TOL``: explicit
 ``(dtype, atol, rtol)``), and the keys of both state dicts. ``N_EXAMPLES`` examples per backend (the Triton
-backend's smaller: fewer, smaller parameters and fewer steps under the interpreter).
+backend's smaller: fewer, smaller parameters and fewer steps under the interpreter). The CPU backend's odd
+examples land their gradients as on the CPU outside the tests (``cpu_gradient_policy``: no copying hook, step()
+reads autograd's gradients, and its ordinary steps take the CPU lane, flatopt.engines.cpu_lane), the even ones
+as on a GPU, as the rest of the suite does.
 
 ``KINDS`` switches the scenario kinds. A kind whose entry names what flatopt lacks (a change in progress, or a
 mismatch with torch.optim these tests found) is left out of the random examples, which the generator keeps clear
@@ -669,8 +672,11 @@ def run_example(plan):
 def examples():
     out = []
     for backend, n in N_EXAMPLES.items():
-        marks = [TRITON_SKIP] if backend == "triton" else []
-        out += [pytest.param(backend, seed, marks=marks, id=f"{backend}-{seed}") for seed in range(n)]
+        for seed in range(n):
+            marks = [TRITON_SKIP] if backend == "triton" else []
+            if backend == "cpu" and seed % 2:
+                marks.append(pytest.mark.cpu_gradient_policy)  # the CPU's own landing, and its lane
+            out.append(pytest.param(backend, seed, marks=marks, id=f"{backend}-{seed}"))
     return out
 
 

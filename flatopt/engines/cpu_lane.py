@@ -1,0 +1,120 @@
+"""The CPU step's lane: the ordinary step of a CPU training loop, with a fraction of the general step's host work.
+
+On the CPU the host's work around the kernel is part of every step, and a training loop's steps repeat one shape:
+``zero_grad()`` set every ``.grad`` to None, backward gave each parameter a gradient of its own (of its shape,
+dtype and strides), and nothing else changed. The general step (:meth:`FlatStepEngine.step`) handles every case
+there is: it plans the gradients' settling (:meth:`flatopt.grads.GradLanding.plan`), applies the plan, wraps the
+gradients read in place (:class:`flatopt.layout.GradSources`) and launches through the functional entry points. The
+lane checks that a step has the ordinary shape and then does only what such a step needs, computing what the
+general step computes with the same pieces of the CPU backend (:func:`flatopt.cpu.step_own`):
+
+1. nothing to reconcile or re-lay-out (``opt.state`` unedited, ``param_groups`` and ``requires_grad`` as laid out,
+   the first and last parameter of each buffer in place, no full binding check due), the hyper-parameters refreshed;
+2. every parameter's ``.grad`` a tensor of its own, outside the flat gradient buffer, of the buffer's dtype and
+   device, dense, without autograd history; those of at least ``IN_PLACE_MIN`` elements of their view's shape and
+   strides (16-byte aligned, as the general step asks);
+3. one batched copy of the small ones into their slots, the version counters bumped, each buffer stepped reading
+   the large ones where they lie. ``.grad`` stays autograd's tensor, as in the general step.
+
+Anything else leaves the step to the general path, before anything changes: a ``.grad`` that is None or a view of
+the buffer, another dtype, device or layout, ``create_graph``, GradScaler's ``grad_scale`` or ``found_inf``, states
+stored with fewer bytes (a master copy, stochastic rounding, another state dtype), a step inside ``capture()``, a
+first step (it names the parameters without a gradient), a step with a full binding check (every 256th).
+"""
+
+import torch
+
+from flatopt import cpu
+from flatopt.functional import table_for
+
+__all__ = ["CpuLane"]
+
+
+class CpuLane:
+    """The lane of one :class:`~flatopt.engines.step.FlatStepEngine` on the CPU backend. What it expects of each
+    buffer is found again whenever the engine lays its parameters out anew (a new :class:`GradLanding`) or a state
+    buffer changes (SGD's momentum buffer allocated when a group turns momentum on)."""
+
+    def __init__(self):
+        self.key = None  # (landing, states of every buffer) the rows were found for
+        self.rows = None  # per buffer: (buf, states, entries), or None where a buffer keeps the lane shut
+
+    def step(self, eng, in_place_min):
+        """Step ``eng``'s buffers if this is an ordinary step and return True; return False, having changed nothing
+        but the hyper-parameters' tables (as the general step refreshes them first too), otherwise. Gradients of
+        ``in_place_min`` elements and more are read where they lie, the others copied in."""
+        opt = eng.opt
+        state = opt.state
+        if state is not eng.installed or state.changes or eng.recording or eng.sources is not None:
+            return False
+        if eng.full_check_due() or eng.members_changed() or not eng.ends_bound() or not eng.reads_in_place():
+            return False
+        eng.refresh_hparams()  # raises for a changed group that is invalid, as the general step does
+        rows = self._rows(eng)
+        if rows is None:
+            return False
+        slots = eng.landing.slots
+        strided, least = torch.strided, in_place_min
+        dst, src, owns, masked = [], [], [], False
+        for b, (buf, _, entries) in enumerate(rows):
+            if slots.released(b):
+                return False
+            masked = masked or buf.meta.active is not None  # an earlier step left parameters out
+            st = buf.grad.untyped_storage()
+            lo = st.data_ptr()
+            hi = lo + st.nbytes()
+            dtype, device = buf.dtype, buf.grad.get_device()
+            own = []
+            for p, view, start, numel, stride, shape in entries:
+                g = p.grad
+                if g is None or g.layout is not strided:  # (a sparse tensor has no data pointer)
+                    return False
+                at = g.data_ptr()
+                if lo <= at < hi or g.dtype is not dtype or g.requires_grad or g.get_device() != device:
+                    return False
+                if numel < least:
+                    dst.append(view)
+                    src.append(g)
+                elif g.stride() == stride and g.shape == shape and at % 16 == 0:
+                    own.append((start, start + numel, g))
+                else:
+                    return False
+            owns.append(own)
+        # the step (see FlatStepEngine.step: the same order of work, the checks above standing for the plan's)
+        eng.checked_steps += 1
+        if masked:  # every parameter has its gradient now: no mask (the general step's rule, skip_unused or not)
+            eng._set_masks(())
+        slots.settled()
+        eng.landing.pooled.clear()
+        if dst:
+            torch._foreach_copy_(dst, src)
+        eng._count_updates((), ())
+        rule = opt.rule
+        for (buf, states, _), own in zip(rows, owns):
+            table = table_for(buf.data, opt.hparams.on(buf.device))
+            cpu.step_own(rule, buf.data, buf.grad, states, hparams=table, meta=buf.meta, own=own)
+        eng.keep_padding_zero()
+        return True
+
+    def _rows(self, eng):
+        """Per buffer (buf, states, entries), found again when the layout or a state buffer changed; None when a
+        buffer is one the lane does not step (see the module docstring)."""
+        names = eng.opt.rule.state_names
+        states = tuple(tuple(buf.states.get(n) for n in names) for buf in eng.buffers)
+        key = self.key
+        if key is not None and key[0] is eng.landing and len(key[1]) == len(states):
+            if all(a is b for old, new in zip(key[1], states) for a, b in zip(old, new)):
+                return self.rows
+        self.key = (eng.landing, states)
+        self.rows = rows = []
+        for buf, held in zip(eng.buffers, states):
+            plain = buf.master is None and not buf.stochastic and not buf.quantized and buf.grad is not None
+            if not plain or not cpu.steps_fused(eng.opt.rule, buf.data, held, {}):
+                self.rows = None
+                return None
+            entries = [
+                (p, view, start, view.numel(), view.stride(), view.shape)
+                for p, view, start in zip(buf.params, buf.grad_views, buf.starts)
+            ]
+            rows.append((buf, held, entries))
+        return rows
