@@ -369,3 +369,38 @@ def test_the_lane_refuses_what_the_general_step_refuses_before_anything_changes(
         opt.step()
     assert answers == [False, False]
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+def test_the_lane_looks_less_often_at_a_loop_it_cannot_take_and_comes_back():
+    """A parameter that gets no gradient at every step: after MISSES steps the lane looks at the gradients only
+    every EVERY-th step (the general step runs, with the general step's results); once every parameter has its
+    gradient again, the lane takes the loop back within EVERY steps."""
+    from flatopt.engines import cpu_lane
+
+    m1, m2 = Model(), Model()
+    o1, o2 = flatopt.AdamW(m1, lr=1e-2), flatopt.AdamW(m2, lr=1e-2)
+    o2.engine.lane = None
+    answers = lane_decisions(o1)
+    looks = []
+    real = cpu_lane.CpuLane._scan
+
+    def scan(eng, rows, least):
+        looks.append(eng.checked_steps)
+        return real(eng, rows, least)
+
+    o1.engine.lane._scan = scan
+    unused, used = 40, 12
+    for step, x in enumerate(batches(unused + used)):
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad()
+            m(x).backward()
+            if step < unused:
+                m.shift.grad = None
+            o.step()
+        check_identical(m1, o1, m2, o2, step)
+    every, misses = cpu_lane.EVERY, cpu_lane.MISSES
+    first_looks = [s for s in looks if s < unused]
+    assert len(first_looks) <= misses + unused // every + 1, looks
+    assert not any(answers[:unused])
+    back = answers.index(True, unused)
+    assert back < unused + every and all(answers[back:]), answers

@@ -29,6 +29,9 @@ from flatopt.functional import table_for
 
 __all__ = ["CpuLane"]
 
+MISSES = 3  # steps in a row whose gradients the lane could not take, after which it looks every EVERY-th step only
+EVERY = 8
+
 
 class CpuLane:
     """The lane of one :class:`~flatopt.engines.step.FlatStepEngine` on the CPU backend. What it expects of each
@@ -38,11 +41,17 @@ class CpuLane:
     def __init__(self):
         self.key = None  # (landing, states of every buffer) the rows were found for
         self.rows = None  # per buffer: (buf, states, entries), or None where a buffer keeps the lane shut
+        self.misses = 0  # steps in a row whose gradients the lane could not take
 
     def step(self, eng, in_place_min):
         """Step ``eng``'s buffers if this is an ordinary step and return True; return False, having changed nothing
         but the hyper-parameters' tables (as the general step refreshes them first too), otherwise. Gradients of
-        ``in_place_min`` elements and more are read where they lie, the others copied in."""
+        ``in_place_min`` elements and more are read where they lie, the others copied in. After MISSES steps in a
+        row whose gradients it could not take (a parameter that never gets one, gradients set by hand into the
+        buffer), it looks at the gradients only every EVERY-th step, until it takes them again: a loop whose steps
+        never have the ordinary shape pays that look on one step in EVERY."""
+        if self.misses >= MISSES and eng.checked_steps % EVERY:
+            return False
         opt = eng.opt
         state = opt.state
         if state is not eng.installed or state.changes or eng.recording or eng.sources is not None:
@@ -53,33 +62,13 @@ class CpuLane:
         rows = self._rows(eng)
         if rows is None:
             return False
+        scan = self._scan(eng, rows, in_place_min)
+        if scan is None:
+            self.misses += 1
+            return False
+        self.misses = 0
+        dst, src, owns, masked = scan
         slots = eng.landing.slots
-        strided, least = torch.strided, in_place_min
-        dst, src, owns, masked = [], [], [], False
-        for b, (buf, _, entries) in enumerate(rows):
-            if slots.released(b):
-                return False
-            masked = masked or buf.meta.active is not None  # an earlier step left parameters out
-            st = buf.grad.untyped_storage()
-            lo = st.data_ptr()
-            hi = lo + st.nbytes()
-            dtype, device = buf.dtype, buf.grad.get_device()
-            own = []
-            for p, view, start, numel, stride, shape in entries:
-                g = p.grad
-                if g is None or g.layout is not strided:  # (a sparse tensor has no data pointer)
-                    return False
-                at = g.data_ptr()
-                if lo <= at < hi or g.dtype is not dtype or g.requires_grad or g.get_device() != device:
-                    return False
-                if numel < least:
-                    dst.append(view)
-                    src.append(g)
-                elif g.stride() == stride and g.shape == shape and at % 16 == 0:
-                    own.append((start, start + numel, g))
-                else:
-                    return False
-            owns.append(own)
         # the step (see FlatStepEngine.step: the same order of work, the checks above standing for the plan's)
         eng.checked_steps += 1
         if masked:  # every parameter has its gradient now: no mask (the general step's rule, skip_unused or not)
@@ -95,6 +84,39 @@ class CpuLane:
             cpu.step_own(rule, buf.data, buf.grad, states, hparams=table, meta=buf.meta, own=own)
         eng.keep_padding_zero()
         return True
+
+    @staticmethod
+    def _scan(eng, rows, least):
+        """(views, gradients to copy into them, per buffer the gradients read in place, whether a mask is set) if
+        every gradient has the ordinary shape (see the module docstring); None otherwise. Changes nothing."""
+        slots = eng.landing.slots
+        strided = torch.strided
+        dst, src, owns, masked = [], [], [], False
+        for b, (buf, _, entries) in enumerate(rows):
+            if slots.released(b):
+                return None
+            masked = masked or buf.meta.active is not None  # an earlier step left parameters out
+            st = buf.grad.untyped_storage()
+            lo = st.data_ptr()
+            hi = lo + st.nbytes()
+            dtype, device = buf.dtype, buf.grad.get_device()
+            own = []
+            for p, view, start, numel, stride, shape in entries:
+                g = p.grad
+                if g is None or g.layout is not strided:  # (a sparse tensor has no data pointer)
+                    return None
+                at = g.data_ptr()
+                if lo <= at < hi or g.dtype is not dtype or g.requires_grad or g.get_device() != device:
+                    return None
+                if numel < least:
+                    dst.append(view)
+                    src.append(g)
+                elif g.stride() == stride and g.shape == shape and at % 16 == 0:
+                    own.append((start, start + numel, g))
+                else:
+                    return None
+            owns.append(own)
+        return dst, src, owns, masked
 
     def _rows(self, eng):
         """Per buffer (buf, states, entries), found again when the layout or a state buffer changed; None when a
