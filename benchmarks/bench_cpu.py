@@ -297,8 +297,9 @@ def steady_allocator():
     running case after case, that state depended on the cases before: the gradients autograd allocates at every
     backward, and lion-pytorch's temporaries, came from fresh mappings in one case and from the heap in the next,
     and a case's times moved with the cases run before it (lion-pytorch's loop most). Setting both thresholds here
-    (M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 64 MiB: the values the dynamic rule reaches) gives every case the
-    long-running state (not in a ``--quick`` run). flatopt's flat buffers are mapped by flatopt itself
+    (M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 64 MiB: the values the dynamic rule reaches once the process has
+    freed a block of 32 MiB or more; set so, they stay fixed for the run) gives every case the long-running state
+    (not in a ``--quick`` run). flatopt's flat buffers are mapped by flatopt itself
     (see flat_zeros in its layout module) and are not concerned."""
     import ctypes
     import ctypes.util
@@ -310,9 +311,12 @@ def steady_allocator():
     except OSError:
         return None
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    if not (libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD) and libc.mallopt(m_trim_threshold, 2 * MMAP_THRESHOLD)):
+    mmap_set = bool(libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD))
+    trim_set = bool(libc.mallopt(m_trim_threshold, 2 * MMAP_THRESHOLD))
+    if not (mmap_set or trim_set):
         return None
-    return dict(malloc="glibc", mmap_threshold=MMAP_THRESHOLD, trim_threshold=2 * MMAP_THRESHOLD)
+    return dict(malloc="glibc", mmap_threshold=MMAP_THRESHOLD if mmap_set else None,
+                trim_threshold=2 * MMAP_THRESHOLD if trim_set else None)  # fmt: skip
 
 
 def cpu_model():
@@ -353,8 +357,13 @@ def _allocator_line(allocator, recorded=True):
         return "Allocator: not recorded (a run from before bench_cpu set glibc's thresholds: as the process found it)."
     if not allocator:
         return "Allocator: as the process found it (a smoke run, not glibc, or its thresholds could not be set)."
-    return (f"Allocator: glibc malloc with its mmap threshold at {allocator['mmap_threshold'] >> 20} MiB and its trim "
-            f"threshold at {allocator['trim_threshold'] >> 20} MiB, a long-running training process's state "
+
+    def mib(key):
+        value = allocator.get(key)
+        return "as the process found it" if value is None else f"at {value >> 20} MiB"
+
+    return (f"Allocator: glibc malloc with its mmap threshold {mib('mmap_threshold')} and its trim threshold "
+            f"{mib('trim_threshold')}, a long-running training process's state "
             "(bench_cpu.steady_allocator).")  # fmt: skip
 
 

@@ -40,8 +40,8 @@ the reference advances them, before the pieces run (each piece was given its cou
 import bisect
 import functools
 import math
-import operator
 import threading
+import weakref
 
 import torch
 
@@ -75,12 +75,15 @@ def _scratch_buffers(dtype, count):
 
 
 def _check(rule, param, grad, states, hparams, meta):
-    """What the in-place calls need of the buffers, checked before anything changes (once per set of tensors: the
-    tensors last checked are kept in ``meta.checked``, and a launch with the same objects is not checked again)."""
-    seen = (rule, param, grad, *states, hparams)
+    """What the in-place calls need of the buffers, checked before anything changes (once per set of tensors: weak
+    references to the tensors last checked are kept in ``meta.checked``, and a launch with the same objects is not
+    checked again; the step engine's launches, over its buffers, are such launches. A weak reference does not keep a
+    gradient alive that its engine frees: in-backward buckets, ``flat=False``, a caller's tensors)."""
+    seen = (param, grad, *states, hparams)
     last = meta.checked
-    if last is not None and len(last) == len(seen) and all(map(operator.is_, last, seen)):
-        return
+    if last is not None and last[0] is rule and len(last) == len(seen) + 1:
+        if all(ref is None if t is None else ref is not None and ref() is t for ref, t in zip(last[1:], seen)):
+            return
     rule.check_table(hparams, param.dtype)
     named = [("param", param), ("grad", grad), *((n, t) for n, t in zip(rule.state_names, states) if t is not None)]
     for name, t in named:
@@ -99,7 +102,7 @@ def _check(rule, param, grad, states, hparams, meta):
                 f"backend='cpu': {name} is {t.dtype} of {t.numel()} elements, the parameters {param.dtype} of "
                 f"{param.numel()}; every buffer of a launch has the parameters' dtype and length"
             )
-    meta.checked = seen
+    meta.checked = (rule, *(None if t is None else weakref.ref(t) for t in seen))
 
 
 def _step(rule, param, grad, states, *, hparams, meta, grad_scale, found_inf, sources):
@@ -117,8 +120,10 @@ def step_own(rule, param, grad, states, *, hparams, meta, own):
     for buffers :func:`steps_fused` accepts (the step engine's CPU lane: flatopt.engines.cpu_lane)."""
     _check(rule, param, grad, states, hparams, meta)
     piece, flat = _piece_of(rule, param.dtype)
-    if flat:  # memory order, as the kernels read it
+    if flat:  # memory order, as the kernels read it (as _in_place gives them)
         own = [(s, e, g if g.dim() == 1 else g.as_strided((e - s,), (1,))) for s, e, g in own]
+    else:
+        own = [(s, e, g if g.is_contiguous() else g.as_strided((e - s,), (1,))) for s, e, g in own]
     _run(rule, piece, param, grad, states, hparams, meta, own, None, None)
 
 
@@ -159,6 +164,8 @@ def _piece_of(rule, dtype):
         return _adamw_piece, False
     if rule is LION:
         return _lion_piece, True
+    if rule is not SGD:
+        return None, True
     if fused_sgd_steps(dtype):
         return _sgd_fused_piece, False
     if fused_sgd_steps(compute_dtype(dtype)):

@@ -131,14 +131,15 @@ class StepMeta:
         """The CPU tensor ``name`` of this meta (``steps``, ``param_group``) as a numpy array over its memory, kept
         while that attribute is the same tensor: the CPU step reads the step counts and group of a launch and adds
         one to the counts without a torch operation each (several microseconds of host time each, several times
-        that right after a kernel that streamed the buffers through the caches). These tensors are never resized
-        in place, so the array stays over their memory."""
+        that right after a kernel that streamed the buffers through the caches). The array is taken again where the
+        tensor's memory moved (``share_memory_()`` moves a storage in place, as a state's ``step`` shared for
+        Hogwild-style training does). The numpy writes do not count in the tensor's version counter."""
         t = getattr(self, name)
         hit = self.hosts.get(name)
-        if hit is not None and hit[0] is t:
+        if hit is not None and hit[0] is t and hit[2] == t.data_ptr():
             return hit[1]
         arr = t.numpy()
-        self.hosts[name] = (t, arr)
+        self.hosts[name] = (t, arr, t.data_ptr())
         return arr
 
 

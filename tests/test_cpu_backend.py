@@ -354,6 +354,22 @@ def test_runs_are_kept_for_the_next_step_with_its_gradients_in_the_same_places(o
             assert len(after) > len(before) and all(after[k] is before[k] for k in before)
 
 
+def test_the_checks_kept_keep_no_tensor_alive():
+    """The tensors a launch was checked with are kept as weak references: a gradient the caller (or an in-backward
+    bucket, or flat=False) drops after the launch is freed."""
+    import gc
+    import weakref
+
+    case = Case("adamw", torch.float32, "uniform")
+    grad = case.buf.grad.clone()
+    dropped = weakref.ref(grad)
+    functional.adamw(case.buf.data, grad, *case.buf.states.values(), hparams=case.hparams, meta=case.meta,
+                     backend="cpu")  # fmt: skip
+    del grad
+    gc.collect()
+    assert dropped() is None
+
+
 def test_a_launch_with_other_tensors_than_the_last_is_checked_again():
     """The checks of a launch's buffers are skipped only for the very tensors that passed them last."""
     case = Case("adamw", torch.float32, "uniform")

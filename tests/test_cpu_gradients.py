@@ -309,66 +309,128 @@ EVENTS = [
 ]
 
 
+def lane_pair(name, variant, kw):
+    """Two models and optimizers alike: float32 in one group, bfloat16, or float32 in two groups of other learning
+    rates (several pieces per launch)."""
+    ours_cls = PAIRS[name][0]
+    out = []
+    for _ in range(2):
+        m = Model(dtype=torch.bfloat16 if variant == "bf16" else torch.float32)
+        if variant == "groups":
+            groups = [{"params": [m.mix], "lr": kw["lr"] * 2}, {"params": [m.shift, *m.proj.parameters()]}]
+            out.append((m, ours_cls(groups, **kw)))
+        else:
+            out.append((m, ours_cls(m, **kw)))
+    return out
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "groups"])
 @pytest.mark.parametrize("name", list(PAIRS))
-def test_the_lane_steps_as_the_general_step_does_and_leaves_it_the_rest(name):
-    """With the CPU lane and without it (the general step alone), the same loop gives the same parameters and
-    states bit for bit: the lane steps a loop's ordinary steps (a new learning rate included) with the same pieces
-    of the CPU backend, and leaves every other step to the general path before changing anything."""
-    ours_cls, _, kw = PAIRS[name]
+def test_the_lane_steps_as_the_general_step_does_and_leaves_it_the_rest(name, variant):
+    """With the CPU lane and without it (the general step alone), the same loop gives the same parameters, states
+    and gradients bit for bit: the lane steps a loop's ordinary steps (a new learning rate included) with the same
+    pieces of the CPU backend, and leaves every other step to the general path. ``.grad`` stays autograd's tensor,
+    and the version counters count each step, as in the general step."""
+    _, _, kw = PAIRS[name]
     kw = dict(kw, momentum=0.0) if name == "sgd" else kw
-    m1, m2 = Model(), Model()
-    o1, o2 = ours_cls(m1, **kw), ours_cls(m2, **kw)
+    (m1, o1), (m2, o2) = lane_pair(name, variant, kw)
+    x_dtype = next(m1.parameters()).dtype
     assert o1.engine.lane is not None
     o2.engine.lane = None
     answers = lane_decisions(o1)
     for step, ((event, _), x) in enumerate(zip(EVENTS, batches(len(EVENTS)))):
+        grads, versions = [], []
         for m, o in ((m1, o1), (m2, o2)):
             o.zero_grad(set_to_none=event != "zero_grad(set_to_none=False)")
-            m(x).backward()
+            m(x.to(x_dtype)).backward()
             if event == "a parameter without a gradient":
                 m.shift.grad = None
             elif event == "opt.state cleared":
                 o.state.clear()
             elif event == "a gradient of other strides":
                 m.mix.grad = m.mix.grad.t().contiguous().t()
-            elif event == "a gradient set to a view of the buffer":
-                o.zero_grad(set_to_none=False)
-                view = m.shift.grad
-                m(x).backward()
-                m.shift.grad = view.detach()  # another tensor object over its slot
+            elif event == "a gradient set to a view of the buffer":  # another parameter's slot, by hand
+                m.shift.grad = flatopt.inspect(o).buffers[0].grad[: m.shift.numel()].view_as(m.shift)
             elif event == "a new learning rate":
                 for group in o.param_groups:
                     group["lr"] *= 0.5
             elif event == "momentum turned on" and name == "sgd":
                 for group in o.param_groups:
                     group["momentum"] = 0.9
+            before = [p.grad for p in m.parameters()]
             o.step()
+            grads.append([p.grad is g for p, g in zip(m.parameters(), before)])
+            versions.append([p._version for p in m.parameters()])
         check_identical(m1, o1, m2, o2, f"{step} ({event})")
+        for a, b in zip(m1.parameters(), m2.parameters()):
+            same = a.grad is None and b.grad is None or a.grad is not None and torch.equal(a.grad, b.grad)
+            assert same, f"step {step} ({event}): .grad differs"
+        assert grads[0] == grads[1] and versions[0] == versions[1], f"step {step} ({event})"
     assert answers == [lane for event, lane in EVENTS]
 
 
-def test_the_lane_refuses_what_the_general_step_refuses_before_anything_changes():
-    """A sparse gradient, or one with autograd history, after ordinary steps: the lane leaves the step to the
-    general path, which raises its error and changes nothing."""
+@pytest.mark.parametrize("bad", ["create_graph", "sparse"])
+def test_the_lane_refuses_what_the_general_step_refuses_as_it_refuses_it(bad):
+    """A sparse gradient, or one with autograd history, after ordinary steps, in the step where a group turns SGD's
+    momentum on: the lane leaves the step to the general path, which raises its error; both optimizers, with the
+    lane and without it, are left alike (no momentum buffer allocated, the same parameters and state)."""
+    pairs = []
+    for lane in (True, False):
+        m = Model()
+        opt = flatopt.SGD(m, lr=1e-2, momentum=0.0)
+        if not lane:
+            opt.engine.lane = None
+        for x in batches(3):
+            opt.zero_grad()
+            m(x).backward()
+            opt.step()
+        for group in opt.param_groups:
+            group["momentum"] = 0.9
+        opt.zero_grad()
+        m(batches(1)[0]).backward(create_graph=bad == "create_graph")
+        if bad == "sparse":
+            m.shift.grad = m.shift.grad.to_sparse()
+        with pytest.raises(RuntimeError, match="requires grad" if bad == "create_graph" else "sparse gradients"):
+            opt.step()
+        pairs.append((m, opt))
+    (m1, o1), (m2, o2) = pairs
+    check_identical(m1, o1, m2, o2, bad)
+    states = [[list(b.states) for b in flatopt.inspect(o).buffers] for o in (o1, o2)]
+    assert states[0] == states[1]
+
+
+def test_step_counts_shared_after_a_step_go_on_counting():
+    """``opt.state[p]["step"].share_memory_()`` (Hogwild-style sharing) moves the step counts' storage in place: the
+    counts the CPU step reads and advances follow it."""
     m = Model()
     opt = flatopt.AdamW(m, lr=1e-2)
-    for x in batches(2):
+    for step, x in enumerate(batches(5)):
         opt.zero_grad()
         m(x).backward()
         opt.step()
+        if step == 1:
+            for p in m.parameters():
+                opt.state[p]["step"].share_memory_()
+    assert [float(opt.state[p]["step"]) for p in m.parameters()] == [5.0] * len(list(m.parameters()))
+
+
+def test_the_lane_keeps_nothing_of_a_layout_it_left():
+    """After add_param_group() lays the parameters out anew, the old buffers are freed (the lane held them)."""
+    import gc
+    import weakref
+
+    m = Model()
+    opt = flatopt.AdamW([m.mix, m.shift], lr=1e-2)
     answers = lane_decisions(opt)
-    before = [p.detach().clone() for p in m.parameters()]
-    opt.zero_grad()
-    m(batches(1)[0]).backward(create_graph=True)
-    with pytest.raises(RuntimeError, match="requires grad"):
+    for x in batches(3):
+        opt.zero_grad()
+        m(x).backward()
         opt.step()
-    opt.zero_grad()
-    m(batches(1)[0]).backward()
-    m.shift.grad = m.shift.grad.to_sparse()
-    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
-        opt.step()
-    assert answers == [False, False]
-    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert answers[-1] is True
+    old = weakref.ref(flatopt.inspect(opt).buffers[0].data)
+    opt.add_param_group({"params": list(m.proj.parameters())})
+    gc.collect()
+    assert old() is None
 
 
 def test_the_lane_looks_less_often_at_a_loop_it_cannot_take_and_comes_back():

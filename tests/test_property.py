@@ -685,6 +685,25 @@ def test_matches_torch(backend, seed):
     run_example(draw(seed, backend))
 
 
+@pytest.mark.cpu_gradient_policy
+def test_the_cpu_lane_takes_ordinary_steps_of_the_examples(monkeypatch):
+    """The odd CPU examples land their gradients the CPU's way: their ordinary steps take the lane (a few examples,
+    counted), so the examples check the lane against torch.optim too."""
+    from flatopt.engines import cpu_lane
+
+    taken = []
+    real = cpu_lane.CpuLane.step
+
+    def step(self, eng, in_place_min):
+        taken.append(real(self, eng, in_place_min))
+        return taken[-1]
+
+    monkeypatch.setattr(cpu_lane.CpuLane, "step", step)
+    for seed in range(1, 40, 2):
+        run_example(draw(seed, "cpu"))
+    assert taken.count(True) >= 5, f"the lane took {taken.count(True)} of {len(taken)} steps"
+
+
 def pending():
     out = []
     for kind, lacks in KINDS.items():

@@ -44,6 +44,8 @@ class FlatStepEngine(FlatEngine):
         self._remove_first_pass_hooks()
         if self.landing is not None:
             self.landing.detach()
+        if self.lane is not None:
+            self.lane = CpuLane()  # holds nothing of the old layout
 
     def attach(self, without_grad, with_grad):
         opt = self.opt
