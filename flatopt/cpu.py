@@ -123,10 +123,7 @@ def step_own(rule, param, grad, states, *, hparams, meta, own):
     for buffers :func:`steps_fused` accepts (the step engine's CPU lane: flatopt.engines.cpu_lane)."""
     _check(rule, param, grad, states, hparams, meta)
     piece, flat = _piece_of(rule, param.dtype)
-    if flat:  # memory order, as the kernels read it (as _in_place gives them)
-        own = [(s, e, g if g.dim() == 1 else g.as_strided((e - s,), (1,))) for s, e, g in own]
-    else:
-        own = [(s, e, g if g.is_contiguous() else g.as_strided((e - s,), (1,))) for s, e, g in own]
+    own = [(s, e, _memory_order(g, e - s, flat)) for s, e, g in own]
     _run(rule, piece, param, grad, states, hparams, meta, own, None, None)
 
 
@@ -185,11 +182,15 @@ def _in_place(grad, sources, meta, flat=True):
         gather(grad, sources, meta)
         return []
     sources.check(meta, grad)
-    return [
-        (start, start + n, g if not flat and g.is_contiguous() else g.as_strided((n,), (1,)))
-        for start, n, g in sources.pieces()
-        if n > 0
-    ]
+    return [(start, start + n, _memory_order(g, n, flat)) for start, n, g in sources.pieces() if n > 0]
+
+
+def _memory_order(g, n, flat):
+    """Gradient ``g`` (``n`` elements, dense) as the pieces read it: its memory in order, 1-D where ``flat``; a
+    contiguous one as it is where the piece takes any shape (torch's fused kernels)."""
+    if g.is_contiguous() and (not flat or g.dim() == 1):
+        return g
+    return g.as_strided((n,), (1,))
 
 
 SLICES_MAX = 4096  # slices kept per StepMeta, all lists together (a layout's pieces need a few per parameter)

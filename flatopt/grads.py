@@ -269,7 +269,7 @@ class GradLanding:
         zero, copy, taken = [], [], {}
         strided = torch.strided
         least = in_place_min if in_place_min is not None else -1
-        spans = self._spans()
+        spans = self.spans()
         lo, hi = spans[0] if len(spans) == 1 else (0, 0)
         for p, view, slot, dtype, device, numel, shape, stride in self.entries:
             g = p.grad
@@ -299,7 +299,7 @@ class GradLanding:
                 copy.append((p, view, g))
         return zero, copy, taken
 
-    def _spans(self):
+    def spans(self):
         """Each gradient buffer's storage as ``(start, end)`` addresses, as it is now (empty while released)."""
         out = []
         for view in self.firsts_views:

@@ -98,10 +98,7 @@ class CpuLane:
         slots = eng.landing.slots
         if any(slots.released(b) for b in range(len(entries))):
             return None
-        spans = []  # every gradient buffer's storage: a .grad inside one is a view of the buffers, not a gradient
-        for buf, _ in entries:
-            st = buf.grad.untyped_storage()
-            spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+        spans = eng.landing.spans()  # a .grad inside one of them is a view of the buffers, not a gradient
         lo, hi = spans[0] if len(spans) == 1 else (0, 0)
         strided = torch.strided
         dst, src, owns, masked = [], [], [], False
