@@ -488,7 +488,9 @@ def _lion_chunked(param, exp_avg, segments, h, scale):
     holds it, and otherwise gathered into a scratch buffer that stays in the cache (a gradient read in place is not
     copied into the flat buffer first: a write and a read of its bytes through memory less). bfloat16 and float16
     chunks are upcast into float32 scratch buffers and rounded once when stored back (operations mixing dtypes would
-    spare the copies, but run several times slower). With ``scale``, the unscaled gradients are left where they lie, as
+    spare the copies, but run several times slower); where one gradient holds the chunk, unscaled, the state's
+    ``lerp`` runs in the buffers' dtype, whose kernel computes in float32 and rounds once: the same values, with a copy
+    in and a copy out less. With ``scale``, the unscaled gradients are left where they lie, as
     torch's fused kernels leave them in ``.grad``."""
     dtype = compute_dtype(param.dtype)
     upcast = param.dtype != dtype
@@ -520,14 +522,21 @@ def _lion_chunked(param, exp_avg, segments, h, scale):
             if gathered:
                 for lo, hi, g in parts:
                     g.copy_(gf[lo - s : hi - s])  # the unscaled gradient stays where it lies
+        # the gradient in the buffers' dtype where one part holds it unscaled: the state's lerp reads it there
+        low = parts[0][2] if upcast and scale is None and len(parts) == 1 else None
         if upcast:  # m * beta1 + (1 - beta1) * g in the rule's roundings (see the docstring)
-            torch.mul(mf, beta1, out=c).add_(torch.mul(gf, omb1, out=up[2][:n])).sign_()
+            omb1_g = gf.mul_(omb1) if low is not None else torch.mul(gf, omb1, out=up[2][:n])
+            torch.mul(mf, beta1, out=c).add_(omb1_g).sign_()
         else:  # the same in one pass
             torch.lerp(gf, mf, beta1, out=c).sign_()
         if wd != 0.0:
             pf.mul_(decay)
         pf.add_(c, alpha=-lr)
-        mf.lerp_(gf, omb2)  # m * beta2 + (1 - beta2) * g, in one pass
+        if low is not None:  # m * beta2 + (1 - beta2) * g, one lerp in float32 rounded once: as below, one pass
+            m.lerp_(low, omb2)
+        else:
+            mf.lerp_(gf, omb2)  # m * beta2 + (1 - beta2) * g, in one pass
         if upcast:
             p.copy_(pf)
-            m.copy_(mf)
+            if low is None:
+                m.copy_(mf)
