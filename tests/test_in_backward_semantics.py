@@ -769,3 +769,29 @@ def test_a_refused_pass_whose_first_gradient_was_added_to_the_window_says_so(opt
             o.step()
             o.zero_grad()
         assert_matches_torch(twin, model, ours, theirs, step)
+
+
+# ---------------------------------------------------------------------- version counters
+
+
+@pytest.mark.parametrize("skip_unused", [False, True], ids=["zero-for-unused", "skip-unused"])
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+def test_a_step_in_backward_counts_as_an_in_place_update_of_the_parameters_it_steps(bucket_size, skip_unused):
+    """As in step mode, and as torch.optim's for-loop and foreach steps called from a post-accumulate-grad hook:
+    each parameter a launch steps has its version counter bumped, so that a backward through a graph saved before
+    the step raises torch's error instead of mixing old activations with new weights. A parameter without a
+    gradient is bumped where it is stepped (with a zero gradient), not with skip_unused."""
+    torch.manual_seed(0)
+    model = MLP()
+    model.register_parameter("unused", nn.Parameter(torch.randn(3)))
+    opt = flatopt.AdamW(model, lr=1e-2, in_backward=True, bucket_size=bucket_size, skip_unused=skip_unused)
+    loss = loss_of(model, batches(1)[0])
+    versions = {n: p._version for n, p in model.named_parameters()}
+    with pytest.warns(UserWarning, match="received no gradient"):
+        loss.backward(retain_graph=True)  # every parameter stepped by now
+    assert opt.state[model.a.weight]["step"] == 1
+    for n, p in model.named_parameters():
+        bumped = n != "unused" or not skip_unused
+        assert (p._version > versions[n]) == bumped, f"{n}: version {versions[n]} -> {p._version}"
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

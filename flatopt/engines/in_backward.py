@@ -66,6 +66,7 @@ from flatopt.engines.base import FlatEngine
 from flatopt.engines.nesting import nesting_backward, reentrant_segment
 from flatopt.layout import ALIGN, StepMeta
 from flatopt.step_graph import StepGraph
+from flatopt.torch_compat import bump_versions
 
 
 def _graph_task_id():
@@ -755,6 +756,10 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             bucket.graph.run_keyed(key + tuple(None if t is None else t.data_ptr() for t in states), launch)
         else:
             launch()
+        # an in-place update of each parameter it stepped, as in step mode: a node of this pass or a later one that
+        # saved one of them before (a graph kept with retain_graph=True, a detached use) then raises torch's
+        # "modified by an inplace operation" error instead of reading the new values
+        bump_versions(list(bucket.arrived) if partial and opt.skip_unused else bucket.params)
         self.launches += 1
         self.stepped += len(bucket.params)
         bucket.done = True
