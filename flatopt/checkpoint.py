@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from flatopt.options import NORM_TYPES
-from flatopt.precision import SEED_BOUND
+from flatopt.precision import SEED_BOUND, join_master, split_master
 from flatopt.quantize import ABSMAX, dequantize_param
 from flatopt.torch_compat import is_dtensor
 
@@ -359,20 +359,24 @@ class CheckpointMixin:
                 ">= 0"
             )
         masters = {}
-        if saved.get("master_weights") == self.precision.master_weights and self.precision.master_weights:
-            want = torch.int16 if self.precision.master_weights == "remainder" else torch.float32
+        mode, saved_mode = self.precision.master_weights, saved.get("master_weights")
+        if mode and saved_mode in MASTER_DTYPES:
+            kept = MASTER_DTYPES[saved_mode]
             for k, t in compact.get("master", {}).items():
                 p = id_map.get(k)
                 if p is None:
                     raise ValueError(f"loaded state dict has a master copy for parameter {k}, which it does not have")
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape) or t.dtype != want:
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape) or t.dtype != kept:
                     what = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                     raise ValueError(
                         f"loaded state dict has a master copy for parameter {k} ({self.names(p)}) that is {what}; "
-                        f"master_weights={self.precision.master_weights!r} keeps {want} of shape {tuple(p.shape)}"
+                        f"master_weights={saved_mode!r} keeps {kept} of shape {tuple(p.shape)}"
                     )
                 self._check_copyable(f"a master copy for parameter {k} ({self.names(p)})", t, p)
-                masters[p] = t
+                if saved_mode == mode:
+                    masters[p] = t
+                elif p.dtype == torch.bfloat16 and not is_dtensor(p):  # the other mode's form of the same master
+                    masters[p] = _convert_master(t, p)
         steps = {id_map[k]: float(s) for k, s in steps.items()}
         codes = {}
         if saved.get("state_dtype") == "int8" == self.precision.state_dtype:
@@ -655,3 +659,18 @@ class CheckpointMixin:
             self.state[p] = {**own, **keys}
         for k, v in others.items():
             self.state[k] = v
+
+
+MASTER_DTYPES = {"fp32": torch.float32, "remainder": torch.int16}  # how each master_weights mode saves a master
+
+
+def _convert_master(t, p):
+    """A bfloat16 parameter ``p``'s master saved in the other ``master_weights`` mode, in this one's form: a float32
+    master's remainder (its low 16 bits, exact: both modes round the master to the parameter to nearest, ties away
+    from zero), or the float32 master of a remainder joined with the parameter as it is now (exact when the model's
+    own checkpoint was loaded first; otherwise the parameter takes over at the next step, as after any write)."""
+    t = t.detach().to(p.device)
+    with torch.no_grad():
+        if t.dtype == torch.float32:
+            return split_master(t)[1]
+        return join_master(p.detach(), t)

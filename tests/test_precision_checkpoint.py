@@ -123,14 +123,55 @@ def test_the_default_state_dict_is_torch_optim_s_format_only():
     assert set(flatopt.AdamW(model()).state_dict()) == {"state", "param_groups"}
 
 
-def test_masters_saved_under_another_mode_are_not_taken():
+@pytest.mark.parametrize("model_first", [True, False], ids=["model-loaded-first", "optimizer-loaded-first"])
+@pytest.mark.parametrize("saved_mode, mode", [("fp32", "remainder"), ("remainder", "fp32")])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_masters_saved_under_the_other_mode_are_converted(name, saved_mode, mode, model_first):
+    """A float32 master and a parameter with its remainder are the same value in two forms (both modes round the
+    master to the parameter to nearest, ties away from zero): a checkpoint of one mode resumes in the other bit for
+    bit, as if it had run in that mode from the start. A float32 master from a remainder is joined with the
+    parameter as it is when the optimizer loads: exact when the model was loaded first; loaded before the model,
+    the parameter takes over at the next step, as after any write (the remainder's low bits are lost)."""
+    cls, hp = OPTIMIZERS[name]
+    net = model()
+    straight = cls(groups(net), **hp, master_weights=mode, state_dtype=torch.float32)
+    run(net, straight, 6)
+
+    first = model()
+    opt = cls(groups(first), **hp, master_weights=saved_mode, state_dtype=torch.float32)
+    run(first, opt, 3)
+    model_sd, opt_sd = saved(first.state_dict()), saved(opt.state_dict())
+
+    resumed = model(seed=7)
+    again = cls(groups(resumed), **hp, master_weights=mode, state_dtype=torch.float32)
+    if model_first:
+        resumed.load_state_dict(model_sd)
+    again.load_state_dict(opt_sd)
+    if not model_first:
+        resumed.load_state_dict(model_sd)
+    run(resumed, again, 3, first=3)
+    want, got = snapshot(straight), snapshot(again)
+    assert want.keys() == got.keys()
+    exact = model_first or mode == "remainder"  # a remainder does not depend on the parameter it is loaded beside
+    same = [key for key in want if got[key].dtype == want[key].dtype and torch.equal(got[key], want[key])]
+    if exact:
+        assert same == list(want), sorted(set(want) - set(same), key=str)
+    else:
+        assert any(key[1] in ("data", "master") for key in set(want) - set(same)), "the low bits were not lost"
+
+
+def test_a_master_saved_under_the_other_mode_is_checked_before_anything_changes():
     net = model()
     opt = flatopt.AdamW(net, lr=1e-2, master_weights="fp32")
     run(net, opt, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["flatopt"]["master"][0] = sd["flatopt"]["master"][0].to(torch.int16)
     other = flatopt.AdamW(copy.deepcopy(net), lr=1e-2, master_weights="remainder")
-    other.load_state_dict(opt.state_dict())
-    buf = buffers(other)
-    assert not buf.master.any()  # the remainders start again at zero
+    before = snapshot(other)
+    with pytest.raises(ValueError, match=r"parameter 0 .*torch.int16 .*master_weights='fp32' keeps torch.float32"):
+        other.load_state_dict(sd)
+    after = snapshot(other)
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 @pytest.mark.parametrize(
