@@ -489,8 +489,8 @@ def _lion_chunked(param, exp_avg, segments, h, scale):
     copied into the flat buffer first: a write and a read of its bytes through memory less). bfloat16 and float16
     chunks are upcast into float32 scratch buffers and rounded once when stored back (operations mixing dtypes would
     spare the copies, but run several times slower); where one gradient holds the chunk, unscaled, the state's
-    ``lerp`` runs in the buffers' dtype, whose kernel computes in float32 and rounds once: the same values, with a copy
-    in and a copy out less. With ``scale``, the unscaled gradients are left where they lie, as
+    ``lerp`` runs in the buffers' dtype, whose kernel computes in float32 and rounds once: the same values, without
+    the copy of the state back out. With ``scale``, the unscaled gradients are left where they lie, as
     torch's fused kernels leave them in ``.grad``."""
     dtype = compute_dtype(param.dtype)
     upcast = param.dtype != dtype
