@@ -131,16 +131,19 @@ def test_unfreezing_keeps_every_state_and_gradient():
     train_both(pairs, 2, x)
 
 
+@pytest.mark.parametrize("skip_unused", [True, False], ids=["skip-unused", "zero-for-unused"])
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
-def test_a_parameter_appended_to_a_group_is_trained_and_one_removed_is_not(in_backward):
+def test_a_parameter_appended_to_a_group_is_trained_and_one_removed_is_not(in_backward, skip_unused):
     """opt.param_groups[0]["params"] is the truth, as in torch.optim: a parameter appended to it is stepped
     from the next step on, one removed is no longer stepped (and leaves the flat buffers: its data is a
-    tensor of its own again, and its state is gone)."""
+    tensor of its own again, and its state is gone). skip_unused=False steps the parameters of the groups that
+    received no gradient, not one removed from them (in in-backward mode, the pass after the removal steps the
+    parameters still laid out, the removed one among them)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
     ref = copy.deepcopy(model)
     first = [model[0].weight, model[0].bias, model[2].weight]
-    opt = flatopt.AdamW(first, lr=1e-2, weight_decay=0.1, in_backward=in_backward)
+    opt = flatopt.AdamW(first, lr=1e-2, weight_decay=0.1, in_backward=in_backward, skip_unused=skip_unused)
     ref_of = dict(zip(model.parameters(), ref.parameters()))
     ref_opt = torch.optim.AdamW([ref_of[p] for p in first], lr=1e-2, weight_decay=0.1)
     pairs = [(model, opt), (ref, ref_opt)]
@@ -162,6 +165,29 @@ def test_a_parameter_appended_to_a_group_is_trained_and_one_removed_is_not(in_ba
     assert all(model[0].bias.untyped_storage().data_ptr() != b.data.untyped_storage().data_ptr() for b in buffers)
     sd = opt.state_dict()  # a checkpoint of what the groups hold now, loadable by torch.optim
     torch.optim.AdamW([ref_of[p] for p in opt.param_groups[0]["params"]]).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("skip_unused", [True, False], ids=["skip-unused", "zero-for-unused"])
+def test_a_parameter_removed_between_zero_grad_and_backward_is_not_stepped_in_backward(skip_unused):
+    """In in-backward mode the pass right after an edit of param_groups still runs over the old layout (the
+    buffers are laid out anew at the next step() or zero_grad(), not during backward): a parameter removed is not
+    stepped by that pass, with or without skip_unused (which steps the others without a gradient), as torch.optim
+    steps the groups' parameters only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    ref = copy.deepcopy(model)
+    opt = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1, in_backward=True, skip_unused=skip_unused)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    pairs = [(model, opt), (ref, ref_opt)]
+    x = torch.randn(4, 6)
+    for step in range(3):
+        for m, o in pairs:
+            o.zero_grad()
+            if step == 1:
+                del o.param_groups[0]["params"][1]  # the first layer's bias, after zero_grad(): in the old layout
+            m(x).square().mean().backward()
+            quiet(o.step)
+        assert_same(pairs, step)
 
 
 def test_a_params_list_replaced_is_followed():

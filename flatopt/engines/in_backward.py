@@ -719,7 +719,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 for p in [p for p in b.params if p not in b.arrived and p.grad is not None and p not in self.outside]:
                     self._take(p)
         if not self.unused_reported:
-            missing = [p for b in self.buckets if not b.done for p in b.params if p not in b.arrived]
+            missing = [p for b in self.buckets if not b.done for p in b.params if p not in b.arrived | self.outside]
             if missing:
                 self.warn_unused(missing)
             self.unused_reported = True
@@ -732,9 +732,17 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         opt, buf = self.opt, bucket.buf
         grad = bucket.direct if bucket.direct is not None else bucket.staging(self)
         meta = bucket.meta
-        if partial and opt.skip_unused:
+        stepped = bucket.params
+        if partial and (opt.skip_unused or any(p in self.outside for p in bucket.params)):
+            # with skip_unused, the parameters that received a gradient; without, all but those removed from
+            # param_groups since the layout (as step mode and torch.optim, which step the groups' parameters only)
+            stepped = [p for p in bucket.params if p in bucket.arrived or not (opt.skip_unused or p in self.outside)]
+            if not stepped:
+                bucket.done = True
+                self._release(bucket)
+                return
             active = torch.zeros(len(buf.params), dtype=torch.uint8)
-            active[[self.index_of[p] for p in bucket.arrived]] = 1
+            active[[self.index_of[p] for p in stepped]] = 1
             meta = dataclasses.replace(meta, active=active.to(buf.device), uniform=False)
             bucket.meta.uniform = False  # the step counts of its parameters differ from now on
         s, e = bucket.start, bucket.end
@@ -759,9 +767,9 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         # an in-place update of each parameter it stepped, as in step mode: a node of this pass or a later one that
         # saved one of them before (a graph kept with retain_graph=True, a detached use) then raises torch's
         # "modified by an inplace operation" error instead of reading the new values
-        bump_versions(list(bucket.arrived) if partial and opt.skip_unused else bucket.params)
+        bump_versions(stepped)
         self.launches += 1
-        self.stepped += len(bucket.params)
+        self.stepped += len(stepped)
         bucket.done = True
         self._release(bucket)
 
