@@ -160,15 +160,33 @@ def test_masters_saved_under_the_other_mode_are_converted(name, saved_mode, mode
         assert any(key[1] in ("data", "master") for key in set(want) - set(same)), "the low bits were not lost"
 
 
+def test_a_master_converted_between_the_modes_keeps_ties_away_from_zero():
+    """Masters exactly halfway between two bfloat16 values (low 16 bits 0x8000), of both signs: the float32 mode's
+    parameter is the master rounded away from zero, and the remainder converted from the master joins with that
+    parameter into the master bit for bit; the master converted from parameter and remainder is the master."""
+    from flatopt.checkpoint import _convert_master
+    from flatopt.precision import nearest
+
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x40008000, 0x00018000], dtype=torch.int64)
+    x = torch.cat([bits, bits | (1 << 31)]).to(torch.int32).view(torch.float32)  # both signs
+    p = nearest(x, torch.bfloat16)
+    assert torch.equal(p.float().abs(), (x.abs().view(torch.int32) + 0x8000 & -65536).view(torch.float32))
+    rem = _convert_master(x, p)
+    assert rem.dtype == torch.int16 and torch.equal(join_master(p, rem), x)
+    assert torch.equal(_convert_master(rem, p), x)
+
+
 def test_a_master_saved_under_the_other_mode_is_checked_before_anything_changes():
     net = model()
     opt = flatopt.AdamW(net, lr=1e-2, master_weights="fp32")
     run(net, opt, 2)
     sd = copy.deepcopy(opt.state_dict())
-    sd["flatopt"]["master"][0] = sd["flatopt"]["master"][0].to(torch.int16)
+    last = max(sd["flatopt"]["master"])  # the last one checked: every other master was taken before it
+    sd["flatopt"]["master"][last] = sd["flatopt"]["master"][last].to(torch.int16)
     other = flatopt.AdamW(copy.deepcopy(net), lr=1e-2, master_weights="remainder")
     before = snapshot(other)
-    with pytest.raises(ValueError, match=r"parameter 0 .*torch.int16 .*master_weights='fp32' keeps torch.float32"):
+    message = rf"parameter {last} .*torch.int16 .*master_weights='fp32' keeps torch.float32"
+    with pytest.raises(ValueError, match=message):
         other.load_state_dict(sd)
     after = snapshot(other)
     assert all(torch.equal(before[k], after[k]) for k in before)
