@@ -298,12 +298,14 @@ def test_gradients_read_in_place_are_not_copied_into_the_buffer(opt, dtype):
     compare(ours, ref, f"{opt} {dtype}, gradients read in place")
 
 
+@pytest.mark.parametrize("scale", [None, 3.0], ids=["unscaled", "grad_scale"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_low_precision_lion_rounds_as_documented_read_in_place_or_gathered(dtype, monkeypatch):
+def test_low_precision_lion_rounds_as_documented_read_in_place_or_gathered(dtype, scale, monkeypatch):
     """16-bit Lion on the CPU: the sign of beta1 * m + (1 - beta1) * g in float32 with the rule's roundings (an exact
     cancellation gives no update), the parameter's update in float32 rounded once, the state one float32 ``lerp``
     rounded once; bit for bit, whether a chunk's gradient lies in one tensor (read there, the state interpolated in
-    the buffers' dtype) or in several (gathered into float32 first)."""
+    the buffers' dtype) or in several (gathered into float32 first). With a grad scale (not a power of two), the
+    gradient unscaled in float32, not as the 16-bit value left where it lies."""
     monkeypatch.setattr(cpu, "CHUNK", 1 << 12)
     n = 10_000
     gen = torch.Generator().manual_seed(5)
@@ -313,15 +315,20 @@ def test_low_precision_lion_rounds_as_documented_read_in_place_or_gathered(dtype
     m[::5] = -g[::5]  # with beta1 = 1/2, beta1 * m + (1 - beta1) * g is exactly zero there
     h = dict(lr=1e-3, weight_decay=0.1, beta1=0.5, one_minus_beta1=0.5, one_minus_beta2=0.01)
     decay = (1.0 - torch.tensor(h["lr"]) * h["weight_decay"]).item()
-    c = torch.sign(m.float() * 0.5 + 0.5 * g.float())
+    gf = g.float() if scale is None else g.float() / scale
+    c = torch.sign(m.float() * 0.5 + 0.5 * gf)
     want_p = (p.float() * decay + (-h["lr"]) * c).to(dtype)
-    want_m = m.float().lerp(g.float(), 0.01).to(dtype)
+    want_m = m.float().lerp(gf, 0.01).to(dtype)
     cuts = [0, 1000, 5000, 5003, n]  # chunks inside one run, and chunks across runs
-    for segments in ([(0, n, g)], [(a, b, g[a:b].clone()) for a, b in zip(cuts, cuts[1:])]):
+    for whole in (True, False):
+        grads = [g.clone()] if whole else [g[a:b].clone() for a, b in zip(cuts, cuts[1:])]
+        segments = [(0, n, grads[0])] if whole else [(a, b, t) for (a, b), t in zip(zip(cuts, cuts[1:]), grads)]
         p1, m1 = p.clone(), m.clone()
-        cpu._lion_chunked(p1, m1, segments, h, None)
+        cpu._lion_chunked(p1, m1, segments, h, None if scale is None else torch.tensor(scale))
         assert torch.equal(p1, want_p) and torch.equal(m1, want_m), f"{len(segments)} runs"
-    assert int((c == 0).sum()) >= n // 5  # the cancellations are there, and left the parameter as decayed
+        assert torch.equal(torch.cat(grads), gf.to(dtype))  # the unscaled gradient left where it lies
+    if scale is None:
+        assert int((c == 0).sum()) >= n // 5  # the cancellations are there, and left the parameter as decayed
 
 
 @pytest.mark.parametrize("opt", list(OPTS))
