@@ -167,24 +167,57 @@ def test_a_parameter_appended_to_a_group_is_trained_and_one_removed_is_not(in_ba
     torch.optim.AdamW([ref_of[p] for p in opt.param_groups[0]["params"]]).load_state_dict(sd)
 
 
+def _remove_bias(opt, model):
+    del opt.param_groups[0]["params"][1]  # the first layer's bias
+
+
+def _append_bias(opt, model):
+    opt.param_groups[0]["params"].append(model[2].bias)
+
+
+def _move_weight(opt, model):
+    params = opt.param_groups[0]["params"]
+    del params[next(i for i, p in enumerate(params) if p is model[2].weight)]
+    opt.param_groups[1]["params"].append(model[2].weight)
+
+
+def _swap_groups(opt, model):
+    a, b = opt.param_groups
+    a["params"], b["params"] = b["params"], a["params"]
+
+
+EDITS = {"remove": _remove_bias, "append": _append_bias, "move": _move_weight, "swap": _swap_groups}
+
+
 @pytest.mark.parametrize("skip_unused", [True, False], ids=["skip-unused", "zero-for-unused"])
-def test_a_parameter_removed_between_zero_grad_and_backward_is_not_stepped_in_backward(skip_unused):
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_param_groups_edited_between_zero_grad_and_backward_in_backward(edit, skip_unused):
     """In in-backward mode the pass right after an edit of param_groups still runs over the old layout (the
-    buffers are laid out anew at the next step() or zero_grad(), not during backward): a parameter removed is not
-    stepped by that pass, with or without skip_unused (which steps the others without a gradient), as torch.optim
-    steps the groups' parameters only."""
+    buffers are laid out anew at the next step() or zero_grad(), not during backward). As torch.optim steps the
+    groups' parameters only, each once per step(): a parameter removed is not stepped by that pass; one appended,
+    or moved to another group, keeps its gradient in .grad, and step() steps it with its new group's
+    hyper-parameters, without stepping again those the pass stepped, with or without skip_unused (which steps
+    the parameters without a gradient)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
     ref = copy.deepcopy(model)
-    opt = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1, in_backward=True, skip_unused=skip_unused)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    w0, b0, w2, b2 = model.parameters()
+
+    def groups(ps):
+        p = list(ps)
+        return [{"params": [p[0], p[1], p[2]]}, {"params": [], "lr": 0.05, "weight_decay": 0.0}]
+
+    opt = flatopt.AdamW(
+        groups(model.parameters()), lr=1e-2, weight_decay=0.1, in_backward=True, skip_unused=skip_unused
+    )
+    ref_opt = torch.optim.AdamW(groups(ref.parameters()), lr=1e-2, weight_decay=0.1)
     pairs = [(model, opt), (ref, ref_opt)]
     x = torch.randn(4, 6)
-    for step in range(3):
+    for step in range(4):
         for m, o in pairs:
             o.zero_grad()
             if step == 1:
-                del o.param_groups[0]["params"][1]  # the first layer's bias, after zero_grad(): in the old layout
+                EDITS[edit](o, m)
             m(x).square().mean().backward()
             quiet(o.step)
         assert_same(pairs, step)

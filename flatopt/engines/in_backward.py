@@ -181,6 +181,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         self.window = 0  # backward passes (outside no_step()) begun since the last step() or zero_grad()
         self.accumulating = None  # graph task id of the accumulating pass in progress (window < accumulation_steps)
         self.applied = False  # a pass since the last step() or zero_grad() stepped its gradients and freed them
+        self.window_stepped = set()  # the parameters stepped since the last step() or zero_grad()
         self.micro = None  # graph task id of the accumulating pass in progress, until its end (still set: it raised)
         self.failed = False  # a pass raised leaving its first gradient added to an earlier one in .grad
         self.loaded = False  # .grad may hold gradients of earlier passes (no_step(), a window, a pass that raised)
@@ -328,6 +329,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         self.window = 0
         self.accumulating = self.micro = None
         self.applied = self.failed = self.loaded = False
+        self.window_stepped = set()
         self._unguard()
 
     def holds(self, p):
@@ -656,10 +658,13 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         self.check_bindings(full=self.dirty or self.backwards % FULL_CHECK_EVERY == 0)
         # param_groups edited since the layout: the buffers are laid out anew at the next step() or zero_grad()
         # (not during backward, whose saved tensors hold the parameters); until then, a parameter removed from
-        # the groups is not stepped. One unfrozen or added keeps its gradient in .grad, which step() steps.
+        # the groups, or moved to another group, is not stepped (the moved one keeps its gradient in .grad, as one
+        # unfrozen or added does: step() lays it out in its new group and steps it there).
         self.outside = set()
         if self.members_changed():
-            self.outside = set(self.bucket_of) - {q for g in opt.param_groups for q in g["params"]}
+            laid = {p: gi for gi, (_, kept) in enumerate(self.members) for p in kept}
+            now = {q: gi for gi, g in enumerate(opt.param_groups) for q in g["params"]}
+            self.outside = {p for p in self.bucket_of if now.get(p) != laid.get(p)}
         self.backwards += 1
         self.refresh_hparams()
         if self.dirty:
@@ -733,14 +738,20 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         grad = bucket.direct if bucket.direct is not None else bucket.staging(self)
         meta = bucket.meta
         stepped = bucket.params
-        if partial and (opt.skip_unused or any(p in self.outside for p in bucket.params)):
-            # with skip_unused, the parameters that received a gradient; without, all but those removed from
-            # param_groups since the layout (as step mode and torch.optim, which step the groups' parameters only)
-            stepped = [p for p in bucket.params if p in bucket.arrived or not (opt.skip_unused or p in self.outside)]
+        if partial:
+            # with skip_unused, the parameters that received a gradient; without, also the others, as if their
+            # gradient were zero, but not one removed from its group since the layout (step mode and torch.optim
+            # step the groups' parameters only) nor one stepped already since the last step() or zero_grad() (by a
+            # pass whose step() now steps a gradient it left in .grad: torch.optim's step() steps each once)
+            skip, away, done = opt.skip_unused, self.outside, self.window_stepped
+            stepped = [p for p in bucket.params if p in bucket.arrived or not (skip or p in away or p in done)]
             if not stepped:
                 bucket.done = True
                 self._release(bucket)
                 return
+            if len(stepped) == len(bucket.params):
+                stepped = bucket.params
+        if stepped is not bucket.params:
             active = torch.zeros(len(buf.params), dtype=torch.uint8)
             active[[self.index_of[p] for p in stepped]] = 1
             meta = dataclasses.replace(meta, active=active.to(buf.device), uniform=False)
@@ -768,6 +779,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         # saved one of them before (a graph kept with retain_graph=True, a detached use) then raises torch's
         # "modified by an inplace operation" error instead of reading the new values
         bump_versions(stepped)
+        self.window_stepped.update(stepped)
         self.launches += 1
         self.stepped += len(stepped)
         bucket.done = True
