@@ -280,8 +280,11 @@ class GradLanding:
             if g is slot.grad or g is view:  # in place: a covered layer's, or settled
                 continue
             # torch gives a .grad its parameter's shape, dtype and device: a parameter moved or cast since the layout
-            # has a .grad of another dtype or device, left alone (check_bindings() raises for the parameter)
+            # has a .grad of another dtype or device, left alone (check_bindings() raises for the parameter); one of
+            # another dtype or device beside a parameter as laid out (its .data replaced) is refused here
             if g.dtype is not dtype or g.get_device() != device:
+                if p.dtype is dtype and p.get_device() == device:
+                    self._refuse_other_kind(p, g)
                 continue
             if g.layout is not strided or g.requires_grad:
                 self._check(p, g)  # raises, naming the parameter
@@ -358,6 +361,13 @@ class GradLanding:
                 src.append(g)
         for views, grads in groups.values():
             torch._foreach_copy_(views, grads)
+
+    def _refuse_other_kind(self, p, g):
+        raise RuntimeError(
+            f"{self.cls}: the .grad of parameter {self.names(p)} is {g.dtype} on {g.device}, the parameter {p.dtype} "
+            f"on {p.device}; a gradient has its parameter's dtype and device (torch's .grad setter refuses others, "
+            "but not an assignment to p.grad.data). Assign p.grad = g.to(p) instead"
+        )
 
     def _check(self, p, g):
         if g.layout == torch.strided and not g.requires_grad:

@@ -369,11 +369,21 @@ def test_the_lane_steps_as_the_general_step_does_and_leaves_it_the_rest(name, va
     assert answers == [lane for event, lane in EVENTS]
 
 
-@pytest.mark.parametrize("bad", ["create_graph", "sparse"])
+REFUSED = {
+    "create_graph": "requires grad",
+    "sparse": "sparse gradients",
+    "dtype-large": r"\.grad of parameter 'mix' is torch\.float64 on cpu, the parameter torch\.float32",
+    "dtype-small": r"\.grad of parameter 'shift' is torch\.float64 on cpu, the parameter torch\.float32",
+}
+
+
+@pytest.mark.parametrize("bad", list(REFUSED))
 def test_the_lane_refuses_what_the_general_step_refuses_as_it_refuses_it(bad):
-    """A sparse gradient, or one with autograd history, after ordinary steps, in the step where a group turns SGD's
-    momentum on: the lane leaves the step to the general path, which raises its error; both optimizers, with the
-    lane and without it, are left alike (no momentum buffer allocated, the same parameters and state)."""
+    """A sparse gradient, one with autograd history, or one of another dtype (its .data replaced: the .grad setter
+    refuses that dtype), large (read in place) or small (copied in), after ordinary steps, in the step where a group
+    turns SGD's momentum on: the lane leaves the step to the general path, which raises its error; both optimizers,
+    with the lane and without it, are left alike and as they were (no momentum buffer allocated, the same
+    parameters and state)."""
     pairs = []
     for lane in (True, False):
         m = Model()
@@ -390,8 +400,13 @@ def test_the_lane_refuses_what_the_general_step_refuses_as_it_refuses_it(bad):
         m(batches(1)[0]).backward(create_graph=bad == "create_graph")
         if bad == "sparse":
             m.shift.grad = m.shift.grad.to_sparse()
-        with pytest.raises(RuntimeError, match="requires grad" if bad == "create_graph" else "sparse gradients"):
+        elif bad.startswith("dtype"):
+            p = m.mix if bad == "dtype-large" else m.shift
+            p.grad.data = p.grad.double()
+        before = [p.detach().clone() for p in m.parameters()]
+        with pytest.raises(RuntimeError, match=REFUSED[bad]):
             opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before)), "a parameter changed"
         pairs.append((m, opt))
     (m1, o1), (m2, o2) = pairs
     check_identical(m1, o1, m2, o2, bad)
