@@ -58,14 +58,15 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
                     "`p.data = ...` do that). Create the optimizer after moving or casting the model; to keep "
                     "the optimizer state, save opt.state_dict() first and load it into the new optimizer"
                 )
-    now_frozen = [p for p in checked if not p.requires_grad]
-    if now_frozen and not skip_unused:
+    # every parameter, whatever ``full`` says: the caller looks for this case at every step (FlatEngine.frozen_since)
+    now_frozen = [] if skip_unused else [p for buf in buffers for p in buf.params if not p.requires_grad]
+    if now_frozen:
         raise RuntimeError(
             f"{cls}: {len(now_frozen)} parameter(s) were trainable when the optimizer was created and have "
-            f"requires_grad=False now: {names.of(now_frozen)}. Their .grad views stay in the flat gradient buffer, "
-            "so with skip_unused=False flatopt would keep stepping them with a zero gradient (weight decay and "
-            "momentum would still change them), where torch.optim skips a parameter whose .grad is None. Drop "
-            "skip_unused=False (the default steps only parameters whose .grad is not None, as torch.optim)"
+            f"requires_grad=False now: {names.of(now_frozen)}. With skip_unused=False flatopt steps every parameter "
+            "it holds, one without a gradient as if its gradient were zero, so it would keep stepping them (weight "
+            "decay and momentum would still change them), where torch.optim skips a parameter whose .grad is None. "
+            "Drop skip_unused=False (the default steps only parameters whose .grad is not None, as torch.optim)"
         )
     if full and module is not None:  # built from a module: a trainable parameter of it that this optimizer lacks
         held = {id(p) for buf in buffers for p in buf.params} | {id(p) for p in frozen} | {id(p) for p in removed}

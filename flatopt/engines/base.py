@@ -738,6 +738,12 @@ class FlatEngine(Engine):
             module=module,
         )  # fmt: skip
 
+    def frozen_since(self):
+        """With ``skip_unused=False``, whether a parameter laid out has ``requires_grad=False`` now: it would be
+        stepped with a zero gradient, which the binding check refuses. A look at every parameter, made at every step
+        (and pass) with that option only."""
+        return not self.opt.skip_unused and not all(p.requires_grad for b in self.buffers for p in b.params)
+
     def full_check_due(self):
         """Whether this step's binding check looks at every parameter: at the first step, and every
         FULL_CHECK_EVERY-th after it."""

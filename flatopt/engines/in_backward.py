@@ -293,7 +293,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         self.dirty = True
 
     def check_bindings(self, full):
-        if full or not self.ends_bound():
+        if full or not self.ends_bound() or self.frozen_since():
             self.check_data_bindings(full)
 
     # ------------------------------------------------------------------ the optimizer's calls

@@ -109,7 +109,7 @@ class FlatStepEngine(FlatEngine):
         then (``settle``) the gradients settled into the flat buffers."""
         if self.follow_members():
             full = True
-        if full or not self.ends_bound():
+        if full or not self.ends_bound() or self.frozen_since():
             self.check_data_bindings(full)
         if settle and self.landing is not None:
             self.landing.settle()
