@@ -795,3 +795,48 @@ def test_a_step_in_backward_counts_as_an_in_place_update_of_the_parameters_it_st
         assert (p._version > versions[n]) == bumped, f"{n}: version {versions[n]} -> {p._version}"
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+# ---------------------------------------------------------------------- zero_grad(set_to_none=False)
+
+
+class Branchy(nn.Module):
+    """MLP whose ``side`` layer is used only while ``use_side`` is set (a branch not taken later)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.side, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.use_side = True
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.use_side:
+            h = h + torch.tanh(self.side(h))
+        return self.c(h)
+
+
+@pytest.mark.parametrize("event", ["branch-not-taken", "frozen"])
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_zero_grad_keeping_zeros_steps_what_torch_optim_steps(opt, event):
+    """After zero_grad(set_to_none=False) torch.optim's loop holds a zero .grad for every parameter that had a
+    gradient, and steps it at every step whether a pass reached it or not (weight decay, moments decaying, the
+    step count), also once it was frozen. In-backward mode frees the gradients it applies, and steps those
+    parameters at the end of each pass all the same; after a zero_grad(set_to_none=True) they are not stepped."""
+    torch.manual_seed(0)
+    model = Branchy()
+    twin = copy.deepcopy(model)
+    make_ours, make_theirs = PAIRS[opt]
+    theirs, ours = make_theirs(model.parameters()), make_ours(twin, in_backward=True)
+    for step, batch in enumerate(batches(6)):
+        for m, o in ((model, theirs), (twin, ours)):
+            if step == 1:
+                if event == "frozen":
+                    m.side.requires_grad_(False)
+                else:
+                    m.use_side = False
+            loss_of(m, batch).backward()
+            o.step()
+            o.zero_grad(set_to_none=step == 3)  # kept as zeros but after step 3
+        assert_matches_torch(twin, model, ours, theirs, step)
+    if opt == "adamw":  # stepped at steps 0-3 (a zero .grad at 1-3), not after the zero_grad(set_to_none=True)
+        assert float(ours.state[twin.side.weight]["step"]) == float(theirs.state[model.side.weight]["step"]) == 4.0

@@ -182,6 +182,10 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         self.accumulating = None  # graph task id of the accumulating pass in progress (window < accumulation_steps)
         self.applied = False  # a pass since the last step() or zero_grad() stepped its gradients and freed them
         self.window_stepped = set()  # the parameters stepped since the last step() or zero_grad()
+        # the parameters that received a gradient since the last zero_grad(set_to_none=True), and whether a
+        # zero_grad(set_to_none=False) came since: torch.optim's loop would then hold a zero .grad for each of them
+        # and step it at every step, gradient or not (this mode freed their gradients as it applied them)
+        self.had_grad, self.zeros_kept = set(), False
         self.micro = None  # graph task id of the accumulating pass in progress, until its end (still set: it raised)
         self.failed = False  # a pass raised leaving its first gradient added to an earlier one in .grad
         self.loaded = False  # .grad may hold gradients of earlier passes (no_step(), a window, a pass that raised)
@@ -322,6 +326,9 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         self.follow_members()  # torch.optim zeroes what the groups hold now
         self.pending = False  # the accumulated gradients are dropped, as torch.optim does
         torch.optim.Optimizer.zero_grad(self.opt, set_to_none=set_to_none)
+        self.zeros_kept = not set_to_none
+        if set_to_none:
+            self.had_grad = set()
         self.new_window()
 
     def new_window(self):
@@ -728,8 +735,9 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             if missing:
                 self.warn_unused(missing)
             self.unused_reported = True
+        zeros = self.had_grad if self.zeros_kept else ()
         for b in self.buckets:
-            if not b.done and (b.arrived or not opt.skip_unused):
+            if not b.done and (b.arrived or not opt.skip_unused or any(p in zeros for p in b.params)):
                 self._step(b, partial=True)
         self.keep_padding_zero()  # every bucket of the pass is stepped by now
 
@@ -744,7 +752,12 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             # step the groups' parameters only) nor one stepped already since the last step() or zero_grad() (by a
             # pass whose step() now steps a gradient it left in .grad: torch.optim's step() steps each once)
             skip, away, done = opt.skip_unused, self.outside, self.window_stepped
-            stepped = [p for p in bucket.params if p in bucket.arrived or not (skip or p in away or p in done)]
+            zeros = self.had_grad if self.zeros_kept else ()  # a zero .grad in torch.optim's loop: stepped there
+            stepped = [
+                p
+                for p in bucket.params
+                if p in bucket.arrived or (p not in away and p not in done and (not skip or p in zeros))
+            ]
             if not stepped:
                 bucket.done = True
                 self._release(bucket)
@@ -780,6 +793,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         # "modified by an inplace operation" error instead of reading the new values
         bump_versions(stepped)
         self.window_stepped.update(stepped)
+        self.had_grad.update(bucket.arrived if partial else bucket.params)
         self.launches += 1
         self.stepped += len(stepped)
         bucket.done = True
