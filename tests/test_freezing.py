@@ -223,6 +223,47 @@ def test_param_groups_edited_between_zero_grad_and_backward_in_backward(edit, sk
         assert_same(pairs, step)
 
 
+def test_a_parameter_repeated_before_a_backward_pass_is_refused_by_it_in_backward():
+    """What step() refuses when it lays the groups out (a parameter listed twice), in-backward mode refuses at the
+    first gradient of the pass that follows the edit, before it steps anything."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = flatopt.AdamW(model, lr=1e-2, in_backward=True)
+    x = torch.randn(4, 6)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.param_groups[0]["params"].append(model[0].weight)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' appears more than once"):
+        model(x).square().mean().backward()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("when", ["after-backward", "before-backward"])
+def test_param_groups_edited_after_a_stepped_pass_warn_at_step_in_backward(when):
+    """A pass in in-backward mode steps the parameters as the groups stand when it runs; torch.optim's step()
+    applies an edit made between backward() and step() to that step. step() says so (the edit takes effect from
+    the next pass); an edit made before the pass is followed by it, and step() says nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = flatopt.AdamW(model, lr=1e-2, in_backward=True)
+    x = torch.randn(4, 6)
+    for step in range(2):
+        opt.zero_grad()
+        if when == "before-backward" and step == 1:
+            del opt.param_groups[0]["params"][1]
+        model(x).square().mean().backward()
+        if when == "after-backward" and step == 1:
+            del opt.param_groups[0]["params"][1]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        edited = [w for w in caught if "edited after a backward pass" in str(w.message)]
+        assert len(edited) == (step == 1 and when == "after-backward"), [str(w.message) for w in caught]
+        assert all(w.filename == __file__ for w in edited)  # at the caller's line
+
+
 def test_a_params_list_replaced_is_followed():
     pairs = pair()
     (model, opt), (ref, ref_opt) = pairs

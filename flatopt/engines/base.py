@@ -341,6 +341,14 @@ class FlatEngine(Engine):
         if not self.members_changed():
             return False
         self.check_data_bindings(full=True)  # a parameter moved or cast meanwhile is refused, not laid out anew
+        self.check_members()
+        self.build()
+        return True
+
+    def check_members(self):
+        """What :meth:`follow_members` checks of ``param_groups`` before it lays them out: as many groups as laid
+        out, tensors only, each parameter once, a new one fit to be optimized. Raises; changes nothing but a group's
+        ``params`` sequence made a list."""
         opt = self.opt
         if len(opt.param_groups) != len(self.members):
             raise RuntimeError(
@@ -368,8 +376,6 @@ class FlatEngine(Engine):
                 seen.add(p)
                 if p not in laid_out:  # new, or trainable since: checked as the constructor checks a trainable one
                     opt.check_param(p)
-        self.build()
-        return True
 
     def state_of(self, buf, i):
         """torch.optim's per-parameter state, as views into the flat buffers."""

@@ -52,7 +52,9 @@ time when gradients arrive in layout order) plus the gradient autograd is produc
 """
 
 import dataclasses
+import operator
 import threading
+import warnings
 import weakref
 from contextlib import contextmanager
 
@@ -66,7 +68,7 @@ from flatopt.engines.base import FlatEngine
 from flatopt.engines.nesting import nesting_backward, reentrant_segment
 from flatopt.layout import ALIGN, StepMeta
 from flatopt.step_graph import StepGraph
-from flatopt.torch_compat import bump_versions
+from flatopt.torch_compat import bump_versions, outside_stacklevel
 
 
 def _graph_task_id():
@@ -186,6 +188,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         # zero_grad(set_to_none=False) came since: torch.optim's loop would then hold a zero .grad for each of them
         # and step it at every step, gradient or not (this mode freed their gradients as it applied them)
         self.had_grad, self.zeros_kept = set(), False
+        self.groups_stepped = None  # each group's params (the list, and its entries) as the last stepped pass ended
         self.micro = None  # graph task id of the accumulating pass in progress, until its end (still set: it raised)
         self.failed = False  # a pass raised leaving its first gradient added to an earlier one in .grad
         self.loaded = False  # .grad may hold gradients of earlier passes (no_step(), a window, a pass that raised)
@@ -310,6 +313,14 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 "infs could be checked. Train in bfloat16 without a GradScaler, or use in_backward=False (the "
                 "parameters of this step have been updated with scaled gradients: restart from a checkpoint)"
             )
+        if self.applied and self._groups_edited_since_the_pass():
+            warnings.warn(
+                f"{self.cls}(in_backward=True): opt.param_groups' parameters were edited after a backward pass that "
+                "had already stepped them as the groups stood then; the edit takes effect from the next pass, where "
+                "torch.optim's step() would apply it to this step. Edit param_groups before the backward pass (after "
+                "zero_grad()), or use in_backward=False",
+                stacklevel=outside_stacklevel(),
+            )
         self.abandon(give_back=True)
         self.follow_members()  # parameters unfrozen or added since: laid out, and their .grad stepped below
         loss = self.run_closure(closure)
@@ -320,6 +331,16 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             self.step_pending()
         self.new_window()
         return loss
+
+    def _groups_edited_since_the_pass(self):
+        """Whether a group's params changed since the last stepped pass ended (see groups_stepped)."""
+        then, groups = self.groups_stepped, self.opt.param_groups
+        if then is None or len(then) != len(groups):
+            return then is not None
+        return any(
+            g["params"] is not lst or len(lst) != len(kept) or not all(map(operator.is_, lst, kept))
+            for g, (lst, kept) in zip(groups, then)
+        )
 
     def zero_grad(self, set_to_none):
         self.abandon()
@@ -669,6 +690,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         # unfrozen or added does: step() lays it out in its new group and steps it there).
         self.outside = set()
         if self.members_changed():
+            self.check_members()  # what step() would refuse when it lays them out: before this pass steps anything
             laid = {p: gi for gi, (_, kept) in enumerate(self.members) for p in kept}
             now = {q: gi for gi, g in enumerate(opt.param_groups) for q in g["params"]}
             self.outside = {p for p in self.bucket_of if now.get(p) != laid.get(p)}
@@ -716,6 +738,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 if self.clip is not None:
                     self.clip.end()
                 self.applied = True  # the pass's gradients are applied and freed
+                self.groups_stepped = [(g["params"], tuple(g["params"])) for g in self.opt.param_groups]
                 self.loaded = False
                 self._arm(self.seen_first)
             finally:
