@@ -122,6 +122,9 @@ class StepMeta:
     cut_slices: int = field(default=0, init=False, repr=False, compare=False)  # how many slices ``cuts`` holds
     hosts: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # see host()
     checked: tuple | None = field(default=None, init=False, repr=False, compare=False)  # see flatopt.cpu._check
+    # ``steps._version`` when ``uniform`` was last found from the counts (or the engine's own writes since): another
+    # value means the caller wrote a count in place (opt.state[p]["step"].fill_(7)), which ``uniform`` must follow
+    steps_version: int = field(default=-1, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.stop is None:

@@ -95,15 +95,18 @@ def advance_steps(meta, ok=None, by=1):
         return
     whole = meta.first == 0 and meta.stop == len(meta.steps)
     steps = meta.steps if whole else meta.steps[meta.first : meta.stop]
+    seen = meta.steps_version == meta.steps._version  # no write of the caller's pending: this one is not theirs
     if meta.active is None and ok is None:
         steps.add_(by)
-        return
-    inc = torch.full_like(steps, by)
-    if meta.active is not None:
-        inc = inc * meta.active[meta.first : meta.stop].float()
-    if ok is not None:
-        inc = inc * ok.float()
-    steps.add_(inc)
+    else:
+        inc = torch.full_like(steps, by)
+        if meta.active is not None:
+            inc = inc * meta.active[meta.first : meta.stop].float()
+        if ok is not None:
+            inc = inc * ok.float()
+        steps.add_(inc)
+    if seen:
+        meta.steps_version = meta.steps._version
 
 
 def gather(grad, sources, meta):

@@ -157,6 +157,19 @@ def test_assigned_tensors_and_step_are_used(engine):
         torch.testing.assert_close(given, m, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("which", [0, 1], ids=["first-parameter", "second-parameter"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_step_count_written_in_place_is_used(engine, backend, which):
+    """opt.state[p]["step"] written in place (fill_) is what the next step uses for that parameter, as in
+    torch.optim, though the buffer's other parameters' counts stay as they were: the step counts of one buffer
+    differ from then on."""
+    pair = Pair("adamw", engine, backend)
+    pair.run(2, "before")
+    pair.both(lambda opt, ps: opt.state[ps[which]]["step"].fill_(7.0))
+    pair.run(3, "after writing a step count in place")
+
+
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_sgd_momentum_buffer_assigned(engine):
     """SGD uses a momentum buffer assigned, also one given before the first step (torch.optim keeps no state

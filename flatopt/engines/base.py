@@ -447,6 +447,10 @@ class FlatEngine(Engine):
         the parameter and the key. O(1) when nothing was edited: an identity check of ``opt.state`` and a flag.
         """
         state = self.opt.state
+        if self.steps_written():  # opt.state[p]["step"] written in place: the counts may differ within a buffer now
+            for buf in self.buffers:
+                if buf.meta.steps._version != buf.meta.steps_version:
+                    self.refresh_uniform(buf)
         if state is self.installed and not state.changes:
             return
         self.reconcile(state)
@@ -586,6 +590,12 @@ class FlatEngine(Engine):
         left out launches otherwise (see _set_masks)."""
         steps = buf.meta.steps
         buf.meta.uniform = len(set(buf.group_ids)) == 1 and bool((steps == steps[0]).all())
+        buf.meta.steps_version = steps._version
+
+    def steps_written(self):
+        """Whether the caller wrote a step count in place since the engine last looked (see StepMeta.steps_version):
+        one integer compared per buffer."""
+        return any(b.meta.steps._version != b.meta.steps_version for b in self.buffers)
 
     def ensure_states(self):
         """Allocate a state buffer that a group needs now but did not at construction (SGD's momentum buffer once a

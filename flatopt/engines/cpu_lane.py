@@ -60,6 +60,8 @@ class CpuLane:
         state = opt.state
         if state is not eng.installed or state.changes or eng.recording or eng.sources is not None:
             return False
+        if eng.steps_written():  # a step count written in place: the general step follows it first
+            return False
         if eng.full_check_due() or eng.members_changed() or not eng.ends_bound() or not eng.reads_in_place():
             return False
         if self.entries is None:
