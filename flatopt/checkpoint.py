@@ -127,7 +127,10 @@ class CheckpointMixin:
                         yield key, own
                     continue
                 extra = {k: v for k, v in own.items() if k not in own_keys}  # the caller's keys, as they are
-                if (steps[p] == 0 or p in unstarted) and not self.engine.exports_unstepped:
+                # step 0 with a state that is not all zeros: a step count assigned (opt.state[p]["step"] = 0), whose
+                # entry torch.optim exports with the moments it keeps
+                zero = p in unstarted or (steps[p] == 0 and not self._holds_values(own))
+                if zero and not self.engine.exports_unstepped:
                     if extra:  # no state yet, as in torch.optim, whose entry then holds the caller's keys only
                         yield key, extra
                     continue
@@ -144,6 +147,15 @@ class CheckpointMixin:
         for k, v in self.state.items():  # keys that are no parameter (a hook's opt.state["test"]), as torch.optim
             if not isinstance(k, torch.Tensor):
                 yield k, v
+
+    def _holds_values(self, own):
+        """Whether any of the rule's states in ``own`` (a parameter's opt.state entry) holds a value other than zero
+        (a read of each, for a parameter whose step count is 0 only)."""
+        return any(
+            isinstance(t, torch.Tensor) and bool(t.any())
+            for n in self.rule.state_names
+            if (t := own.get(n)) is not None
+        )
 
     def _has_exported_state(self):
         """Whether state_dict() would export any state: what ``bool(opt.state)`` says, as torch.optim's ``opt.state``

@@ -171,6 +171,21 @@ def test_a_step_count_written_in_place_is_used(engine, backend, which):
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_step_count_of_zero_assigned_keeps_the_entry_in_the_state_dict(engine):
+    """opt.state[p]["step"] = 0 keeps the moments (torch.optim's bias correction starts again from them): the state
+    dict exports that entry as torch.optim does, step 0 and moments, so a run resumed from it goes on as the live
+    one (a parameter never stepped, all zeros, has no entry, as in torch.optim)."""
+    pair = Pair("adamw", engine)
+    pair.run(2, "before")
+    pair.both(lambda opt, ps: opt.state[ps[1]].__setitem__("step", torch.tensor(0.0)))
+    ours, theirs = pair.opt.state_dict()["state"], pair.ref.state_dict()["state"]
+    assert sorted(ours) == sorted(theirs) == [0, 1, 2, 3]
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(ours[1][key].float(), theirs[1][key].float(), atol=1e-6, rtol=1e-5)
+    pair.run(2, "after assigning step 0")
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_sgd_momentum_buffer_assigned(engine):
     """SGD uses a momentum buffer assigned, also one given before the first step (torch.optim keeps no state
     then), instead of taking it from the gradient."""
