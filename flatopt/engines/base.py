@@ -447,10 +447,9 @@ class FlatEngine(Engine):
         the parameter and the key. O(1) when nothing was edited: an identity check of ``opt.state`` and a flag.
         """
         state = self.opt.state
-        if self.steps_written():  # opt.state[p]["step"] written in place: the counts may differ within a buffer now
-            for buf in self.buffers:
-                if buf.meta.steps._version != buf.meta.steps_version:
-                    self.refresh_uniform(buf)
+        for buf in self.buffers:  # opt.state[p]["step"] written in place: the counts may differ within a buffer now
+            if buf.meta.steps._version != buf.meta.steps_version:
+                self.refresh_uniform(buf)
         if state is self.installed and not state.changes:
             return
         self.reconcile(state)
