@@ -4,7 +4,7 @@
 
     params of one (device, dtype), in param-group order
     ┌───────────── p0 ─────────────┬pad┬──────── p1 ────────┬pad┬── p2 ──┬pad┐
-    │ elements [0, n0)             │   │ [s1, s1 + n1)      │   │ ...    │   │  data   (p.data are views)
+    │ elements [0, n0)             │   │ [s1, s1 + n1)      │   │ ...    │   │  data   (p.data: own storages)
     ├──────────────────────────────┼───┼────────────────────┼───┼────────┼───┤
     │                              │   │                    │   │        │   │  grad   (p.grad: see flatopt.grads)
     ├──────────────────────────────┼───┼────────────────────┼───┼────────┼───┤
@@ -20,6 +20,12 @@ are zero in every buffer; the optimizers map zeros to zeros, so stepping them ch
 A parameter sharded by FSDP2 takes its local shard's shape and the room of FSDP2's padded shard
 (``like`` and ``room``; see :mod:`flatopt.distributed.fsdp`), whose tail is padding like the rest.
 
+Each ``p.data`` shares the data buffer's memory over a storage of exactly its own bytes (a slice of the
+buffer's storage: ``flatopt.torch_compat.own_storage``), so that ``torch.save``, ``copy.deepcopy`` and
+safetensors take one parameter's bytes, not the whole buffer. Gradient views share the gradient buffer's
+storage itself, which ``zero_grad()`` may release (see :mod:`flatopt.landing`); a FSDP2 buffer stays one
+storage, whose memory FSDP2 manages.
+
 A parameter view keeps the parameter's own strides (a channels_last weight stays channels_last);
 parameters must be dense (no gaps or overlaps between elements).
 """
@@ -27,6 +33,8 @@ parameters must be dense (no gaps or overlaps between elements).
 from dataclasses import dataclass, field
 
 import torch
+
+from flatopt.torch_compat import own_storage
 
 ALIGN = 64  # elements; also the kernels' GRANULE (flatopt.kernels.common imports it from here)
 
@@ -289,9 +297,11 @@ class FlatBuffer:
         ``p.data`` (and ``p.grad``, when there is a gradient buffer) to the views."""
         grad_views = self.grad_views or [None] * len(self.params)
         with torch.no_grad():
-            for p, dv in zip(self.params, self.data_views):
+            for i, (p, dv) in enumerate(zip(self.params, self.data_views)):
                 dv.copy_(p.data)
-                p.data = dv
+                # over a storage of its own bytes (sharing the buffer's memory), so that what goes by storages
+                # (torch.save, safetensors, copy.deepcopy) takes the parameter, not the whole buffer
+                self.data_views[i] = p.data = own_storage(dv)
             if self.master is not None and self.master.dtype == torch.float32:
                 self.master.copy_(self.data)  # the remainders stay zero: the parameters are their master's top half
             for p, gv in zip(self.params, grad_views):

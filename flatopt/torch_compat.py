@@ -68,17 +68,22 @@ def is_dtensor(p):
     return isinstance(p.data, DTensor)
 
 
-def at_storage_start(t):
-    """A tensor sharing ``t``'s memory, shape and strides, over a storage that starts where ``t`` does (a slice of
-    ``t``'s storage, which holds the whole storage alive): torch 2.13 cannot pickle or deep-copy a DTensor whose
-    local tensor lies at an offset in its storage ("invalid python storage"), as a view of a flat buffer does.
-    ``t`` itself where it starts its storage, holds no element, or the storage cannot be sliced."""
-    if t.storage_offset() == 0 or t.numel() == 0:
+def own_storage(t):
+    """A tensor sharing ``t``'s memory, shape and strides, over a storage of exactly its bytes (a slice of ``t``'s
+    storage, which holds the whole storage alive). A view of a flat buffer shares the buffer's storage, and tools
+    that go by storages see it as the whole buffer: ``torch.save`` of one parameter writes every byte of the
+    buffer, safetensors' ``save_model`` refuses (or drops as "shared") tensors that do not cover their storage,
+    and torch 2.13 cannot pickle or deep-copy a DTensor whose local tensor lies at an offset in its storage
+    ("invalid python storage"). ``t`` itself where it already covers its storage, holds no element, or its storage
+    cannot be sliced. The slice is never resizable: only for tensors over memory that stays where it is."""
+    if t.numel() == 0:
         return t
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    nbytes = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
     start = t.storage_offset() * t.element_size()
+    if start == 0 and t.untyped_storage().nbytes() == nbytes:
+        return t
     try:
-        storage = t.untyped_storage()[start : start + span * t.element_size()]
+        storage = t.untyped_storage()[start : start + nbytes]
         return t.new_empty(0).set_(storage, 0, t.shape, t.stride())
     except (RuntimeError, TypeError):  # a storage that cannot be sliced: the view as it is
         return t

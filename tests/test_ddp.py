@@ -113,11 +113,11 @@ def flat_views(opt):
     .grad is None, as a parameter with no gradient yet keeps it, as in torch)."""
     rows = []
     for buf in flatopt.inspect(opt).buffers:
-        data_storage = buf.data.untyped_storage().data_ptr()
         grad_storage = buf.grad.untyped_storage().data_ptr()
         # the gradient storage is released by zero_grad() and may come back elsewhere: compare with where it is now
         for p, (data_ptr, _), view in zip(buf.params, buf.expected, buf.grad_views):
-            data_ok = p.data_ptr() == data_ptr and p.untyped_storage().data_ptr() == data_storage
+            # the data lies over a storage of its own bytes, in the buffer's memory
+            data_ok = p.data_ptr() == data_ptr and p.untyped_storage().data_ptr() == data_ptr
             g = p.grad
             grad_ok = (
                 None

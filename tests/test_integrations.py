@@ -62,6 +62,62 @@ def load_example(name, *packages):
     return module
 
 
+def tiny_lm():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 16))
+
+
+def train_once(model, opt):
+    x = torch.randint(0, 16, (6,), generator=torch.Generator().manual_seed(1))
+    model(x).logsumexp(-1).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", [{}, dict(in_backward=True)], ids=["step", "in_backward"])
+def test_safetensors_save_model_takes_every_parameter_and_loads_back(mode, tmp_path):
+    """safetensors' save_model refuses tensors that do not cover their storage (or drops them as "shared"): each
+    parameter's data is a storage of its own bytes over the flat buffer's memory, so every weight is written."""
+    absent = missing("safetensors")
+    if absent:
+        pytest.skip("safetensors not installed: pip install -e '.[integrations]' (make env installs it)")
+    from safetensors.torch import load_file, load_model, save_model
+
+    model = tiny_lm()
+    opt = flatopt.AdamW(model, lr=0.1, **mode)
+    train_once(model, opt)
+    path = str(tmp_path / "model.safetensors")
+    save_model(model, path)
+    assert sorted(load_file(path)) == sorted(model.state_dict())
+    fresh = tiny_lm()
+    load_model(fresh, path)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
+    train_once(model, opt)  # the optimizer still steps the parameters where they are
+    assert not torch.equal(next(model.parameters()), next(fresh.parameters()))
+
+
+def test_accelerate_save_state_with_its_default_safetensors_resumes(tmp_path):
+    absent = missing("accelerate", "safetensors")
+    if absent:
+        pytest.skip(f"{', '.join(absent)} not installed: pip install -e '.[integrations]' (make env installs it)")
+    from accelerate import Accelerator
+
+    model = tiny_lm()
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, flatopt.AdamW(model, lr=0.1))
+    train_once(model, opt)
+    accelerator.save_state(str(tmp_path / "ckpt"))  # safe_serialization=True by default
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    train_once(model, opt)
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    for p, m in zip(model.parameters(), moments):
+        assert torch.equal(opt.state[p]["exp_avg"], m)
+
+
 @pytest.fixture(scope="module")
 def hf():
     return load_example("hf_trainer", "transformers", "accelerate")

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from flatopt.distributed import fsdp
 from flatopt.engines.base import FlatEngine, clip_coefficient
 from flatopt.layout import FlatBuffer, GradSources
-from flatopt.torch_compat import at_storage_start
+from flatopt.torch_compat import own_storage
 
 
 def acquire_grad(buf):
@@ -92,12 +92,12 @@ class FSDPStepEngine(FlatEngine):
     def export_state(self, p, t):
         """A state tensor of ``p`` as ``state_dict()`` exports it: a DTensor with the parameter's sharding, whose
         local tensor shares the flat buffer's memory (over a slice of its storage, so that torch.save and
-        copy.deepcopy take it: see torch_compat.at_storage_start)."""
+        copy.deepcopy take it: see torch_compat.own_storage)."""
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or p not in self.shards:
             return t
         from torch.distributed.tensor import DTensor
 
-        local = at_storage_start(t)
+        local = own_storage(t)
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
     def load(self, parsed):
