@@ -1,12 +1,15 @@
 """Checks that the parameters still live where the optimizer laid them out.
 
-A parameter's data is a view into its flat buffer. ``model.to()``, ``model.half()`` or
-``p.data = ...`` replace it; with ``skip_unused=False``, freezing a parameter after construction would
-keep it stepped; a parameter added to the module (not to the optimizer) after construction would
-never be stepped. The usual check looks at the first and last parameter of each buffer (O(1) host
-work, which catches ``model.to()`` at once); a full check looks at every parameter. (Parameters
-unfrozen or added to ``param_groups`` are laid out again: ``FlatEngine.follow_members``.)
+A parameter's data lies in its flat buffer (over a storage of its own bytes: see :mod:`flatopt.layout`).
+``model.to()``, ``model.half()`` or ``p.data = ...`` replace it; with ``skip_unused=False``, freezing a parameter
+after construction would keep it stepped; a parameter added to the module (not to the optimizer) after construction
+would never be stepped. The usual check looks at the first and last parameter of each buffer (O(1) host work, which
+catches ``model.to()`` at once), and on the CPU also at every parameter's address (:func:`addresses_kept`); a full
+check looks at every parameter. (Parameters unfrozen or added to ``param_groups`` are laid out again:
+``FlatEngine.follow_members``.)
 """
+
+import torch
 
 from flatopt.torch_compat import is_dtensor
 
@@ -15,14 +18,37 @@ FULL_CHECK_EVERY = 256  # step() (or, in-backward, a backward pass) checks every
 
 def ends_bound(buffers):
     """Whether the first and last parameter of every buffer still hold their data views and require
-    grad (a parameter moved to another device has another address)."""
+    grad (a parameter moved to another device has another address), and on the CPU whether every parameter
+    keeps its address (:func:`addresses_kept`)."""
     for buf in buffers:
         params, expected = buf.params, buf.expected
         for i in (0, len(params) - 1):
             p = params[i]
             if p.data_ptr() != expected[i][0] or p.dtype != buf.dtype or not p.requires_grad:
                 return False
+        if watch_every_address(buf) and not addresses_kept(buf):
+            return False
     return True
+
+
+def watch_every_address(buf):
+    """Whether a binding check looks at the address of every parameter of ``buf``, not its ends only: a CPU buffer
+    whose parameters lie over storages of their own (``FlatBuffer.adopt``), where ``share_memory_()`` of a part of the
+    model (``layer.share_memory()``, or torch.multiprocessing sending a layer or its state_dict to another process)
+    moves those parameters' storages alone, in place, out of the buffer. (On a GPU ``share_memory_()`` moves
+    nothing.)"""
+    return buf.device.type == "cpu" and getattr(buf, "own_storages", False)
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def addresses_kept(buf):
+    """Whether every parameter of ``buf`` still has the address it was laid out at (about 50 ns per parameter)."""
+    homes = buf.__dict__.get("_homes")
+    if homes is None or homes[0] is not buf.expected:
+        homes = buf._homes = (buf.expected, [e[0] for e in buf.expected])
+    return list(map(_DATA_PTR, buf.params)) == homes[1]
 
 
 def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, module, removed=()):
@@ -30,7 +56,7 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
     or was frozen since the layout (with ``skip_unused=False`` only); with ``full``, every parameter is
     looked at, and also trainable parameters of ``module`` (or None) that the optimizer lacks (neither
     laid out nor among the ``frozen`` parameters of its groups, nor ``removed`` from its groups). Otherwise
-    only the first and last of each buffer.
+    only the first and last of each buffer, and every parameter of a buffer :func:`watch_every_address` names.
 
     Args:
         cls (str): the optimizer's class name, for messages.
@@ -38,7 +64,7 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
     """
     checked = []  # the parameters looked at: every one (full) or the first and last of each buffer
     for buf in buffers:
-        idx = range(len(buf.params)) if full else sorted({0, len(buf.params) - 1})
+        idx = range(len(buf.params)) if full or watch_every_address(buf) else sorted({0, len(buf.params) - 1})
         for i in idx:
             p = buf.params[i]
             checked.append(p)
@@ -46,9 +72,10 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
             if p.data_ptr() != data_ptr or p.dtype != buf.dtype or p.device != buf.device:
                 if _moved_in_place(p, buf, i):
                     raise RuntimeError(
-                        f"{cls}: the memory of the optimizer's flat buffer that parameter {names(p)} views was "
-                        "moved after the optimizer was created (model.share_memory() moves storages in place into "
-                        "shared memory), so the addresses the optimizer steps are stale. For parameters in shared "
+                        f"{cls}: the memory of parameter {names(p)} was moved out of the optimizer's flat buffer "
+                        "after the optimizer was created (share_memory() of the model or of a part of it, or "
+                        "torch.multiprocessing sending it to another process, moves storages in place into shared "
+                        "memory), so the optimizer would no longer update it. For parameters in shared "
                         "memory create the optimizer with flat=False after model.share_memory(); to keep the "
                         "optimizer state, save opt.state_dict() first and load it into the new optimizer"
                     )
@@ -91,8 +118,8 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
 
 
 def _moved_in_place(p, buf, i):
-    """Whether ``p`` is still the view of ``buf`` it was laid out as (same storage, same offset, dtype and
-    device) and only the storage's memory moved: ``share_memory_()`` does that to a CPU storage."""
+    """Whether ``p`` still holds the data tensor ``buf`` bound it to (same storage, same offset, dtype and device) and
+    only the storage's memory moved: ``share_memory_()`` does that to a CPU storage."""
     view = buf.data_views[i]
     return (
         p.untyped_storage()._cdata == view.untyped_storage()._cdata

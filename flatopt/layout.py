@@ -302,6 +302,7 @@ class FlatBuffer:
                 # over a storage of its own bytes (sharing the buffer's memory), so that what goes by storages
                 # (torch.save, safetensors, copy.deepcopy) takes the parameter, not the whole buffer
                 self.data_views[i] = p.data = own_storage(dv)
+            self.own_storages = True  # (flatopt.bindings.watch_every_address)
             if self.master is not None and self.master.dtype == torch.float32:
                 self.master.copy_(self.data)  # the remainders stay zero: the parameters are their master's top half
             for p, gv in zip(self.params, grad_views):

@@ -74,10 +74,11 @@ def own_storage(t):
     that go by storages see it as the whole buffer: ``torch.save`` of one parameter writes every byte of the
     buffer, safetensors' ``save_model`` refuses (or drops as "shared") tensors that do not cover their storage,
     and torch 2.13 cannot pickle or deep-copy a DTensor whose local tensor lies at an offset in its storage
-    ("invalid python storage"). ``t`` itself where it already covers its storage, holds no element, or its storage
-    cannot be sliced. The slice is never resizable: only for tensors over memory that stays where it is."""
+    ("invalid python storage"). A tensor of no element gets an empty storage of its own (it shares no memory); ``t``
+    itself where it already covers its storage or its storage cannot be sliced. The slice is never resizable: only
+    for tensors over memory that stays where it is."""
     if t.numel() == 0:
-        return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     nbytes = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
     start = t.storage_offset() * t.element_size()
     if start == 0 and t.untyped_storage().nbytes() == nbytes:

@@ -301,12 +301,31 @@ def test_parameters_in_shared_memory_are_refused_with_flat_true_and_stepped_in_p
 def test_share_memory_after_the_optimizer_is_refused_at_the_step_saying_so():
     model, opt, gen = trained()
     loss_fn(model, make_batch(gen)).backward()
-    model.share_memory()  # moves the flat buffer's memory in place: the parameters are still its views
+    model.share_memory()  # moves the parameters' storages in place, out of the flat buffer
     params = list(model.parameters())
     before = snapshot(params, opt)
-    with pytest.raises(RuntimeError, match=r"was moved after the optimizer was created \(model.share_memory\(\)"):
+    with pytest.raises(RuntimeError, match=r"was moved out of the optimizer's flat buffer.*\(share_memory\(\)"):
         opt.step()
     assert_unchanged(before, snapshot(params, opt))
+
+
+@pytest.mark.parametrize("mode", ["step", "in_backward"])
+def test_share_memory_of_one_layer_after_the_optimizer_is_refused_at_the_next_step(mode):
+    """Each parameter lies over a storage of its own: share_memory() of a layer in the middle of a buffer (or
+    torch.multiprocessing sending it to another process) moves that layer alone, which the first and last
+    parameters of the buffer do not show. On the CPU every parameter's address is looked at, at every step."""
+    # (two steps: the pass after the first settles which step counts differ, the unused layer's having stayed at 0)
+    model, opt, gen = trained(in_backward=True, steps=2) if mode == "in_backward" else trained()
+    model.proj.share_memory()
+    params = list(model.parameters())
+    if mode == "step":
+        loss_fn(model, make_batch(gen)).backward()
+    before = snapshot(params, opt, grads=mode == "step")  # (no gradient buffer in in-backward mode)
+    with pytest.raises(RuntimeError, match=r"parameter 'proj\.weight' was moved out of the optimizer's flat buffer"):
+        if mode == "in_backward":
+            loss_fn(model, make_batch(gen)).backward()
+        opt.step()
+    assert_unchanged(before, snapshot(params, opt, grads=mode == "step"))
 
 
 def test_parameter_in_two_groups():

@@ -64,7 +64,9 @@ def load_example(name, *packages):
 
 def tiny_lm():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 16))
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 16))
+    model[1].register_parameter("anchor", nn.Parameter(torch.empty(0)))  # (a common way to track a module's device)
+    return model
 
 
 def train_once(model, opt):

@@ -42,9 +42,10 @@ def assert_view_of(view, flat, start, what):
     """``view`` lies in ``flat``'s memory and its first element is ``flat[start]`` (a parameter's data over a storage
     of its own bytes, a gradient or a state over the buffer's storage)."""
     assert view.device == flat.device and view.dtype == flat.dtype, f"{what} is not in the buffer"
-    if view.numel() == 0:  # no memory of its own (data_ptr() is 0): a view of the buffer's storage
-        assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), f"{what} is not in the buffer"
-        assert view.storage_offset() == flat.storage_offset() + start, f"{what} starts at the wrong offset"
+    if view.numel() == 0:  # no memory to share (data_ptr() is 0): a gradient's or a state's view of the buffer
+        if view.untyped_storage().nbytes():
+            assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), f"{what} not in the buffer"
+            assert view.storage_offset() == flat.storage_offset() + start, f"{what} starts at the wrong offset"
     else:
         assert view.data_ptr() == flat.data_ptr() + start * flat.element_size(), f"{what} is not at flat[{start}]"
 
