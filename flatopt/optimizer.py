@@ -274,7 +274,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Clip the gradients of every parameter of this optimizer by their global norm, as
         ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` does, with one norm per flat
-        gradient buffer and no host synchronisation (unless ``error_if_nonfinite``).
+        gradient buffer (per parameter with a gradient for a ``norm_type`` of 0 or below, as torch) and no host
+        synchronisation (unless ``error_if_nonfinite``).
 
         With ``in_backward=True`` the gradients of a backward pass are applied and freed during it: after such a
         pass (and before the next ``step()`` or ``zero_grad()``) this returns the norm the pass was clipped by in

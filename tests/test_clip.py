@@ -11,7 +11,10 @@ import flatopt
 
 
 @pytest.mark.parametrize("flat", [True, False])
-@pytest.mark.parametrize("norm_type, max_norm", [(2.0, 0.05), (1.0, 0.3), (math.inf, 0.01), (2.0, 1e3)])
+@pytest.mark.parametrize(
+    "norm_type, max_norm",
+    [(2.0, 0.05), (1.0, 0.3), (math.inf, 0.01), (2.0, 1e3), (0.0, 1.0), (-math.inf, 0.01), (0.5, 1.0)],
+)
 def test_matches_torch_clip_grad_norm(flat, norm_type, max_norm):
     torch.manual_seed(0)
     model = Net()

@@ -256,6 +256,18 @@ def run_errors(rank):
         out["capture"] = None
     except Exception as e:
         out["capture"] = error_of(e)
+    x, y = (t.chunk(world)[rank] for t in batch(0))
+    nn.functional.mse_loss(model(x), y).backward()
+    grads = [p.grad.to_local().clone() for p in model.parameters() if p.grad is not None]
+    try:
+        opt.clip_grad_norm_(1.0, norm_type=0.0)
+        out["clip_order_0"] = None
+    except Exception as e:
+        out["clip_order_0"] = error_of(e)
+    out["clip_unchanged"] = all(
+        torch.equal(a, p.grad.to_local()) for a, p in zip(grads, [p for p in model.parameters() if p.grad is not None])
+    )
+    opt.zero_grad()
     model.double()  # FSDP2 gives every parameter a new local shard, off the flat buffer
     try:
         opt.step()
@@ -1131,7 +1143,8 @@ def test_what_cannot_work_is_refused_at_construction(runs):
     options (master_weights, stochastic_rounding, state_dtype) and tensor-parallel DTensors are refused by the
     constructor, saying why, before the shards move; a model
     whose shards FSDP2 replaced (model.double()) by the next step(), as is an optimizer created before fully_shard
-    (saying so); capture() by capture()."""
+    (saying so); capture() by capture(); opt.clip_grad_norm_ of an order its all-reduce cannot combine (0) by the
+    call, leaving the gradients as they were."""
     expected = {
         "accumulation_steps": r"in_backward=True\) over FSDP2 does not take accumulation_steps: accumulate under",
         "flat_false": r"flat=False\) cannot step '0.weight', a DTensor",
@@ -1141,6 +1154,7 @@ def test_what_cannot_work_is_refused_at_construction(runs):
         "moved": r"the local shard of parameter '0.weight' no longer lives in the optimizer's flat buffer",
         "capture": r"AdamW.capture\(\) cannot record the step of an FSDP2 model",
         "sharded_after": r"are DTensors now: FSDP2's fully_shard was applied after the optimizer was created",
+        "clip_order_0": r"clip_grad_norm_\(norm_type=0.0\) under FSDP2 takes a norm order above 0",
     }
     import re
 
@@ -1152,6 +1166,7 @@ def test_what_cannot_work_is_refused_at_construction(runs):
             assert err["type"] == kind and re.search(pattern, err["message"]), (name, err)
         assert result["unchanged"], f"rank {rank}: a refused constructor moved the shards"
         assert result["late_unchanged"], f"rank {rank}: the refused step moved the parameters"
+        assert result["clip_unchanged"], f"rank {rank}: the refused clip_grad_norm_ changed the gradients"
 
 
 def test_state_dicts_and_resuming(runs):

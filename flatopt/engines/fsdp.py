@@ -233,6 +233,12 @@ class FSDPStepEngine(FlatEngine):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite):
+        if not norm_type > 0:  # global_norm combines the ranks' p-th powers (or maxima)
+            raise ValueError(
+                f"{self.cls}.clip_grad_norm_(norm_type={norm_type!r}) under FSDP2 takes a norm order above 0 (or inf): "
+                "its one all-reduce combines the ranks' p-norms. Call "
+                f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type={norm_type!r}) for this order"
+            )
         self.check_bindings(full=False)
         grads = self.local_grads()
         if not self.buffers:

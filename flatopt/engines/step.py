@@ -261,9 +261,18 @@ class FlatStepEngine(FlatEngine):
         if not self.buffers:
             return torch.tensor(0.0)
         first = self.buffers[0].device
+        # one norm per buffer (its padding and the zeroed views of parameters without a gradient add nothing to a
+        # p-norm), but per parameter with a gradient for the others, as torch: the 0 "norm" of the per-parameter
+        # norms counts the parameters with a nonzero gradient, and -inf (or a negative order) would take the zeros in
+        tensors = (
+            [b.grad for b in self.buffers]
+            if norm_type > 0
+            else [p.grad for b in self.buffers for p in b.params if p.grad is not None]
+        )
+        if not tensors:
+            return torch.tensor(0.0)
         norms = [  # float32 accumulation, float64 for float64 gradients
-            torch.linalg.vector_norm(b.grad, norm_type, dtype=torch.promote_types(b.grad.dtype, torch.float32))
-            for b in self.buffers
+            torch.linalg.vector_norm(t, norm_type, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors
         ]
         wide = functools.reduce(torch.promote_types, [n.dtype for n in norms])
         total = torch.linalg.vector_norm(torch.stack([n.to(first, wide) for n in norms]), norm_type)
