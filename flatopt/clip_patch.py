@@ -1,4 +1,5 @@
-"""``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` made to see in-backward optimizers.
+"""``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (and the two halves of the first, ``get_total_norm``
+and ``clip_grads_with_norm_``, where torch has them) made to see in-backward optimizers.
 
 Frameworks clip after backward and before ``optimizer.step()``: transformers' Trainer (through
 accelerate) calls ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)``, Lightning
@@ -6,8 +7,9 @@ accelerate) calls ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_
 the function up when it calls it. In in-backward mode the gradients were applied and freed during
 backward, so torch's function would find none, return 0 and clip nothing, without a word.
 
-When the first in-backward optimizer is created, :func:`register` replaces both functions (in
-``torch.nn.utils`` and ``torch.nn.utils.clip_grad``) by wrappers, once per process. A wrapper
+When the first in-backward optimizer is created, :func:`register` replaces these functions (the first two in
+``torch.nn.utils`` and ``torch.nn.utils.clip_grad``, the halves in ``torch.nn.utils``) by wrappers, once per
+process. A wrapper
 materialises ``parameters`` (which may be a generator) and, when none of them belongs to a live
 in-backward optimizer, calls torch's function unchanged (same arguments, result and errors). When
 some do, the optimizer decides (:meth:`flatopt.engines.backward_clip.ClipCalls.clip_call`): it
@@ -108,6 +110,8 @@ def norm_query(engine, norm_type, error_if_nonfinite, run_torch):
 
 def _wrap(fn, name):
     signature = inspect.signature(fn)
+    if name == "get_total_norm":
+        return _wrap_total_norm(fn, signature)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -126,6 +130,8 @@ def _wrap(fn, name):
         given = bound.arguments
         if name == "clip_grad_value_":
             return engine.clip_value_call(lambda: fn(*bound.args, **bound.kwargs))
+        if name == "clip_grads_with_norm_":
+            return engine.clip_with_norm_call(given["max_norm"], lambda: fn(*bound.args, **bound.kwargs))
         return clip_request(
             engine,
             given["max_norm"],
@@ -133,6 +139,37 @@ def _wrap(fn, name):
             given.get("error_if_nonfinite", False),
             lambda: fn(*bound.args, **bound.kwargs),
         )
+
+    return wrapper
+
+
+def _wrap_total_norm(fn, signature):
+    """torch's ``get_total_norm(tensors, ...)`` (the first half of clip_grad_norm_, torch 2.6 and later) takes the
+    gradients, not the parameters, so it cannot tell whose they are. Given none while a live in-backward optimizer
+    has stepped a pass (and freed its gradients) since its last step() or zero_grad(), it warns that its 0 is not
+    the pass's norm; torch's result and errors either way."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not _engines:
+            return fn(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+            tensors = bound.arguments["tensors"]
+            if not isinstance(tensors, torch.Tensor):
+                tensors = bound.arguments["tensors"] = list(tensors)  # a generator is read once, here
+        except (TypeError, KeyError):
+            return fn(*args, **kwargs)
+        applied = [e for e in list(_engines) if e.opt is not None and e.applied]
+        if isinstance(tensors, list) and not tensors and applied:
+            warnings.warn(
+                f"get_total_norm() was given no gradient: {applied[0].cls}(in_backward=True) applied the gradients "
+                "of the last backward pass to the parameters and freed them, so the 0 it returns is not their norm. "
+                "Build the optimizer with max_grad_norm (1e9 clips nothing): opt.last_grad_norm (or "
+                "opt.clip_grad_norm_(float('inf'))) then gives the pass's norm (see docs/in-backward.md, Clipping)",
+                stacklevel=2,
+            )
+        return fn(*bound.args, **bound.kwargs)
 
     return wrapper
 
@@ -156,6 +193,13 @@ def _is_inf(max_norm):
 
 def _install():
     utils, module = torch.nn.utils, torch.nn.utils.clip_grad
+    # the two halves of clip_grad_norm_ (torch 2.6 and later), public in torch.nn.utils only: torch's own
+    # clip_grad_norm_ calls them under their private names in clip_grad, which stay torch's
+    for name in ("clip_grads_with_norm_", "get_total_norm"):
+        fn = getattr(utils, name, None)
+        if fn is not None:
+            _originals[name] = fn
+            setattr(utils, name, _wrap(fn, name))
     for name in ("clip_grad_norm_", "clip_grad_value_"):
         fn = getattr(module, name)
         _originals[name] = fn

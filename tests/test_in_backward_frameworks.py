@@ -12,6 +12,7 @@ import copy
 import gc
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -649,6 +650,61 @@ def test_clip_grad_value_after_an_in_backward_pass_is_refused():
     loss_of(twin, data[1]).backward()
     with pytest.raises(RuntimeError, match="clip_grad_value_ cannot clip the gradients.*register_post_accumulate"):
         torch.nn.utils.clip_grad_value_(twin.parameters(), 1e-4)
+
+
+HALVES = pytest.mark.skipif(
+    not hasattr(torch.nn.utils, "clip_grads_with_norm_"),
+    reason="torch.nn.utils.get_total_norm and clip_grads_with_norm_ are torch 2.6 and later",
+)
+
+
+@HALVES
+def test_the_halves_of_clip_grad_norm_after_an_in_backward_pass_warn_or_refuse():
+    """torch's get_total_norm(grads) and clip_grads_with_norm_(params, max_norm, total) after a stepped pass: the
+    first, given no gradient, warns that its 0 is not the pass's norm; the second is refused, or does nothing
+    where the optimizer clipped in backward by the same max_norm. On gradients still in .grad both are torch's."""
+    model, theirs, twin, ours, arrivals = clipped_pair("adamw", accumulation_steps=2)
+    data = batches(2)
+    loss_of(twin, data[0]).backward()  # in .grad, not yet stepped: torch's functions, for real
+    grads = [p.grad for p in twin.parameters()]
+    total = torch.nn.utils.get_total_norm(grads)
+    torch.testing.assert_close(total, clip_patch.original("clip_grad_norm_")(with_grads(twin).parameters(), 1e9))
+    torch.nn.utils.clip_grads_with_norm_(twin.parameters(), 1e-4, total)
+    assert max(float(p.grad.norm()) for p in twin.parameters()) <= 1.1e-4
+    loss_of(twin, data[1]).backward()  # stepped, and the gradients freed
+    with pytest.warns(UserWarning, match=r"get_total_norm\(\) was given no gradient: AdamW\(in_backward=True\)"):
+        assert float(torch.nn.utils.get_total_norm([p.grad for p in twin.parameters() if p.grad is not None])) == 0
+    values = [p.detach().clone() for p in twin.parameters()]
+    with pytest.raises(RuntimeError, match=r"built without max_grad_norm: clip_grads_with_norm_\(max_norm=1.0\)"):
+        torch.nn.utils.clip_grads_with_norm_(twin.parameters(), 1.0, torch.tensor(5.0))
+    assert all(torch.equal(p, v) for p, v in zip(twin.parameters(), values))
+
+    clipped = MLP()
+    opt = flatopt.AdamW(clipped, in_backward=True, max_grad_norm=1.0)
+    loss_of(clipped, data[0]).backward()
+    assert torch.nn.utils.clip_grads_with_norm_(clipped.parameters(), 1.0, opt.last_grad_norm) is None
+    with pytest.raises(RuntimeError, match=r"built with max_grad_norm=1.0: clip_grads_with_norm_\(max_norm=0.5\)"):
+        torch.nn.utils.clip_grads_with_norm_(clipped.parameters(), 0.5, opt.last_grad_norm)
+
+
+@HALVES
+def test_the_halves_of_clip_grad_norm_are_torchs_for_other_models():
+    gc.collect()  # in-backward optimizers of earlier tests, which would count as having stepped a pass
+    keep = flatopt.SGD(MLP(), lr=0.1, in_backward=True)  # noqa: F841 (live: the wrappers look at every call)
+    model = MLP()
+    loss_of(model, batches(1)[0]).backward()
+    ours, theirs = with_grads(model), with_grads(model)
+    wrapped, original = torch.nn.utils.get_total_norm, clip_patch.original("get_total_norm")
+    assert wrapped is not original and wrapped.__wrapped__ is original
+    a = wrapped(p.grad for p in ours.parameters())  # a generator, as torch takes it
+    b = original([p.grad for p in theirs.parameters()])
+    assert torch.equal(a, b)
+    torch.nn.utils.clip_grads_with_norm_(ours.parameters(), 0.05, a)
+    clip_patch.original("clip_grads_with_norm_")(theirs.parameters(), 0.05, b)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ours.parameters(), theirs.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert float(wrapped([])) == 0  # no in-backward optimizer has stepped a pass: no warning
 
 
 def test_parameters_of_several_optimizers_or_with_others_are_refused():

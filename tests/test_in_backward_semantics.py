@@ -239,6 +239,37 @@ def test_gradients_set_by_hand_are_stepped_by_step(opt, bucket_size):
     assert flatopt.inspect(ours).engine.launches > 0
 
 
+def test_a_step_pre_hook_after_a_stepped_pass_warns_once_that_it_came_too_late():
+    """A step pre-hook runs at step(): after a pass that stepped the parameters and freed their gradients it finds
+    none to change (torch.optim's would transform this step's), which step() says once, at the user's line. A
+    step() with gradients still in .grad (no_step()), or with no hook, says nothing."""
+    import warnings
+
+    model, theirs, twin, ours = pair("adamw")
+    seen = []
+    batch = batches(1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ours.no_step():
+            loss_of(twin, batch).backward()
+        handle = ours.register_step_pre_hook(lambda o, a, k: seen.append([p.grad is None for p in twin.parameters()]))
+        ours.step()  # the gradients accumulated under no_step(): still in .grad when the hook ran
+        ours.zero_grad()
+    assert seen == [[False] * 6]
+    warned = []
+    for _ in range(2):
+        loss_of(twin, batch).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours.step()
+        ours.zero_grad()
+        warned.append([w for w in caught if "step pre-hook" in str(w.message)])
+    assert seen[1:] == [[True] * 6] * 2, "the hook ran after the pass had freed the gradients"
+    assert [len(w) for w in warned] == [1, 0], warned
+    assert warned[0][0].filename == __file__, "the warning points at the user's step() line"
+    handle.remove()
+
+
 @pytest.mark.filterwarnings("ignore:.*received no gradient before the first step")
 @pytest.mark.parametrize("opt", list(PAIRS))
 def test_gradients_set_by_hand_on_some_parameters_step_those_with_skip_unused(opt):

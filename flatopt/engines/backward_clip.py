@@ -212,6 +212,30 @@ class ClipCalls:
             )
         return norm
 
+    def clip_with_norm_call(self, max_norm, run_torch):
+        """A call of torch.nn.utils.clip_grads_with_norm_ (torch 2.6 and later: the second half of clip_grad_norm_,
+        given the total norm) over this optimizer's parameters. After a pass that stepped its gradients: nothing to
+        do when the optimizer clipped them in backward by the same ``max_grad_norm``, refused otherwise (they are
+        gone); torch's call on gradients still in ``.grad``."""
+        if not self.applied:
+            return run_torch()
+        clip = self.clip
+        try:
+            same = clip is not None and clip.max_norm == float(max_norm)
+        except (TypeError, ValueError, RuntimeError):
+            same = False
+        if same:
+            return None
+        built = "without max_grad_norm" if clip is None else f"with max_grad_norm={clip.max_norm!r}"
+        raise RuntimeError(
+            f"{self.cls}(in_backward=True), built {built}: clip_grads_with_norm_(max_norm={max_norm!r}) cannot clip "
+            "the gradients: the backward pass applied them to the parameters and freed them as they arrived, so "
+            f"this call would find none and clip nothing. Build the optimizer with max_grad_norm={max_norm!r} (it "
+            "then clips in backward; see docs/in-backward.md, Clipping), turn clipping off in the loop, or use "
+            "in_backward=False (step mode). The parameters have already been updated with the unclipped gradients "
+            "of that pass"
+        )
+
     def clip_value_call(self, run_torch):
         """A call of torch.nn.utils.clip_grad_value_ over this optimizer's parameters: refused after a pass that
         stepped its gradients since the last step() or zero_grad() (they are gone); torch's call otherwise."""

@@ -68,7 +68,7 @@ from flatopt.engines.base import FlatEngine
 from flatopt.engines.nesting import nesting_backward, reentrant_segment
 from flatopt.layout import ALIGN, StepMeta
 from flatopt.step_graph import StepGraph
-from flatopt.torch_compat import bump_versions, outside_stacklevel
+from flatopt.torch_compat import bump_versions, has_step_pre_hooks, outside_stacklevel
 
 
 def _graph_task_id():
@@ -189,6 +189,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         # and step it at every step, gradient or not (this mode freed their gradients as it applied them)
         self.had_grad, self.zeros_kept = set(), False
         self.groups_stepped = None  # each group's params (the list, and its entries) as the last stepped pass ended
+        self.warned_pre_hooks = False  # step() warned that a step pre-hook ran after the pass had stepped
         self.micro = None  # graph task id of the accumulating pass in progress, until its end (still set: it raised)
         self.failed = False  # a pass raised leaving its first gradient added to an earlier one in .grad
         self.loaded = False  # .grad may hold gradients of earlier passes (no_step(), a window, a pass that raised)
@@ -319,6 +320,17 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 "had already stepped them as the groups stood then; the edit takes effect from the next pass, where "
                 "torch.optim's step() would apply it to this step. Edit param_groups before the backward pass (after "
                 "zero_grad()), or use in_backward=False",
+                stacklevel=outside_stacklevel(),
+            )
+        if self.applied and not self.warned_pre_hooks and has_step_pre_hooks(self.opt):
+            self.warned_pre_hooks = True
+            warnings.warn(
+                f"{self.cls}(in_backward=True): a step pre-hook (opt.register_step_pre_hook, or torch's global "
+                "register_optimizer_step_pre_hook) ran at step(), after the backward pass had stepped the parameters "
+                "and freed their gradients: it found no gradient to read or change, and its param_groups edits take "
+                "effect from the next pass, where torch.optim applies both to this step. Transform gradients in a "
+                "post-accumulate-grad hook registered after the optimizer (docs/in-backward.md, Gradient hooks), or "
+                "use in_backward=False. (Warned once.)",
                 stacklevel=outside_stacklevel(),
             )
         self.abandon(give_back=True)
