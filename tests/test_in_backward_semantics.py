@@ -239,6 +239,32 @@ def test_gradients_set_by_hand_are_stepped_by_step(opt, bucket_size):
     assert flatopt.inspect(ours).engine.launches > 0
 
 
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_a_no_step_pass_after_a_stepped_pass_is_refused_leaving_nothing(opt):
+    """torch.optim would step the gradients of both passes together at the next step(); the first pass's are already
+    applied and freed. The no_step() pass is refused at its first gradient, before autograd adds it to .grad; after
+    zero_grad() the loop goes on as torch.optim's."""
+    model, theirs, twin, ours = pair(opt)
+    data = batches(3)
+    torch_step(model, theirs, data[0])
+    loss_of(twin, data[0]).backward()  # stepped
+    values = [p.detach().clone() for p in twin.parameters()]
+    with pytest.raises(RuntimeError, match=r"a backward pass under opt.no_step\(\) started after a pass that alr"):
+        with ours.no_step():
+            loss_of(twin, data[1]).backward()
+    assert all(torch.equal(p, v) for p, v in zip(twin.parameters(), values)), "a refused pass updated a parameter"
+    assert all(p.grad is None for p in twin.parameters()), "a refused pass left a gradient"
+    ours.zero_grad()
+    theirs.zero_grad()
+    for step, batch in enumerate(data[1:], 2):
+        with ours.no_step():
+            loss_of(twin, batch).backward()  # accumulated, stepped by step()
+        ours.step()
+        ours.zero_grad()
+        torch_step(model, theirs, batch)
+        assert_matches_torch(twin, model, ours, theirs, step)
+
+
 def test_a_step_pre_hook_after_a_stepped_pass_warns_once_that_it_came_too_late():
     """A step pre-hook runs at step(): after a pass that stepped the parameters and freed their gradients it finds
     none to change (torch.optim's would transform this step's), which step() says once, at the user's line. A

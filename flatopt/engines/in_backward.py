@@ -411,6 +411,8 @@ class InBackwardEngine(ClipCalls, FlatEngine):
     # ------------------------------------------------------------------ hooks
     def hook(self, p):
         if self.paused:
+            if self.applied:  # (before() refuses it earlier where this gradient is the pass's first)
+                raise RuntimeError(self._paused_after_a_stepped_pass(p, landed=True))
             self.pending = self.loaded = True  # accumulated in p.grad, for the next stepping pass or opt.step()
             return
         with self.lock, torch.no_grad():
@@ -423,6 +425,8 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         is seen here before autograd adds it to ``p.grad``, so a pass refused (or raising) there leaves nothing in
         ``.grad``. Elsewhere in a pass: one comparison."""
         if self.paused:
+            if self.applied and _accumulates():
+                raise RuntimeError(self._paused_after_a_stepped_pass(p, landed=False))
             return
         task = _graph_task_id()
         if task == self.task or task == self.accumulating or not _accumulates():
@@ -431,6 +435,24 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             refusal = None if task in (self.task, self.accumulating) else self._open(p, task, landed=False)
         if refusal is not None:
             raise RuntimeError(refusal)
+
+    def _paused_after_a_stepped_pass(self, p, landed):
+        """Why a backward pass under no_step() after a pass that stepped the window's gradients is refused: torch.optim
+        would step the gradients of both together at the next step(), and the first pass's are applied and freed."""
+        left = (
+            f" but the gradient of {self.opt.names(p)}, which autograd had already added to its .grad "
+            "(opt.zero_grad() drops it)"
+            if landed
+            else ""
+        )
+        return (
+            f"{self.cls}(in_backward=True): a backward pass under opt.no_step() started after a pass that already "
+            "stepped the parameters (each backward pass outside no_step() updates them and frees its gradients), "
+            "with neither opt.step() nor opt.zero_grad() in between: torch.optim would step the gradients of both "
+            "passes together at the next step(), which this mode cannot. Run the micro-batches under no_step() "
+            "before the pass that steps, and call opt.step() (or opt.zero_grad()) after it. Nothing was updated or "
+            f"kept by this backward pass{left}"
+        )
 
     def reset(self):
         for b in self.buckets:
