@@ -43,8 +43,25 @@ def register(engine):
 
 
 def original(name):
-    """torch's own ``name`` (``"clip_grad_norm_"`` or ``"clip_grad_value_"``), unwrapped."""
-    return _originals.get(name) or getattr(torch.nn.utils.clip_grad, name)
+    """torch's own ``name`` (``"clip_grad_norm_"``, ``"clip_grad_value_"``, ``"clip_grads_with_norm_"`` or
+    ``"get_total_norm"``), unwrapped."""
+    found = _originals.get(name)
+    if found is None:
+        found = getattr(torch.nn.utils.clip_grad, name, None) if name.startswith("clip_grad_") else None
+    return found or getattr(torch.nn.utils, name)
+
+
+def _bind(signature, args, kwargs, key):
+    """``args`` and ``kwargs`` bound to ``signature``, with the iterable under ``key`` read into a list once (it
+    may be a generator); None where torch's own function must answer the call (its own error for them)."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+        value = bound.arguments[key]
+        if not isinstance(value, torch.Tensor):
+            bound.arguments[key] = list(value)
+    except (TypeError, KeyError):
+        return None
+    return bound
 
 
 def owner(params, call):
@@ -117,13 +134,10 @@ def _wrap(fn, name):
     def wrapper(*args, **kwargs):
         if not _engines:
             return fn(*args, **kwargs)
-        try:
-            bound = signature.bind(*args, **kwargs)
-            params = bound.arguments["parameters"]
-            if not isinstance(params, torch.Tensor):
-                params = bound.arguments["parameters"] = list(params)  # a generator is read once, here
-        except (TypeError, KeyError):
-            return fn(*args, **kwargs)  # torch's own error for the arguments
+        bound = _bind(signature, args, kwargs, "parameters")
+        if bound is None:
+            return fn(*args, **kwargs)
+        params = bound.arguments["parameters"]
         engine = owner([params] if isinstance(params, torch.Tensor) else params, name)
         if engine is None:
             return fn(*bound.args, **bound.kwargs)
@@ -153,20 +167,22 @@ def _wrap_total_norm(fn, signature):
     def wrapper(*args, **kwargs):
         if not _engines:
             return fn(*args, **kwargs)
-        try:
-            bound = signature.bind(*args, **kwargs)
-            tensors = bound.arguments["tensors"]
-            if not isinstance(tensors, torch.Tensor):
-                tensors = bound.arguments["tensors"] = list(tensors)  # a generator is read once, here
-        except (TypeError, KeyError):
+        bound = _bind(signature, args, kwargs, "tensors")
+        if bound is None:
             return fn(*args, **kwargs)
         applied = [e for e in list(_engines) if e.opt is not None and e.applied]
-        if isinstance(tensors, list) and not tensors and applied:
+        given = bound.arguments["tensors"]
+        if isinstance(given, list) and not given and applied:
+            engine = applied[0]
+            how = (
+                "opt.last_grad_norm is the norm it clipped that pass by"
+                if engine.clip is not None
+                else "build the optimizer with max_grad_norm (1e9 clips nothing) and opt.last_grad_norm gives it"
+            )
             warnings.warn(
-                f"get_total_norm() was given no gradient: {applied[0].cls}(in_backward=True) applied the gradients "
-                "of the last backward pass to the parameters and freed them, so the 0 it returns is not their norm. "
-                "Build the optimizer with max_grad_norm (1e9 clips nothing): opt.last_grad_norm (or "
-                "opt.clip_grad_norm_(float('inf'))) then gives the pass's norm (see docs/in-backward.md, Clipping)",
+                f"get_total_norm() was given no gradient: {engine.cls}(in_backward=True) applied the gradients of the "
+                f"last backward pass to the parameters and freed them, so the 0 it returns is not their norm: {how} "
+                "(docs/in-backward.md, Clipping)",
                 stacklevel=2,
             )
         return fn(*bound.args, **bound.kwargs)

@@ -74,10 +74,9 @@ def flat_zeros(numel, dtype, device):
             raw = torch.frombuffer(area, dtype=torch.uint8)  # anonymous memory: zeroed
             start = (-raw.data_ptr()) % HUGE_PAGE
             area.madvise(mm.MADV_HUGEPAGE, start, nbytes - nbytes % mm.PAGESIZE)
-            # a storage of the buffer's bytes alone (holding the mapping alive), so that torch.save of a view of it
-            # writes the buffer, not the alignment's slack
-            storage = raw.untyped_storage()[start : start + nbytes]
-            return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
+            # over a storage of the buffer's bytes alone (holding the mapping alive), so that torch.save of a view of
+            # it writes the buffer, not the alignment's slack
+            return own_storage(raw[start : start + nbytes].view(dtype))
         except (OSError, ValueError, RuntimeError, TypeError):  # no such mapping or advice here: torch's allocator
             pass
     return torch.zeros(numel, dtype=dtype, device=device)

@@ -297,7 +297,8 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
         ``step()`` checks every parameter at the first step and at every ``FULL_CHECK_EVERY``-th
         (256th) step after it, and otherwise only the first and last parameter of each buffer
-        (``full=False``, O(1) host work), which catches ``model.to(...)`` at once. Call this
+        (``full=False``, O(1) host work, which catches ``model.to(...)`` at once; on the CPU also every
+        parameter's address, as ``share_memory()`` of one layer moves it alone). Call this
         (``full=True``) to check every parameter now.
 
         Settling, with ``flat=True`` in step mode (see :mod:`flatopt.grads`): a ``.grad`` that is

@@ -20,6 +20,7 @@ the two-rank checkpoint; save one), two ranks (load the four-rank checkpoint).
 """
 
 import io
+import math
 import os
 import warnings
 from contextlib import nullcontext
@@ -259,11 +260,12 @@ def run_errors(rank):
     x, y = (t.chunk(world)[rank] for t in batch(0))
     nn.functional.mse_loss(model(x), y).backward()
     grads = [p.grad.to_local().clone() for p in model.parameters() if p.grad is not None]
-    try:
-        opt.clip_grad_norm_(1.0, norm_type=0.0)
-        out["clip_order_0"] = None
-    except Exception as e:
-        out["clip_order_0"] = error_of(e)
+    for name, order in (("clip_order_0", 0.0), ("clip_order_-inf", -math.inf)):
+        try:
+            opt.clip_grad_norm_(1.0, norm_type=order)
+            out[name] = None
+        except Exception as e:
+            out[name] = error_of(e)
     out["clip_unchanged"] = all(
         torch.equal(a, p.grad.to_local()) for a, p in zip(grads, [p for p in model.parameters() if p.grad is not None])
     )
@@ -331,7 +333,13 @@ def run_in_backward(rank, accumulate):
                 opt.clip_grad_norm_(1.0)
             except RuntimeError as e:
                 out["clip_error"] = str(e)
-        opt.step()
+        hook = opt.register_step_pre_hook(lambda *args: None) if step == 0 else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        if hook is not None:
+            hook.remove()
+            out["late_pre_hook"] = [str(w.message) for w in caught if "step pre-hook" in str(w.message)]
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -992,6 +1000,8 @@ def test_in_backward_matches_step_mode(runs, accumulate):
         assert "cannot clip the gradients: the backward pass applied them" in (result["clip_error"] or ""), result[
             "clip_error"
         ]
+        late = result["late_pre_hook"]
+        assert len(late) == 1, late  # the hook ran after the step's last pass had stepped the parameters
         for ours, step_mode in result.get("pending_norms", []):  # summed in another order: the layout is grouped
             assert ours == pytest.approx(step_mode, rel=1e-6), (ours, step_mode)
         assert (accumulate == "no_step") == bool(result.get("pending_norms"))
@@ -1155,6 +1165,7 @@ def test_what_cannot_work_is_refused_at_construction(runs):
         "capture": r"AdamW.capture\(\) cannot record the step of an FSDP2 model",
         "sharded_after": r"are DTensors now: FSDP2's fully_shard was applied after the optimizer was created",
         "clip_order_0": r"clip_grad_norm_\(norm_type=0.0\) under FSDP2 takes a norm order above 0",
+        "clip_order_-inf": r"clip_grad_norm_\(norm_type=-inf\) under FSDP2 takes a norm order above 0",
     }
     import re
 

@@ -675,16 +675,25 @@ def test_the_halves_of_clip_grad_norm_after_an_in_backward_pass_warn_or_refuse()
     with pytest.warns(UserWarning, match=r"get_total_norm\(\) was given no gradient: AdamW\(in_backward=True\)"):
         assert float(torch.nn.utils.get_total_norm([p.grad for p in twin.parameters() if p.grad is not None])) == 0
     values = [p.detach().clone() for p in twin.parameters()]
-    with pytest.raises(RuntimeError, match=r"built without max_grad_norm: clip_grads_with_norm_\(max_norm=1.0\)"):
-        torch.nn.utils.clip_grads_with_norm_(twin.parameters(), 1.0, torch.tensor(5.0))
+    with pytest.raises(RuntimeError, match=r"\): clip_grads_with_norm_\(max_norm=1.0\) cannot clip the gradients"):
+        torch.nn.utils.clip_grads_with_norm_(twin.parameters(), torch.tensor(1.0), torch.tensor(5.0))
     assert all(torch.equal(p, v) for p, v in zip(twin.parameters(), values))
+    assert torch.nn.utils.clip_grads_with_norm_(twin.parameters(), math.inf, torch.tensor(5.0)) is None  # a no-op
 
     clipped = MLP()
     opt = flatopt.AdamW(clipped, in_backward=True, max_grad_norm=1.0)
     loss_of(clipped, data[0]).backward()
     assert torch.nn.utils.clip_grads_with_norm_(clipped.parameters(), 1.0, opt.last_grad_norm) is None
-    with pytest.raises(RuntimeError, match=r"built with max_grad_norm=1.0: clip_grads_with_norm_\(max_norm=0.5\)"):
+    with pytest.raises(RuntimeError, match=r"max_grad_norm=1.0, norm_type=2.0\) clips .* clip_grads_with_norm_\(max"):
         torch.nn.utils.clip_grads_with_norm_(clipped.parameters(), 0.5, opt.last_grad_norm)
+    opt.zero_grad()
+    with opt.no_step():  # gradients in .grad, which the optimizer clips when it steps them: left as they are
+        loss_of(clipped, data[1]).backward()
+    held = [p.grad.clone() for p in clipped.parameters()]
+    assert torch.nn.utils.clip_grads_with_norm_(clipped.parameters(), 1.0, torch.tensor(50.0)) is None
+    assert all(torch.equal(p.grad, g) for p, g in zip(clipped.parameters(), held))
+    with pytest.raises(RuntimeError, match=r"clip_grads_with_norm_\(max_norm=0.5\) asks for another clipping"):
+        torch.nn.utils.clip_grads_with_norm_(clipped.parameters(), 0.5, torch.tensor(50.0))
 
 
 @HALVES

@@ -24,6 +24,8 @@ takes it), so ``n``, and the divisor, are the same on every rank.
 optimizer's parameters, for both in-backward engines (see :mod:`flatopt.clip_patch`).
 """
 
+import math
+
 import torch
 
 EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
@@ -136,6 +138,17 @@ class BackwardClip:
         self.running = self.exact = None
 
 
+GONE = (
+    "the backward pass applied them to the parameters and freed them as they arrived, so this call would find none "
+    "and clip nothing"
+)
+ALREADY = "The parameters have already been updated with the unclipped gradients of that pass"
+CLIP_OFF = (
+    "turn clipping off in the framework (max_grad_norm=0 in transformers' TrainingArguments, gradient_clip_val=None "
+    "in Lightning's Trainer)"
+)
+
+
 class ClipCalls:
     """How an in-backward engine answers ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` over its
     parameters (:mod:`flatopt.clip_patch` asks it). The engine has ``cls``, ``clip`` (a :class:`BackwardClip`,
@@ -166,33 +179,18 @@ class ClipCalls:
           window, under no_step(), or set by hand): torch's call clips them for real; with ``max_grad_norm``
           (the same value) the optimizer clips them itself when it steps them, and the call returns their
           total norm and changes nothing."""
-        cls, clip = self.cls, self.clip
-        asked = f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r})"
+        clip = self.clip
         try:
             max_norm, norm_type = float(max_norm), float(norm_type)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):
             return run_torch()  # torch's own error for the arguments
+        asked = f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r})"
         same = clip is not None and clip.max_norm == max_norm and clip.norm_type == norm_type
         if clip is not None and not same:
-            raise RuntimeError(
-                f"{cls}(in_backward=True, max_grad_norm={clip.max_norm!r}, norm_type={clip.norm_type!r}) clips its "
-                f"gradients in backward, and {asked} asks for another clipping, which the gradients, applied during "
-                "backward, cannot get. Give the optimizer and the clipping call the same max_norm and norm_type, "
-                "or turn clipping off in the framework (max_grad_norm=0 in transformers' TrainingArguments, "
-                "gradient_clip_val=None in Lightning's Trainer)"
-            )
+            raise RuntimeError(self._another_clipping(asked))
         if self.applied:
             if clip is None:
-                raise RuntimeError(
-                    f"{cls}(in_backward=True): {asked} cannot clip the gradients: the backward pass applied them to "
-                    "the parameters and freed them as they arrived, so this call would find none and clip nothing. "
-                    f"Pass max_grad_norm={max_norm!r}{'' if norm_type == 2.0 else f' and norm_type={norm_type!r}'} "
-                    f"to {cls}, which then "
-                    f"clips in backward by the running norm ({self.clip_doc}), or turn clipping off in "
-                    "the framework (max_grad_norm=0 in transformers' TrainingArguments, gradient_clip_val=None in "
-                    "Lightning's Trainer), or use in_backward=False (step mode). The parameters have already been "
-                    "updated with the unclipped gradients of that pass"
-                )
+                raise RuntimeError(self._gone(asked, max_norm, norm_type))
             norm = clip.last.clone()
         elif clip is None:
             return run_torch()  # the gradients are in .grad: clipped for real, stepped later as they are then
@@ -212,40 +210,54 @@ class ClipCalls:
             )
         return norm
 
+    def _another_clipping(self, asked):
+        clip = self.clip
+        return (
+            f"{self.cls}(in_backward=True, max_grad_norm={clip.max_norm!r}, norm_type={clip.norm_type!r}) clips its "
+            f"gradients in backward, and {asked} asks for another clipping, which the gradients, applied during "
+            f"backward, cannot get. Give the optimizer and the clipping call the same max_norm and norm_type, or "
+            f"{CLIP_OFF}"
+        )
+
+    def _gone(self, asked, max_norm, norm_type=None):
+        """The refusal of a clipping call after a stepped pass, for an optimizer built without max_grad_norm."""
+        order = "" if norm_type in (None, 2.0) else f" and norm_type={norm_type!r}"
+        return (
+            f"{self.cls}(in_backward=True): {asked} cannot clip the gradients: {GONE}. Pass "
+            f"max_grad_norm={max_norm!r}{order} to {self.cls}, which then clips in backward by the running norm "
+            f"({self.clip_doc}), or {CLIP_OFF}, or use in_backward=False (step mode). {ALREADY}"
+        )
+
     def clip_with_norm_call(self, max_norm, run_torch):
         """A call of torch.nn.utils.clip_grads_with_norm_ (torch 2.6 and later: the second half of clip_grad_norm_,
-        given the total norm) over this optimizer's parameters. After a pass that stepped its gradients: nothing to
-        do when the optimizer clipped them in backward by the same ``max_grad_norm``, refused otherwise (they are
-        gone); torch's call on gradients still in ``.grad``."""
-        if not self.applied:
-            return run_torch()
-        clip = self.clip
+        given the total norm) over this optimizer's parameters, answered as :meth:`clip_call` answers
+        clip_grad_norm_ with the optimizer's norm type: ``max_norm=inf`` clips nothing (never refused); with
+        ``max_grad_norm``, another value is refused and the same one changes nothing (the optimizer clipped the
+        gradients in backward, or clips those still in ``.grad`` when it steps them); without it, torch's call on
+        gradients still in ``.grad``, and a refusal after a stepped pass (they are gone)."""
         try:
-            same = clip is not None and clip.max_norm == float(max_norm)
+            value = float(max_norm)
         except (TypeError, ValueError, RuntimeError):
-            same = False
-        if same:
+            return run_torch()  # torch's own error for the argument
+        clip, asked = self.clip, f"clip_grads_with_norm_(max_norm={value!r})"
+        if value == math.inf:
+            return None if self.applied else run_torch()
+        if clip is not None:
+            if clip.max_norm != value:
+                raise RuntimeError(self._another_clipping(asked))
             return None
-        built = "without max_grad_norm" if clip is None else f"with max_grad_norm={clip.max_norm!r}"
-        raise RuntimeError(
-            f"{self.cls}(in_backward=True), built {built}: clip_grads_with_norm_(max_norm={max_norm!r}) cannot clip "
-            "the gradients: the backward pass applied them to the parameters and freed them as they arrived, so "
-            f"this call would find none and clip nothing. Build the optimizer with max_grad_norm={max_norm!r} (it "
-            "then clips in backward; see docs/in-backward.md, Clipping), turn clipping off in the loop, or use "
-            "in_backward=False (step mode). The parameters have already been updated with the unclipped gradients "
-            "of that pass"
-        )
+        if self.applied:
+            raise RuntimeError(self._gone(asked, value))
+        return run_torch()
 
     def clip_value_call(self, run_torch):
         """A call of torch.nn.utils.clip_grad_value_ over this optimizer's parameters: refused after a pass that
         stepped its gradients since the last step() or zero_grad() (they are gone); torch's call otherwise."""
         if self.applied:
             raise RuntimeError(
-                f"{self.cls}(in_backward=True): clip_grad_value_ cannot clip the gradients: the backward pass applied "
-                "them to the parameters and freed them as they arrived, so this call would find none and clip "
-                "nothing. Clip each gradient in a hook registered after the optimizer, which runs before the step "
+                f"{self.cls}(in_backward=True): clip_grad_value_ cannot clip the gradients: {GONE}. Clip each gradient "
+                "in a hook registered after the optimizer, which runs before the step "
                 "(p.register_post_accumulate_grad_hook(lambda p: p.grad.clamp_(-v, v)) for each parameter), turn "
-                "value clipping off in the framework, or use in_backward=False (step mode). The parameters have "
-                "already been updated with the unclipped gradients of that pass"
+                f"value clipping off in the framework, or use in_backward=False (step mode). {ALREADY}"
             )
         return run_torch()

@@ -9,7 +9,8 @@ lane checks that a step has the ordinary shape and then does only what such a st
 general step computes with the same pieces of the CPU backend (:func:`flatopt.cpu.step_own`):
 
 1. nothing to reconcile or re-lay-out (``opt.state`` unedited, ``param_groups`` and ``requires_grad`` as laid out,
-   the first and last parameter of each buffer in place, no full binding check due);
+   the first and last parameter of each buffer in place, and on the CPU every parameter's address, no full binding
+   check due);
 2. every parameter's ``.grad`` a tensor of its own, outside the flat gradient buffers, of the buffer's dtype and
    device, dense, without autograd history; those of at least ``IN_PLACE_MIN`` elements of their view's shape and
    strides (16-byte aligned, as the general step asks); then the hyper-parameters refreshed, as the general step

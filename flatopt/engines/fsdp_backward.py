@@ -45,7 +45,7 @@ import torch
 from flatopt import clip_patch
 from flatopt.engines.backward_clip import BackwardClip, ClipCalls
 from flatopt.engines.fsdp import FSDPStepEngine
-from flatopt.engines.in_backward import Bucket
+from flatopt.engines.in_backward import Bucket, warn_late_pre_hooks
 
 
 class PassEnd:
@@ -84,6 +84,7 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
         self.stepped_groups = set()  # fully_shard groups stepped in this pass (or in one that raised, until dropped)
         self.open = None  # weak reference to the PassEnd of the pass in progress (dead once that pass raised)
         self.applied = False  # a pass stepped (and freed) gradients since the last step() or zero_grad()
+        self.warned_pre_hooks = False  # step() warned that a step pre-hook ran after the pass had stepped
         self.launches = 0
         self.unused_reported = True  # what a group lacks is stepped at the end of the pass; no first-step warning
         clip_patch.register(self)  # torch.nn.utils.clip_grad_norm_ over its parameters asks it (see clip_patch)
@@ -271,6 +272,7 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
                 f"{self.cls}(in_backward=True) cannot be used with torch.amp.GradScaler: the parameters were updated "
                 "during backward; train in bfloat16 without a GradScaler, or use in_backward=False"
             )
+        warn_late_pre_hooks(self)
         self.abandon()
         loss = self.run_closure(closure)
         # a parameter that requires grad since the layout (frozen at construction) had no hook in the pass: laid out

@@ -163,6 +163,22 @@ def _remove(handles):
         h.remove()
 
 
+def warn_late_pre_hooks(engine):
+    """At ``step()`` of an in-backward engine (``engine.applied``: a pass stepped since the last step() or
+    zero_grad()), warn once per optimizer that its step pre-hooks ran after the pass had stepped the parameters."""
+    if engine.applied and not engine.warned_pre_hooks and has_step_pre_hooks(engine.opt):
+        engine.warned_pre_hooks = True
+        warnings.warn(
+            f"{engine.cls}(in_backward=True): a step pre-hook (opt.register_step_pre_hook, or torch's global "
+            "register_optimizer_step_pre_hook) ran at step(), after the backward pass had stepped the parameters "
+            "and freed their gradients: it found no gradient to read or change, and its param_groups edits take "
+            "effect from the next pass, where torch.optim applies both to this step. Transform gradients in a "
+            "post-accumulate-grad hook registered after the optimizer (docs/in-backward.md, Gradient hooks), or "
+            "use in_backward=False. (Warned once.)",
+            stacklevel=outside_stacklevel(),
+        )
+
+
 class InBackwardEngine(ClipCalls, FlatEngine):
     """The hooks, buckets and end-of-backward flush of one optimizer with ``in_backward=True``."""
 
@@ -322,17 +338,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 "zero_grad()), or use in_backward=False",
                 stacklevel=outside_stacklevel(),
             )
-        if self.applied and not self.warned_pre_hooks and has_step_pre_hooks(self.opt):
-            self.warned_pre_hooks = True
-            warnings.warn(
-                f"{self.cls}(in_backward=True): a step pre-hook (opt.register_step_pre_hook, or torch's global "
-                "register_optimizer_step_pre_hook) ran at step(), after the backward pass had stepped the parameters "
-                "and freed their gradients: it found no gradient to read or change, and its param_groups edits take "
-                "effect from the next pass, where torch.optim applies both to this step. Transform gradients in a "
-                "post-accumulate-grad hook registered after the optimizer (docs/in-backward.md, Gradient hooks), or "
-                "use in_backward=False. (Warned once.)",
-                stacklevel=outside_stacklevel(),
-            )
+        warn_late_pre_hooks(self)
         self.abandon(give_back=True)
         self.follow_members()  # parameters unfrozen or added since: laid out, and their .grad stepped below
         loss = self.run_closure(closure)

@@ -116,7 +116,8 @@ class FlatStepEngine(FlatEngine):
 
     def _check_bindings_at_step(self):
         """step()'s binding check, amortised: full at the first step and at every FULL_CHECK_EVERY-th step
-        after it, the first and last parameter of each buffer otherwise. The count advances only when
+        after it, the first and last parameter of each buffer otherwise (and every parameter's address on the
+        CPU: :func:`flatopt.bindings.watch_every_address`). The count advances only when
         the step's checks pass (step() advances it), so a full check that raised runs again at the next
         step. Returns the gradients' settling plan (checked, not done: step() applies it last, once the
         hyper-parameters are validated too)."""
