@@ -149,6 +149,13 @@ CLIP_OFF = (
 )
 
 
+def _shown(value):
+    """An argument as a message shows it: as the caller gave it, a one-element tensor as its number."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
+
+
 class ClipCalls:
     """How an in-backward engine answers ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` over its
     parameters (:mod:`flatopt.clip_patch` asks it). The engine has ``cls``, ``clip`` (a :class:`BackwardClip`,
@@ -180,11 +187,11 @@ class ClipCalls:
           (the same value) the optimizer clips them itself when it steps them, and the call returns their
           total norm and changes nothing."""
         clip = self.clip
+        asked = f"clip_grad_norm_(max_norm={_shown(max_norm)!r}, norm_type={_shown(norm_type)!r})"
         try:
             max_norm, norm_type = float(max_norm), float(norm_type)
         except (TypeError, ValueError, RuntimeError):
             return run_torch()  # torch's own error for the arguments
-        asked = f"clip_grad_norm_(max_norm={max_norm!r}, norm_type={norm_type!r})"
         same = clip is not None and clip.max_norm == max_norm and clip.norm_type == norm_type
         if clip is not None and not same:
             raise RuntimeError(self._another_clipping(asked))
@@ -239,7 +246,7 @@ class ClipCalls:
             value = float(max_norm)
         except (TypeError, ValueError, RuntimeError):
             return run_torch()  # torch's own error for the argument
-        clip, asked = self.clip, f"clip_grads_with_norm_(max_norm={value!r})"
+        clip, asked = self.clip, f"clip_grads_with_norm_(max_norm={_shown(max_norm)!r})"
         if value == math.inf:
             return None if self.applied else run_torch()
         if clip is not None:
