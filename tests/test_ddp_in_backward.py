@@ -202,7 +202,8 @@ def small_bucket_pair():
 
 def run_second_pass(rank):
     """A second backward pass with neither step() nor zero_grad(): refused at the end of the pass, nothing updated
-    and no gradient left; after zero_grad() DDP and the optimizer go on and still match torch.optim."""
+    and no gradient left, also under no_step(); after zero_grad() DDP and the optimizer go on and still match
+    torch.optim."""
     model, ref, ddp, ref_ddp, opt, ref_opt = small_bucket_pair()
     x, y = batch(rank, 0)
     nn.functional.mse_loss(ddp(x), y).backward()
@@ -220,6 +221,15 @@ def run_second_pass(rank):
         "unchanged": all(torch.equal(a, b) for a, b in zip(before, values(model))),
         "grads_none": all(p.grad is None for p in model.parameters()),
     }
+    error = None
+    try:  # under no_step(): its gradients would wait in .grad for step(), a second update of the window
+        with opt.no_step():
+            nn.functional.mse_loss(ddp(x), y).backward()
+    except Exception as e:
+        error = e
+    out["paused_refusal"] = error_of(error)
+    out["paused_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, values(model)))
+    out["paused_grads_none"] = all(p.grad is None for p in model.parameters())
     opt.zero_grad()
     for step in range(1, 3):
         x, y = batch(rank, step)
@@ -529,6 +539,9 @@ def test_second_backward_pass_is_refused_and_ddp_goes_on(results):
         assert "second backward pass" in err["message"] and "ddp.no_sync()" in err["message"], err
         assert result["unchanged"], f"rank {rank}: the refused pass updated parameters"
         assert result["grads_none"], f"rank {rank}: the refused pass left gradients"
+        err = result["paused_refusal"]
+        assert err is not None and "a backward pass under opt.no_step() started after a pass" in err["message"], err
+        assert result["paused_unchanged"] and result["paused_grads_none"], f"rank {rank}: the no_step() pass left some"
         after = result["after"]
         ranks.assert_history([after["flat"]], [after["ref"]], f"rank {rank}, after the refusal", **TOL)
 

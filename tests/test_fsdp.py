@@ -348,9 +348,10 @@ def run_in_backward(rank, accumulate):
     return out
 
 
-def run_in_backward_second_pass(rank):
+def run_in_backward_second_pass(rank, paused=False):
     """Two backward passes with neither step() nor zero_grad() between them, as a torch.optim loop accumulates:
-    in-backward mode stepped the first, so the second is refused at its first gradient, before anything changes."""
+    in-backward mode stepped the first, so the second is refused at its first gradient, before anything changes
+    (``paused``: the second under opt.no_step(), whose gradients would wait for step(), a second update)."""
     world = dist.get_world_size()
     flat_cls, _, hp = OPTIMIZERS["AdamW"]
     model = sharded(world)
@@ -360,7 +361,8 @@ def run_in_backward_second_pass(rank):
     before = snapshot(model, opt)
     out = {"refusal": None}  # (not "error": a scenario's result under that key is the traceback it raised)
     try:
-        nn.functional.mse_loss(model(x), y).backward()
+        with opt.no_step() if paused else nullcontext():
+            nn.functional.mse_loss(model(x), y).backward()
     except RuntimeError as e:
         out["refusal"] = str(e)
     after = snapshot(model, opt)
@@ -892,6 +894,7 @@ SCENARIOS = {
     **{f"in_backward_recover:{s}": (run_in_backward_recover, (s,)) for s in (True, False) if fsdp_resets()},
     "in_backward_clip_resume": (run_in_backward_clip_resume, ()),
     "in_backward_second_pass": (run_in_backward_second_pass, ()),
+    "in_backward_second_pass_paused": (run_in_backward_second_pass, (True,)),
     "in_backward_unfreeze": (run_in_backward_unfreeze, ()),
     "in_backward_groups": (run_in_backward_groups, ()),
     "errors": (run_errors, ()),
@@ -1046,8 +1049,9 @@ def test_in_backward_refuses_a_second_backward_pass_before_anything_changes(runs
     """A second backward pass with neither step() nor zero_grad() since the first, which in-backward mode stepped:
     torch.optim would step once with the summed gradients; flatopt refuses it on every rank, at its first gradient,
     with nothing updated (single-process in-backward mode refuses it alike)."""
-    for rank, result in enumerate(runs["two"]("in_backward_second_pass")):
-        assert "a second backward pass started with neither opt.step() nor opt.zero_grad()" in (result["refusal"] or "")
+    for rank, result in [*enumerate(runs["two"]("in_backward_second_pass")), *enumerate(
+        runs["two"]("in_backward_second_pass_paused"))]:  # fmt: skip
+        assert "started with neither opt.step() nor opt.zero_grad()" in (result["refusal"] or ""), result
         assert "model.reset_iter_state()" in result["refusal"]
         assert result["params_same"] and set(result["steps"]) == {1.0}, (rank, result)
         if fsdp_resets():

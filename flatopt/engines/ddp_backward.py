@@ -277,6 +277,9 @@ class DDPInBackwardEngine(InBackwardEngine):
                 "opt.zero_grad() or opt.step() in between. Call opt.zero_grad() before running backward again. "
                 "Nothing was updated by this backward pass"
             )
+        elif self.paused and self.applied:  # torch.optim would step both passes' gradients together
+            self.mode = "drop"
+            self.refusal = RuntimeError(self._paused_after_a_stepped_pass(None, landed=False))
         elif self.paused:
             self.mode = "land"  # under no_step(): DDP's averages go to .grad, for the next stepping pass or step()
             self.pending = True

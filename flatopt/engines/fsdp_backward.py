@@ -138,6 +138,8 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
     def on_grad(self, p):
         """FSDP2 has set (or accumulated into) ``p.grad``: step ``p``'s group once all of it has arrived."""
         if self.held:
+            if self.applied:  # torch.optim would step both passes' gradients together at the next step()
+                self.refuse_second(p, paused=True)
             return
         if self.open is not None and self.open() is None:
             self.refuse(p)  # the pass begun by an earlier gradient raised, and nothing dropped it since
@@ -201,19 +203,20 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
             "updated by this backward pass"
         )
 
-    def refuse_second(self, p):
+    def refuse_second(self, p, paused=False):
         """The first gradient of a backward pass begun after one that stepped, with neither ``step()`` nor
-        ``zero_grad()`` since: torch.optim would step once, with the passes' summed gradients, and this pass cannot
-        be added to the gradients the previous one applied. Drop it and raise, before anything is stepped (as
-        single-process in-backward mode refuses it)."""
+        ``zero_grad()`` since (``paused``: under ``no_step()``): torch.optim would step once, with the passes' summed
+        gradients, and this pass cannot be added to the gradients the previous one applied. Drop it and raise,
+        before anything is stepped (as single-process in-backward mode refuses it)."""
         p.grad = None
+        under = " under opt.no_step()" if paused else ""
         raise RuntimeError(
-            f"{self.cls}(in_backward=True) over FSDP2: a second backward pass started with neither opt.step() nor "
-            "opt.zero_grad() since the previous one, which in-backward mode already stepped (each backward pass "
-            "updates the parameters and frees its gradients). To accumulate gradients over several backward passes "
-            "per optimizer step, run all but the last inside `with opt.no_step():` (or FSDP2's "
-            "set_requires_gradient_sync(False)); otherwise call opt.step() (or opt.zero_grad()) after each backward. "
-            "Nothing was updated by this backward pass; FSDP2 stopped inside it, so call FSDP2's "
+            f"{self.cls}(in_backward=True) over FSDP2: a second backward pass{under} started with neither "
+            "opt.step() nor opt.zero_grad() since the previous one, which in-backward mode already stepped (each "
+            "backward pass updates the parameters and frees its gradients). To accumulate gradients over several "
+            "backward passes per optimizer step, run all but the last inside `with opt.no_step():` (or FSDP2's "
+            "set_requires_gradient_sync(False)); otherwise call opt.step() (or opt.zero_grad()) after each "
+            "backward. Nothing was updated by this backward pass; FSDP2 stopped inside it, so call FSDP2's "
             "model.reset_iter_state() on the root module (where torch has it) and opt.zero_grad() before the next"
         )
 
