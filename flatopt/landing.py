@@ -69,6 +69,7 @@ CPU (:attr:`LandingSlots.release_on_cpu`: re-faulting a large buffer's pages at 
 than the step there).
 """
 
+import sys
 import weakref
 
 import torch
@@ -100,6 +101,14 @@ class _Slot:
         self.task = -1  # the backward pass (autograd graph task) that wrote the slot afresh
         self.home = None  # where the parameter's data lives in the buffer (it is elsewhere once laid out anew)
         self.kept = None  # put()'s tensor object, reused where the storage is never released (the CPU's default)
+
+
+def _in_compiled_autograd():
+    """Whether compiled autograd runs the backward now: a Function's backward that dynamo could not trace (past its
+    recompile limit) runs eagerly inside the compiled graph, where ``torch.compiler.is_compiling()`` is False and a
+    ``.grad`` set here is not kept either. Read from torch's module once compiled autograd was imported."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and getattr(module, "in_compiled_autograd_region", False) is True
 
 
 def _accumulator(p):
@@ -364,7 +373,7 @@ class LandingSlots:
         if p.data_ptr() != s.home:
             return _FALLBACK, None  # laid out elsewhere since (another optimizer's buffers): not this slot's
         g = p.grad
-        if grad_mode or p._backward_hooks or torch.compiler.is_compiling():
+        if grad_mode or p._backward_hooks or torch.compiler.is_compiling() or _in_compiled_autograd():
             # create_graph=True (AccumulateGrad then replaces .grad out of place), tensor hooks, which must
             # see the gradient, or compiled autograd, whose graph does not replay a .grad set here: torch's
             # way. The slot keeps its gradient only if .grad is the slot and is added into in place
@@ -373,7 +382,13 @@ class LandingSlots:
             return _FALLBACK, s
         try:
             if not torch._C._will_engine_execute_node(s.acc):
-                return _SKIP, s  # backward(inputs=...) without this parameter: its .grad stays as it is
+                # backward(inputs=...) without this parameter (its .grad stays as it is), or a node gone stale:
+                # p.set_(), torch.utils.swap_tensors (load_state_dict or .to() under torch.__future__'s
+                # swap_module_params_on_conversion) and a parametrization give the parameter a new one
+                acc = _accumulator(p)
+                if acc is s.acc or acc is None or not torch._C._will_engine_execute_node(acc):
+                    return _SKIP, s
+                s.acc = acc
         except RuntimeError:
             return _FALLBACK, s  # autograd.grad(): the gradient goes back to the caller, .grad untouched
         if g is None:

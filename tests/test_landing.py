@@ -832,6 +832,78 @@ def test_compiled_autograd_gets_the_gradients_returned():
     assert_grads(model, ref, "eager after compiled autograd")
 
 
+@pytest.mark.filterwarnings("ignore:.*received no gradient before the first step")
+@pytest.mark.parametrize("how", ["swap_load", "set_", "parametrize_removed", "tied_parametrized"])
+def test_a_parameter_given_a_new_autograd_node_after_the_optimizer_still_trains(how):
+    """torch gives a parameter a new AccumulateGrad node when its tensor is swapped (load_state_dict under
+    torch.__future__'s swap_module_params_on_conversion), set_() or parametrized; its data stays at its address in
+    the buffer. The covered layers land its gradient as before, as torch.optim trains it (not skipped as if
+    backward(inputs=...) had left it out)."""
+    import flatopt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 10))
+    if how == "tied_parametrized":
+        model[3].weight = model[0].weight
+    ref = copy.deepcopy(model)
+    opt = flatopt.SGD(model, lr=0.1, momentum=0.9, direct_grads=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    if how == "swap_load":
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+    elif how == "set_":
+        with torch.no_grad():
+            model[1].weight.set_(model[1].weight.detach())
+    elif how == "parametrize_removed":
+        for m in (model, ref):
+            parametrize.register_parametrization(m[1], "weight", nn.Identity())
+            parametrize.remove_parametrizations(m[1], "weight", leave_parametrized=False)
+    else:  # the head's use of the tied weight goes through a parametrization, the embedding's does not
+        for m in (model, ref):
+            parametrize.register_parametrization(m[3], "weight", nn.Identity(), unsafe=True)
+    for step in range(3):
+        idx = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(idx).square().sum().backward()
+            o.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}")
+
+
+def test_compiled_autograd_past_dynamos_recompile_limit_keeps_every_gradient():
+    """Compiled autograd recompiles the layers' backward once per parameter; past dynamo's recompile limit the
+    backward runs eagerly inside the compiled graph, where a .grad set there is not kept either: the layers return
+    their gradients there too (12 covered layers: 24 parameters, more than the limit of 8)."""
+    import flatopt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(8, 8), nn.Tanh())])
+    ref = copy.deepcopy(model)
+    opt = flatopt.SGD(model, lr=0.1, momentum=0.9, direct_grads=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    torch._dynamo.reset()
+    try:
+        for step in range(2):
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                loss = m(x).square().mean()
+                with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+                    loss.backward()
+            missing = [n for n, p in model.named_parameters() if p.grad is None]
+            assert not missing, f"step {step}: no gradient for {missing}"
+            opt.step()
+            ref_opt.step()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}")
+    finally:
+        torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------ copies and removal
 
 
