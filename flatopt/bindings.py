@@ -81,9 +81,10 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
                     )
                 raise RuntimeError(
                     f"{cls}: parameter {names(p)} no longer lives in the optimizer's flat buffer: its data "
-                    "was replaced after the optimizer was created (model.to(), model.cuda(), model.half() or "
-                    "`p.data = ...` do that). Create the optimizer after moving or casting the model; to keep "
-                    "the optimizer state, save opt.state_dict() first and load it into the new optimizer"
+                    "was replaced after the optimizer was created (model.to(), model.cuda(), model.half(), "
+                    "`p.data = ...` and torch.nn.utils.prune.remove() do that). Create the optimizer after moving, "
+                    "casting or pruning the model; to keep the optimizer state, save opt.state_dict() first and load "
+                    "it into the new optimizer"
                 )
     # every parameter, whatever ``full`` says: the caller looks for this case at every step (FlatEngine.frozen_since)
     now_frozen = [] if skip_unused else [p for buf in buffers for p in buf.params if not p.requires_grad]

@@ -328,6 +328,22 @@ def test_share_memory_of_one_layer_after_the_optimizer_is_refused_at_the_next_st
     assert_unchanged(before, snapshot(params, opt, grads=mode == "step"))
 
 
+def test_prune_remove_after_the_optimizer_is_refused_naming_it():
+    """torch.nn.utils.prune.remove() makes the pruned weight permanent by rebinding the parameter's data, off the
+    flat buffer: refused at the next step, the message naming it."""
+    from torch.nn.utils import prune
+
+    model, opt, gen = trained()
+    prune.l1_unstructured(model.proj, "weight", amount=0.5)
+    prune.remove(model.proj, "weight")
+    loss_fn(model, make_batch(gen)).backward()
+    params = list(model.parameters())
+    before = snapshot(params, opt)
+    with pytest.raises(RuntimeError, match=r"'proj.weight' no longer lives .*torch.nn.utils.prune.remove\(\) do that"):
+        opt.step()
+    assert_unchanged(before, snapshot(params, opt))
+
+
 def test_parameter_in_two_groups():
     a, b = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(4))
     groups = lambda: [{"params": [a, b]}, {"params": [b], "lr": 0.1}]  # noqa: E731
