@@ -37,7 +37,7 @@ def watch_every_address(buf):
     model (``layer.share_memory()``, or torch.multiprocessing sending a layer or its state_dict to another process)
     moves those parameters' storages alone, in place, out of the buffer. (On a GPU ``share_memory_()`` moves
     nothing.)"""
-    return buf.device.type == "cpu" and getattr(buf, "own_storages", False)
+    return buf.own_storages and buf.device.type == "cpu"
 
 
 _DATA_PTR = torch.Tensor.data_ptr

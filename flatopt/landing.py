@@ -103,12 +103,21 @@ class _Slot:
         self.kept = None  # put()'s tensor object, reused where the storage is never released (the CPU's default)
 
 
+_compiled_autograd = None  # torch's compiled-autograd module, once something imported it
+
+
 def _in_compiled_autograd():
     """Whether compiled autograd runs the backward now: a Function's backward that dynamo could not trace (past its
     recompile limit) runs eagerly inside the compiled graph, where ``torch.compiler.is_compiling()`` is False and a
-    ``.grad`` set here is not kept either. Read from torch's module once compiled autograd was imported."""
-    module = sys.modules.get("torch._dynamo.compiled_autograd")
-    return module is not None and getattr(module, "in_compiled_autograd_region", False) is True
+    ``.grad`` set here is not kept either. Read from torch's module once compiled autograd was imported (looked up
+    until then, kept after: this runs per covered parameter per backward)."""
+    global _compiled_autograd
+    module = _compiled_autograd
+    if module is None:
+        module = _compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+        if module is None:
+            return False
+    return getattr(module, "in_compiled_autograd_region", False) is True
 
 
 def _accumulator(p):

@@ -225,6 +225,7 @@ class FlatBuffer:
             uniform=len(set(self.group_ids)) == 1,
         )
         self.data_views = [self.view(self.data, i) for i in range(len(self.params))]
+        self.own_storages = False  # adopt() binds each p.data over a storage of its own (bindings.watch_every_address)
         self.grad_views = [self.view(self.grad, i) for i in range(len(self.params))] if grad else None
         # the master copy (float32) or the low bits the parameters drop (int16), set from the parameters at adopt()
         self.master = None if master is None else flat_zeros(self.numel, master, self.device)
@@ -301,7 +302,7 @@ class FlatBuffer:
                 # over a storage of its own bytes (sharing the buffer's memory), so that what goes by storages
                 # (torch.save, safetensors, copy.deepcopy) takes the parameter, not the whole buffer
                 self.data_views[i] = p.data = own_storage(dv)
-            self.own_storages = True  # (flatopt.bindings.watch_every_address)
+            self.own_storages = True
             if self.master is not None and self.master.dtype == torch.float32:
                 self.master.copy_(self.data)  # the remainders stay zero: the parameters are their master's top half
             for p, gv in zip(self.params, grad_views):
