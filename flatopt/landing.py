@@ -232,6 +232,11 @@ class LandingSlots:
         bs = range(len(self.buffers)) if b is None else (b,)
         return all(self._count[i] == len(self._by_buffer[i]) for i in bs)
 
+    def landed(self, p):
+        """Whether ``p``'s slot received a gradient since the last zero_grad()."""
+        s = self._get(p)
+        return s is not None and s.epoch == self.epoch
+
     def unlanded(self, b):
         """Indices (in buffer ``b``) of the parameters whose slot received no gradient since zero_grad()."""
         return [s.index for s in self._by_buffer[b] if s.epoch != self.epoch]

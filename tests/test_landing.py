@@ -12,6 +12,7 @@ import copy
 import io
 import pickle
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -872,6 +873,31 @@ def test_a_parameter_given_a_new_autograd_node_after_the_optimizer_still_trains(
             o.step()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}")
+
+
+def test_a_swap_tensors_load_does_not_make_the_first_step_warn_of_parameters_the_covered_layers_reached():
+    """A swap-tensors load (torch.__future__'s swap_module_params_on_conversion) moves the hook that records the
+    first pass to the swapped-out tensor objects; the covered layers' slots still say which parameters were
+    reached, so the first step names none of them as having received no gradient."""
+    import flatopt
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 10))
+    model = nn.ModuleDict({"net": net, "unused": nn.Linear(2, 2)})
+    opt = flatopt.SGD(model, lr=0.1, momentum=0.9, direct_grads=True)
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    opt.zero_grad()
+    net(torch.randint(0, 10, (4, 5))).square().sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    unused = [str(w.message) for w in caught if "received no gradient" in str(w.message)]
+    assert len(unused) == 1 and "2 parameter(s)" in unused[0], unused
+    assert "'unused.weight', 'unused.bias'" in unused[0], unused
 
 
 def test_compiled_autograd_past_dynamos_recompile_limit_keeps_every_gradient():

@@ -135,7 +135,10 @@ class FlatStepEngine(FlatEngine):
         for b, grads in plan[2].items():  # those read in place (on the CPU)
             given.update(p for p, g in zip(self.buffers[b].params, grads) if g is not None)
         params = [p for b in self.buffers for p in b.params if p.requires_grad]
-        unused = [p for p in params if p in without or (p not in self.seen and p not in given)]
+        # a covered layer's slot also says it: the hook recording the pass stays with the tensor object a
+        # swap-tensors load (torch.utils.swap_tensors) took the parameter's place from
+        landed = self.landing.slots.landed
+        unused = [p for p in params if p in without or (p not in self.seen and p not in given and not landed(p))]
         self.unused_reported = True
         self._remove_first_pass_hooks()
         self.seen.clear()
