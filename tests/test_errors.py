@@ -715,6 +715,42 @@ def test_failing_load_state_dict_changes_nothing(case):
     steps_like_twin(model, opt, gen, twin, twin_opt, twin_gen, start=3)
 
 
+@pytest.mark.parametrize(
+    "key, value, pattern",
+    [("lr", "0.1", r"lr must be a number, got str '0\.1'"),
+     ("weight_decay", None, r"weight_decay must be a number, got NoneType None"),
+     ("betas", ("0.9", 0.999), r"betas\[0\] must be a number, got str '0\.9'")],
+)  # fmt: skip
+@pytest.mark.parametrize("when", ["load_state_dict", "set_later"])
+def test_a_hyperparameter_that_is_not_a_number_is_named_and_changes_nothing(key, value, pattern, when):
+    """A string (a hand-edited or JSON-converted checkpoint) or None where a number belongs: a TypeError that names
+    the hyper-parameter, rather than a bare comparison error, raised before anything changes."""
+    model, opt, gen = trained(steps=2)
+    twin, twin_opt, twin_gen = trained(steps=2)
+    params = list(model.parameters())
+    before = snapshot(params, opt)
+    if when == "load_state_dict":
+        sd = _state_dict(opt)
+        sd["param_groups"][0][key] = value
+        with pytest.raises(TypeError, match=pattern):
+            opt.load_state_dict(sd)
+    else:
+        good = opt.param_groups[0][key]
+        opt.param_groups[0][key] = value
+        loss_fn(model, make_batch(gen)).backward()
+        loss_fn(twin, make_batch(twin_gen)).backward()
+        with pytest.raises(TypeError, match=pattern):
+            opt.step()
+        opt.param_groups[0][key] = good
+        silent(opt.step)
+        silent(twin_opt.step)
+        opt.zero_grad()
+        twin_opt.zero_grad()
+        before = snapshot(params, opt)
+    assert_unchanged(before, snapshot(params, opt))
+    steps_like_twin(model, opt, gen, twin, twin_opt, twin_gen, start=3)
+
+
 def test_failing_sgd_load_state_dict_changes_nothing():
     model, opt, gen = trained("sgd", steps=2)
     twin, twin_opt, twin_gen = trained("sgd", steps=2)

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from flatopt.rules.base import Rule, beta_values, check_at_least_zero, check_betas, check_lr, lr_value
+from flatopt.rules.base import Rule, beta_values, check_at_least_zero, check_betas, check_lr, group_number, lr_value
 
 
 def values(group):
@@ -14,8 +14,8 @@ def values(group):
         **betas,
         log_beta1=log_or_minus_inf(betas["beta1"]),
         log_beta2=log_or_minus_inf(betas["beta2"]),
-        eps=float(group["eps"]),
-        weight_decay=float(group["weight_decay"]),
+        eps=group_number(group, "eps"),
+        weight_decay=group_number(group, "weight_decay"),
         grad_sign=-1.0 if group["maximize"] else 1.0,
     )
 

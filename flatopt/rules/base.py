@@ -120,16 +120,41 @@ class Rule:
             )
 
 
+def number(value, what):
+    """``float(value)`` for a number (a float, an int, a 1-element tensor, a numpy scalar); a TypeError naming the
+    hyper-parameter ``what`` for anything else, a string above all, which ``float()`` would parse silently where
+    torch.optim fails (a hand-edited or JSON-converted checkpoint)."""
+    kind = type(value)
+    if hasattr(kind, "__float__") or hasattr(kind, "__index__"):
+        return float(value)
+    raise TypeError(f"{what} must be a number, got {kind.__name__} {value!r}")
+
+
+def group_number(group, key):
+    """``group[key]`` as a float (see :func:`number`)."""
+    return number(group[key], key)
+
+
 def lr_value(group):
     """Column ``"lr"``: the group's lr, or 0.0 where it is a tensor (copied in on the device)."""
     lr = group["lr"]
-    return 0.0 if isinstance(lr, torch.Tensor) else float(lr)
+    return 0.0 if isinstance(lr, torch.Tensor) else number(lr, "lr")
 
 
 def beta_values(group):
     """Columns ``beta1``, ``one_minus_beta1``, ``beta2`` and ``one_minus_beta2`` of a group's ``betas``."""
-    beta1, beta2 = (float(b) for b in group["betas"])
+    beta1, beta2 = (number(b, f"betas[{i}]") for i, b in enumerate(group["betas"]))
     return dict(beta1=beta1, one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2)
+
+
+def _below_zero(value, what, nan_ok):
+    """Whether ``value`` is out of range below zero (``value < 0.0`` with ``nan_ok``, else ``not 0.0 <= value``);
+    a value that cannot be compared with a float (a string from a hand-edited checkpoint) is a TypeError that
+    names the hyper-parameter."""
+    try:
+        return (value < 0.0) if nan_ok else not 0.0 <= value
+    except TypeError:
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r}") from None
 
 
 def check_lr(lr, *, nan_ok=False):
@@ -137,7 +162,7 @@ def check_lr(lr, *, nan_ok=False):
     which lets NaN through, rather than ``not 0.0 <= lr`` (torch.optim.AdamW)."""
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
-    if (lr < 0.0) if nan_ok else not 0.0 <= lr:
+    if _below_zero(lr, "lr", nan_ok):
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
@@ -146,12 +171,12 @@ def check_betas(betas, *, one_ok):
     if len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas}")
     for i, beta in enumerate(betas):
-        if not (0.0 <= beta <= 1.0 if one_ok else 0.0 <= beta < 1.0):
+        if _below_zero(beta, f"betas[{i}]", False) or not (beta <= 1.0 if one_ok else beta < 1.0):
             raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
 
 
 def check_at_least_zero(group, key, what, *, nan_ok=False):
     """``group[key] >= 0``, else torch's ``Invalid {what} value: ...``; ``nan_ok`` as for check_lr."""
     value = group[key]
-    if (value < 0.0) if nan_ok else not 0.0 <= value:
+    if _below_zero(value, key, nan_ok):
         raise ValueError(f"Invalid {what} value: {value}")

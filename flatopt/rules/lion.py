@@ -9,11 +9,11 @@ decay as lion-pytorch applies it::
 
 import torch
 
-from flatopt.rules.base import Rule, beta_values, check_at_least_zero, check_betas, check_lr, lr_value
+from flatopt.rules.base import Rule, beta_values, check_at_least_zero, check_betas, check_lr, group_number, lr_value
 
 
 def values(group):
-    return dict(lr=lr_value(group), **beta_values(group), weight_decay=float(group["weight_decay"]))
+    return dict(lr=lr_value(group), **beta_values(group), weight_decay=group_number(group, "weight_decay"))
 
 
 def check(group):

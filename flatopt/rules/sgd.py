@@ -2,15 +2,15 @@
 
 import torch
 
-from flatopt.rules.base import Rule, check_at_least_zero, check_lr, lr_value
+from flatopt.rules.base import Rule, check_at_least_zero, check_lr, group_number, lr_value
 
 
 def values(group):
     return dict(
         lr=lr_value(group),
-        momentum=float(group["momentum"]),
-        one_minus_dampening=1.0 - float(group["dampening"]),
-        weight_decay=float(group["weight_decay"]),
+        momentum=group_number(group, "momentum"),
+        one_minus_dampening=1.0 - group_number(group, "dampening"),
+        weight_decay=group_number(group, "weight_decay"),
         nesterov=1.0 if group["nesterov"] else 0.0,
         grad_sign=-1.0 if group["maximize"] else 1.0,
     )
