@@ -900,6 +900,46 @@ def test_a_swap_tensors_load_does_not_make_the_first_step_warn_of_parameters_the
     assert "'unused.weight', 'unused.bias'" in unused[0], unused
 
 
+@pytest.mark.filterwarnings("ignore:.*received no gradient before the first step")
+@pytest.mark.parametrize("steps_before", [0, 1])
+@pytest.mark.parametrize("mode", ["default", "direct_grads", "in_backward"])
+def test_swap_tensors_loads_and_conversions_train_as_torch(mode, steps_before):
+    """torch.utils.swap_tensors refuses a tensor that has a weak reference; load_state_dict and model.to() swap
+    every parameter under torch.__future__.set_swap_module_params_on_conversion(True). The optimizer's hooks hold
+    none, so the load (the usual resume order: model, optimizer, load, before any step) and a no-op .to() work, and
+    training goes on as torch.optim's does."""
+    import flatopt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 10))
+    ref = copy.deepcopy(model)
+    kwargs = {"in_backward": True} if mode == "in_backward" else {"direct_grads": mode == "direct_grads"}
+    opt = flatopt.AdamW(model, lr=0.1, **kwargs)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+
+    def train(step):
+        idx = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(idx).square().mean().backward()
+            o.step()
+
+    for step in range(steps_before):
+        train(step)
+    ckpt = {k: v + 0.1 for k, v in ref.state_dict().items()}
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for m in (model, ref):
+            m.load_state_dict(ckpt)
+            m.to("cpu")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    for step in range(steps_before, steps_before + 3):
+        train(step)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}")
+
+
 def test_compiled_autograd_past_dynamos_recompile_limit_keeps_every_gradient():
     """Compiled autograd recompiles the layers' backward once per parameter; past dynamo's recompile limit the
     backward runs eagerly inside the compiled graph, where a .grad set there is not kept either: the layers return

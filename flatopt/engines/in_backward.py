@@ -284,12 +284,14 @@ class InBackwardEngine(ClipCalls, FlatEngine):
 
     def _tensor_hook(self, p):
         """A hook that autograd runs before it adds a gradient to ``p.grad``: :meth:`before`."""
-        method, param = weakref.WeakMethod(self.before), weakref.ref(p)
+        # a weak reference to the engine (no cycle through the parameter's hooks), none to the parameter:
+        # torch.utils.swap_tensors refuses a tensor with a weak reference
+        method = weakref.WeakMethod(self.before)
 
         def before(grad):
-            engine_before, q = method(), param()
-            if engine_before is not None and q is not None:
-                engine_before(q)
+            engine_before = method()
+            if engine_before is not None:
+                engine_before(p)
 
         handle = p.register_hook(before)
         self.handles.append(handle)  # removed with the optimizer

@@ -83,17 +83,20 @@ class FlatStepEngine(FlatEngine):
         """A hook on ``p``'s incoming gradient, registered until the first step: it records that ``p``
         received one, and refuses a sparse one (autograd would add it into the dense ``.grad`` view in
         place, a silent dense update) before it lands."""
-        cls, names, param, seen = self.cls, weakref.ref(self.opt.names), weakref.ref(p), self.seen  # no cycle
+        # no reference to the optimizer (a cycle through the parameter's hooks), and none weak to the parameter:
+        # torch.utils.swap_tensors (load_state_dict or model.to() under torch.__future__'s
+        # swap_module_params_on_conversion) refuses a tensor with a weak reference
+        cls, names, seen = self.cls, weakref.ref(self.opt.names), self.seen
 
         def hook(grad):
-            names_, p_ = names(), param()
-            if p_ is None or names_ is None:
+            names_ = names()
+            if names_ is None:
                 return  # the optimizer is gone
             if grad.layout == torch.strided:
-                seen.add(p_)
+                seen.add(p)
             else:
                 raise RuntimeError(
-                    f"{cls} does not support sparse gradients: parameter {names_(p_)} received a "
+                    f"{cls} does not support sparse gradients: parameter {names_(p)} received a "
                     f"{grad.layout} gradient, which would be added into its dense flat .grad view; use "
                     "sparse=False on the embedding (nn.Embedding(..., sparse=False)) that produces it"
                 )
