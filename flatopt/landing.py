@@ -89,13 +89,13 @@ _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # None: neve
 class _Slot:
     """One parameter's place: its buffer (index ``b`` in the LandingSlots), its view there (the
     FlatBuffer's own object), the tensor this module last put into ``.grad`` and the epoch in which
-    the slot last received a gradient."""
+    the slot last received a gradient. It keeps no autograd node of the parameter's: torch.utils.swap_tensors
+    poisons a live AccumulateGrad node, which a swap back would give the parameter again."""
 
-    __slots__ = ("param", "b", "index", "start", "view", "acc", "grad", "epoch", "task", "home", "kept")
+    __slots__ = ("param", "b", "index", "start", "view", "grad", "epoch", "task", "home", "kept")
 
     def __init__(self, param, b, index, start, view):
         self.param, self.b, self.index, self.start, self.view = param, b, index, start, view
-        self.acc = _accumulator(param)  # None while the parameter does not require grad
         self.grad = None
         self.epoch = -1
         self.task = -1  # the backward pass (autograd graph task) that wrote the slot afresh
@@ -118,14 +118,6 @@ def _in_compiled_autograd():
         if module is None:
             return False
     return getattr(module, "in_compiled_autograd_region", False) is True
-
-
-def _accumulator(p):
-    """The AccumulateGrad node of leaf ``p`` (what ``backward()`` runs to set ``.grad``), or None."""
-    if not p.requires_grad:
-        return None
-    with torch.enable_grad():
-        return p.view_as(p).grad_fn.next_functions[0][0]
 
 
 class LandingSlots:
@@ -377,12 +369,11 @@ class LandingSlots:
             s.epoch = -1
             self._count[s.b] -= 1
 
-    def _route(self, p, grad_mode):
-        """(_FRESH | _ACCUM | _SKIP | _FALLBACK, slot) for a gradient of ``p`` computed in a backward."""
+    def _route(self, p, grad_mode, edge):
+        """(_FRESH | _ACCUM | _SKIP | _FALLBACK, slot) for a gradient of ``p`` computed in a backward; ``edge``:
+        (the backward's ctx, the index of ``p`` among its Function's inputs)."""
         s = self._get(p)
-        if s is not None and s.acc is None:
-            s.acc = _accumulator(p)  # frozen when the slots were built, trains now
-        if s is None or s.acc is None or p.dtype != s.view.dtype or p.device != s.view.device:
+        if s is None or p.dtype != s.view.dtype or p.device != s.view.device:
             return _FALLBACK, None  # no slot, or the parameter was cast or moved since (model.to())
         if p.data_ptr() != s.home:
             return _FALLBACK, None  # laid out elsewhere since (another optimizer's buffers): not this slot's
@@ -395,14 +386,11 @@ class LandingSlots:
                 self._unstamp(s)
             return _FALLBACK, s
         try:
-            if not torch._C._will_engine_execute_node(s.acc):
-                # backward(inputs=...) without this parameter (its .grad stays as it is), or a node gone stale:
-                # p.set_(), torch.utils.swap_tensors (load_state_dict or .to() under torch.__future__'s
-                # swap_module_params_on_conversion) and a parametrization give the parameter a new one
-                acc = _accumulator(p)
-                if acc is s.acc or acc is None or not torch._C._will_engine_execute_node(acc):
-                    return _SKIP, s
-                s.acc = acc
+            # the AccumulateGrad node this graph reaches the parameter by (the one of its forward: p.set_(),
+            # torch.utils.swap_tensors and a parametrization give a parameter a new one); not run:
+            # backward(inputs=...) without this parameter, whose .grad stays as it is
+            if not torch._C._will_engine_execute_node(edge[0].next_functions[edge[1]][0]):
+                return _SKIP, s
         except RuntimeError:
             return _FALLBACK, s  # autograd.grad(): the gradient goes back to the caller, .grad untouched
         if g is None:
@@ -421,8 +409,10 @@ class LandingSlots:
         self._unstamp(s)  # a tensor of its own: AccumulateGrad adds into it; the optimizer copies it in
         return _FALLBACK, s
 
-    def land(self, p, grad_mode, compute, write=None, add=None):
+    def land(self, p, edge, grad_mode, compute, write=None, add=None):
         """Send a gradient of ``p`` where it goes; returns what the backward returns for ``p``.
+
+        ``edge`` is (``ctx``, ``i``): the backward's ctx and ``p``'s index among its Function's inputs.
 
         ``compute()`` makes the gradient as a new tensor (as torch does); ``write(out)`` writes it into
         ``out`` (the slot; None: ``out.copy_(compute())``); ``add(grad)`` accumulates it into
@@ -435,7 +425,7 @@ class LandingSlots:
         gradient before this pass gets the gradient back to autograd, which sums this pass's
         contributions and adds them into ``.grad`` in place (the slot). Either way the result is
         torch's to the bit."""
-        kind, s = self._route(p, grad_mode)
+        kind, s = self._route(p, grad_mode, edge)
         if kind == _FALLBACK:
             if s is not None and self.on_fallback is not None:
                 self.on_fallback(p)  # its gradient arrives as a tensor of its own: the optimizer copies it in
@@ -687,13 +677,13 @@ class _Linear(torch.autograd.Function):
             if xc.dim() != 2:
                 gx = gx.reshape(xc.shape)
         if need_w:
-            gw = _weight_grad(slots, weight, g2, x2, grad_mode)
+            gw = _weight_grad(slots, weight, (ctx, 1), g2, x2, grad_mode)
         if need_b:
-            gb = _bias_grad(slots, bias, g2 if ctx.flat else gy, grad_mode)
+            gb = _bias_grad(slots, bias, (ctx, 2), g2 if ctx.flat else gy, grad_mode)
         return gx, gw, gb, None, None
 
 
-def _weight_grad(slots, weight, g2, x2, grad_mode):
+def _weight_grad(slots, weight, edge, g2, x2, grad_mode):
     # mm_mat2_backward with mat2 = weight.t(): grad_y^T @ x for a row-major weight, else (x^T @ grad_y)^T
     row = weight.stride(1) == 1 and weight.stride(0) == weight.shape[1]
     a, b = (g2.t(), x2) if row else (x2.t(), g2)
@@ -718,10 +708,10 @@ def _weight_grad(slots, weight, g2, x2, grad_mode):
         def write(out):  # a bf16/fp16 GEMM with an fp32 result (aten mm.dtype_out: CUDA only)
             torch.mm(a, b, out_dtype=torch.float32, out=mat(out))
 
-    return slots.land(weight, grad_mode, compute, write, add)
+    return slots.land(weight, edge, grad_mode, compute, write, add)
 
 
-def _bias_grad(slots, bias, src, grad_mode):
+def _bias_grad(slots, bias, edge, src, grad_mode):
     dims = tuple(range(src.dim() - 1))
 
     def compute():
@@ -738,7 +728,7 @@ def _bias_grad(slots, bias, src, grad_mode):
         def write(out):
             torch.sum(src, dims, dtype=torch.float32, out=out)
 
-    return slots.land(bias, grad_mode, compute, write)
+    return slots.land(bias, edge, grad_mode, compute, write)
 
 
 # ---- nn.Embedding -------------------------------------------------------------------------------------
@@ -800,7 +790,7 @@ class _Embedding(torch.autograd.Function):
 
         if gy.dtype != weight.dtype:
             add = None
-        return None, slots.land(weight, torch.is_grad_enabled(), compute, write, add), None, None
+        return None, slots.land(weight, (ctx, 1), torch.is_grad_enabled(), compute, write, add), None, None
 
 
 # ---- nn.LayerNorm -------------------------------------------------------------------------------------
@@ -841,8 +831,8 @@ class _LayerNorm(torch.autograd.Function):
         mask = list(ctx.needs_input_grad[:3])
         gx, dw, db = torch.ops.aten.native_layer_norm_backward(gy, xc, ctx.shape, mean, rstd, weight, bias, mask)
         grad_mode = torch.is_grad_enabled()
-        gw = slots.land(weight, grad_mode, lambda: dw) if mask[1] else None
-        gb = slots.land(bias, grad_mode, lambda: db) if mask[2] else None
+        gw = slots.land(weight, (ctx, 1), grad_mode, lambda: dw) if mask[1] else None
+        gb = slots.land(bias, (ctx, 2), grad_mode, lambda: db) if mask[2] else None
         return gx, gw, gb, None, None, None, None
 
 
@@ -893,7 +883,7 @@ class _Scale(torch.autograd.Function):
             def write(out):
                 torch.sum(gy.mul(normed), dims, out=out)
 
-            gw = ctx.slots.land(param, grad_mode, compute, write)
+            gw = ctx.slots.land(param, (ctx, 1), grad_mode, compute, write)
         return gn, gw, None
 
 

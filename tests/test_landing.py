@@ -940,6 +940,35 @@ def test_swap_tensors_loads_and_conversions_train_as_torch(mode, steps_before):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}")
 
 
+@pytest.mark.parametrize("mode", ["default", "direct_grads", "in_backward"])
+def test_parameters_swapped_out_and_back_with_swap_tensors_train_as_torch(mode):
+    """Evaluating with an EMA copy by torch.utils.swap_tensors, then swapping back: swap_tensors poisons an
+    AccumulateGrad node it finds alive, and the swap back returns it to the parameter. The optimizer keeps no
+    parameter's node alive between passes (as torch.optim keeps none), so the next backward runs."""
+    import flatopt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 10))
+    ref = copy.deepcopy(model)
+    kwargs = {"in_backward": True} if mode == "in_backward" else {"direct_grads": mode == "direct_grads"}
+    opt = flatopt.AdamW(model, lr=0.1, **kwargs)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    emas = [copy.deepcopy(m) for m in (model, ref)]
+    for step in range(3):
+        idx = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(step))
+        for m, o, ema in zip((model, ref), (opt, ref_opt), emas):
+            o.zero_grad()
+            m(idx).square().mean().backward()
+            o.step()
+            for _ in range(2):  # evaluate with the EMA weights, then back
+                for p, q in zip(m.parameters(), ema.parameters()):
+                    torch.utils.swap_tensors(p, q)
+                with torch.no_grad():
+                    m(idx)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}")
+
+
 def test_compiled_autograd_past_dynamos_recompile_limit_keeps_every_gradient():
     """Compiled autograd recompiles the layers' backward once per parameter; past dynamo's recompile limit the
     backward runs eagerly inside the compiled graph, where a .grad set there is not kept either: the layers return
