@@ -32,7 +32,7 @@ import torch
 from flatopt.options import NORM_TYPES
 from flatopt.precision import SEED_BOUND, join_master, split_master
 from flatopt.quantize import ABSMAX, dequantize_param
-from flatopt.torch_compat import is_dtensor
+from flatopt.torch_compat import is_dtensor, normal_tensors
 
 COMPACT_KEY = "flatopt"  # the state dict's entry for what torch.optim's format has no place for
 
@@ -72,6 +72,7 @@ class CheckpointMixin:
     """state_dict() and load_state_dict() of :class:`flatopt.optimizer.FlatOptimizer`: torch.optim's format,
     through the optimizer's ``rule`` (which states it keeps) and ``engine`` (where they live)."""
 
+    @normal_tensors
     def state_dict(self):
         """Returns the state of the optimizer as a dict, in torch.optim's format.
 
@@ -140,7 +141,7 @@ class CheckpointMixin:
                     if own.get(n) is not None and p not in unstarted
                 }
                 if self.rule.exported_step:
-                    entry = {"step": torch.tensor(steps[p], dtype=step_dtype), **entry}
+                    entry = {"step": torch.tensor(steps[p], dtype=step_dtype, device="cpu"), **entry}
                 entry.update(extra)
                 if entry:
                     yield key, entry
@@ -572,6 +573,7 @@ class CheckpointMixin:
         if given is not None and given.order == order:
             given.names = list(names)
 
+    @normal_tensors
     def load_state_dict(self, state_dict):
         """Loads a state dict saved by this optimizer or by the matching torch.optim optimizer.
 
@@ -667,7 +669,7 @@ class CheckpointMixin:
                 continue
             own = {n: t.to(p.device, p.dtype).clone(memory_format=torch.preserve_format) for n, t in tensors.items()}
             if tensors and self.rule.exported_step:
-                own["step"] = torch.tensor(step, dtype=torch.float32)
+                own["step"] = torch.tensor(step, dtype=torch.float32, device="cpu")
             self.state[p] = {**own, **keys}
         for k, v in others.items():
             self.state[k] = v

@@ -73,7 +73,7 @@ def _scratch_buffers(dtype, count):
         have = _scratch.buffers = {}
     bufs = have.get(dtype)
     if bufs is None or len(bufs) < count or bufs[0].numel() != CHUNK:
-        bufs = have[dtype] = [torch.empty(CHUNK, dtype=dtype) for _ in range(count)]
+        bufs = have[dtype] = [torch.empty(CHUNK, dtype=dtype, device="cpu") for _ in range(count)]
     return bufs[:count]
 
 
@@ -309,7 +309,7 @@ def _adamw_piece(meta, param, states, segments, h, steps, scale):
     # rebuilt from the table's logarithms, as the rule computes them (a float32 table's beta2 = 0.999 is off by
     # 1.3e-8, which 1 - beta2**3 = 0.003 would magnify to 1.3e-5)
     torch._fused_adamw_(
-        params, grads, avgs, avg_sqs, [], [torch.tensor(steps + 1.0)] * len(segments),
+        params, grads, avgs, avg_sqs, [], [torch.tensor(steps + 1.0, device="cpu")] * len(segments),
         lr=h["lr"], beta1=math.exp(h["log_beta1"]), beta2=math.exp(h["log_beta2"]),
         weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=h["grad_sign"] < 0,
         grad_scale=_kernel_scale(grads, scale),
@@ -399,7 +399,7 @@ def _low_precision_steps(h, momentum, first, scale):
 
 @functools.cache
 def _one(dtype):
-    return torch.ones(1, dtype=dtype)
+    return torch.ones(1, dtype=dtype, device="cpu")
 
 
 def _sgd_low_precision(param, grad, buf, h, momentum, first):
@@ -436,8 +436,10 @@ def fused_sgd_steps(dtype):
     p, g, b = (t.to(dtype) for t in (x, x.flip(0) * 0.5, x * x))
     row = dict(lr=0.5, momentum=0.9, one_minus_dampening=0.75, weight_decay=0.1, nesterov=0.0, grad_sign=1.0)
     math_dtype = compute_dtype(dtype)
-    hp = {k: torch.tensor(v, dtype=math_dtype) for k, v in row.items()}  # the rule reads tensors, as a table's row
-    want = SGD.math(*(t.to(math_dtype) for t in (p, g, b)), steps=torch.tensor(1.0), **hp)
+    hp = {
+        k: torch.tensor(v, dtype=math_dtype, device="cpu") for k, v in row.items()
+    }  # the rule reads tensors, as a table's row
+    want = SGD.math(*(t.to(math_dtype) for t in (p, g, b)), steps=torch.tensor(1.0, device="cpu"), **hp)
     try:
         _fused_sgd([p], [g], [b], row, 0.9, False, None)
     except RuntimeError:  # no kernel for this dtype
@@ -499,7 +501,9 @@ def _lion_chunked(param, exp_avg, segments, h, scale):
         scale = scale.to(dtype)
     lr, wd = h["lr"], h["weight_decay"]
     beta1, omb1, omb2 = h["beta1"], h["one_minus_beta1"], h["one_minus_beta2"]
-    decay = (1.0 - torch.tensor(lr, dtype=dtype) * wd).item()  # rounded as the rule rounds it in the table's dtype
+    decay = (
+        1.0 - torch.tensor(lr, dtype=dtype, device="cpu") * wd
+    ).item()  # rounded as the rule rounds it in the table's dtype
     k = 0
     for s in range(segments[0][0], segments[-1][1], CHUNK):
         e = min(s + CHUNK, segments[-1][1])

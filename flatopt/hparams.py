@@ -86,7 +86,7 @@ class HParamTable:
                 if device.type == "cuda":
                     self.staging.setdefault(device, PinnedStaging()).upload(table, rows)
                 else:
-                    table.copy_(torch.tensor(rows, dtype=dtype))
+                    table.copy_(torch.tensor(rows, dtype=dtype, device="cpu"))
             self.rows, self.lrs, self.switch_rows = rows, lrs, switches
         for gi, lr in tensor_lrs:
             for table in self.tables.values():

@@ -66,7 +66,7 @@ def flat_zeros(numel, dtype, device):
     "The CPU backend", quotes benchmark runs before and after). Elsewhere, or where ``mmap`` or ``madvise`` is
     refused, ``torch.zeros``. The tensor holds the mapping alive (``torch.frombuffer``); its storage cannot be
     resized, which these buffers never are."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if torch.device(device).type == "cpu" and nbytes >= HUGE_PAGE and _MMAP is not None:
         mm = _MMAP
         try:
@@ -213,7 +213,7 @@ class FlatBuffer:
             self.grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device) if grad else None
         self.states = {}
         self.state_views = {}
-        owner = torch.zeros(self.numel // ALIGN, dtype=torch.int32)
+        owner = torch.zeros(self.numel // ALIGN, dtype=torch.int32, device="cpu")
         for i, (p, n) in enumerate(zip(self.params, room)):
             s = self.index[p][0]
             owner[s // ALIGN : align_up(s + n) // ALIGN] = i
@@ -281,7 +281,7 @@ class FlatBuffer:
         or 1), and the parameters' offsets as a tuple; found once (the layout does not change)."""
         found = self.__dict__.get("_load_width")
         if found is None:
-            vec = 16 // torch.empty((), dtype=self.dtype).element_size()
+            vec = 16 // self.dtype.itemsize
             if any(n % vec for n in self.sizes):
                 vec = 1
             found = self._load_width = (vec, tuple(self.starts))
@@ -321,7 +321,7 @@ def _table(values, device):
     """``values`` as an int64 tensor on ``device``. To a GPU from pinned memory, without waiting: torch's blocking
     copy synchronises the stream after it, so the host would wait for the work queued before it and stop running
     ahead of the device at every step that builds a table."""
-    t = torch.tensor(values, dtype=torch.int64)
+    t = torch.tensor(values, dtype=torch.int64, device="cpu")
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -474,4 +474,4 @@ class GradSources:
         if len(addresses) != len(self.sizes):
             raise ValueError(f"expected {len(self.sizes)} addresses, got {len(addresses)}")
         self.tables()
-        self.src.copy_(torch.tensor(addresses, dtype=torch.int64))
+        self.src.copy_(torch.tensor(addresses, dtype=torch.int64, device="cpu"))

@@ -23,7 +23,7 @@ from flatopt.layout import SUPPORTED_DTYPES, is_dense
 from flatopt.naming import Names
 from flatopt.options import FlatOptions
 from flatopt.precision import draw_seed
-from flatopt.torch_compat import hooked_step, is_dtensor, own_dispatch
+from flatopt.torch_compat import hooked_step, is_dtensor, normal_tensors, own_dispatch
 
 
 class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
@@ -36,6 +36,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
     rule = None
     _step_supports_amp_scaling = True  # GradScaler passes grad_scale / found_inf; no host sync
 
+    @normal_tensors
     def __init__(self, params, defaults, **options):
         cls = type(self).__name__
         self.engine = None
@@ -131,6 +132,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                     f"'{name}' has sparse=True; construct it with sparse=False"
                 )
 
+    @normal_tensors
     def add_param_group(self, param_group):
         if isinstance(param_group, dict):
             params = param_group["params"]
@@ -231,6 +233,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ torch.optim's interface
     @hooked_step
+    @normal_tensors
     def step(self, closure=None):
         """Performs a single optimization step.
 
@@ -239,6 +242,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         """
         return self.engine.step(closure, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
 
+    @normal_tensors
     def zero_grad(self, set_to_none=True):
         """Resets the gradients of all optimized parameters, as torch.optim does.
 
@@ -270,6 +274,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         """
         return self.engine.no_step()
 
+    @normal_tensors
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """Clip the gradients of every parameter of this optimizer by their global norm, as
@@ -289,6 +294,7 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
         """
         return self.engine.clip_grad_norm_(float(max_norm), float(norm_type), error_if_nonfinite)
 
+    @normal_tensors
     def check_bindings(self, full=True):
         """Lay the parameters out again if ``param_groups`` or ``requires_grad`` changed (as ``step()``
         and ``zero_grad()`` do); raise if a parameter's data no longer lives in the flat buffers, or

@@ -32,7 +32,7 @@ def runs(meta, numel):
     owner = meta.param_of_granule
     if owner.numel() == 0:
         return []
-    ids = torch.arange(int(owner[0]), int(owner[-1]) + 1, dtype=owner.dtype)
+    ids = torch.arange(int(owner[0]), int(owner[-1]) + 1, dtype=owner.dtype, device=owner.device)
     begin = torch.searchsorted(owner, ids)  # each parameter's first granule
     owns = torch.searchsorted(owner, ids, right=True) > begin  # parameters of no element own no granule
     ids, begin = ids[owns].long(), begin[owns]
@@ -68,7 +68,8 @@ def _pieces(meta, hparams, numel):
         active = None if meta.active is None else meta.active.bool()[pidx]
         return [(0, numel, cols, meta.steps[pidx], active)]
     return [
-        (a, b, hparams[g], torch.tensor(steps, dtype=meta.steps.dtype), None) for a, b, g, steps in runs(meta, numel)
+        (a, b, hparams[g], torch.tensor(steps, dtype=meta.steps.dtype, device=meta.steps.device), None)
+        for a, b, g, steps in runs(meta, numel)
     ]
 
 

@@ -17,12 +17,12 @@ MAX_SLOTS = 64  # tables of a few hundred bytes: the host may run this many chan
 
 def _fresh_copy(table, rows):
     """The copy without the ring: a new pinned tensor, which PyTorch keeps until the copy has run."""
-    table.copy_(torch.tensor(rows, dtype=table.dtype).pin_memory(), non_blocking=True)
+    table.copy_(torch.tensor(rows, dtype=table.dtype, device="cpu").pin_memory(), non_blocking=True)
 
 
 class _Slot:
     def __init__(self, shape, dtype):
-        self.tensor = torch.empty(shape, dtype=dtype, pin_memory=True)
+        self.tensor = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
         self.array = self.tensor.numpy()
         self.event = torch.cuda.Event()
 

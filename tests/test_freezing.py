@@ -115,6 +115,32 @@ def test_a_parameter_unfrozen_later_is_trained_from_the_next_step(layer, in_back
     opt.check_bindings()
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
+def test_built_and_laid_out_again_under_inference_mode_as_torch(in_backward):
+    """An optimizer created under torch.inference_mode(), then a progressive unfreezing whose step() and
+    zero_grad() run under it (torch.optim allows both): the flat buffers are normal tensors, so the model goes on
+    training (inference tensors in p.data could not be saved for backward) as torch.optim's."""
+    model, _ = make()
+    model[2].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    with torch.inference_mode():
+        opt = flatopt.AdamW(model, lr=1e-2, weight_decay=0.1, in_backward=in_backward)
+    assert not any(p.is_inference() for p in model.parameters())
+    pairs = [(model, opt), (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1))]
+    x = torch.randn(4, 6)
+    for step in range(4):
+        if step == 2:
+            for m, _ in pairs:
+                m[2].requires_grad_(True)
+        for m, o in pairs:
+            m(x).square().mean().backward()
+            with torch.inference_mode():
+                quiet(o.step)
+                o.zero_grad()
+        assert not any(p.is_inference() for p in model.parameters()), step
+        assert_same(pairs, step)
+
+
 def test_unfreezing_keeps_every_state_and_gradient():
     """The re-layout copies values, states, step counts and pending gradients into the new buffers: a step
     after unfreezing (with gradients accumulated before it) is the same as torch.optim's."""

@@ -836,3 +836,29 @@ def test_torch_save_of_one_layer_writes_that_layers_bytes_not_the_buffer(mode):
     f.seek(0)
     for k, v in torch.load(f).items():
         assert torch.equal(v, model[1].state_dict()[k]), k
+
+
+@pytest.mark.parametrize(
+    "mode", [{}, {"in_backward": True}, {"direct_grads": True}], ids=["step", "in_backward", "direct"]
+)
+def test_built_under_another_default_device_the_buffers_follow_the_parameters(mode):
+    """An optimizer created inside ``with torch.device("meta")`` (where a model's next part is being
+    initialised) or under torch.set_default_device(): its buffers, tables and host-side tensors go where the
+    parameters are and where the host needs them, not to the default device, and it trains as torch.optim."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 2))
+    ref = copy.deepcopy(model)
+    with torch.device("meta"):
+        opt = flatopt.AdamW(model, lr=1e-2, **mode)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(4, 6)
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert not p.is_meta, name
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}")

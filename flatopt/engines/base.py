@@ -665,7 +665,7 @@ class FlatEngine(Engine):
                     steps.append(step)
                     if self.leaves_unused(buf.group_ids[i]) and not tensors:
                         self.unstarted.add(p)
-                buf.meta.steps.copy_(torch.tensor(steps, dtype=torch.float32))
+                buf.meta.steps.copy_(torch.tensor(steps, dtype=torch.float32, device="cpu"))
                 self.refresh_uniform(buf)
         self.install(OptimizerState())
         for buf in self.buffers:
@@ -717,7 +717,7 @@ class FlatEngine(Engine):
                 "train_step give the same parameters a gradient at every call, or set requires_grad=False on those "
                 "it does not train"
             )
-        host = torch.ones(len(buf.params), dtype=torch.uint8)
+        host = torch.ones(len(buf.params), dtype=torch.uint8, device="cpu")
         host[list(off)] = 0
         cache[off] = mask = host.to(buf.device, non_blocking=True)
         while len(cache) > MAX_MASKS:

@@ -830,7 +830,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             if len(stepped) == len(bucket.params):
                 stepped = bucket.params
         if stepped is not bucket.params:
-            active = torch.zeros(len(buf.params), dtype=torch.uint8)
+            active = torch.zeros(len(buf.params), dtype=torch.uint8, device="cpu")
             active[[self.index_of[p] for p in stepped]] = 1
             meta = dataclasses.replace(meta, active=active.to(buf.device), uniform=False)
             bucket.meta.uniform = False  # the step counts of its parameters differ from now on
