@@ -161,7 +161,12 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 group["param_names"] = list(first.values())
             group["params"] = list(dict.fromkeys(group["params"]))
         if self.engine is not None:
-            self.engine.build()
+            try:
+                self.engine.build()  # refuses parameters it cannot lay out (shared memory, overlaps) before any change
+            except BaseException:
+                self.param_groups.pop()  # refused: the groups as they were, as the layout is
+                self._given_entries.pop(id(group), None)
+                raise
 
     def check_param(self, p):
         """Raise, saying what to do, for a parameter this optimizer cannot hold."""

@@ -218,6 +218,40 @@ def test_bad_parameter_in_add_param_group_changes_nothing(kind):
     assert_unchanged(before, snapshot(params, opt))
 
 
+def _shared_memory():
+    p = nn.Parameter(torch.ones(5))
+    p.data.share_memory_()
+    return [p]
+
+
+def _overlapping():
+    base = torch.ones(10)
+    return [nn.Parameter(base[:6]), nn.Parameter(base[4:])]
+
+
+@pytest.mark.parametrize(
+    "make, pattern",
+    [(_shared_memory, r"out of shared memory"), (_overlapping, r"params\[0\] of param group 1.*params\[1\]")],
+    ids=["shared-memory", "overlapping"],
+)
+@pytest.mark.parametrize("mode", ["step", "in_backward"])
+def test_a_group_the_layout_refuses_is_not_added(make, pattern, mode):
+    """add_param_group() with parameters the flat layout refuses (found when it lays them out): the group is not
+    left in param_groups, so the optimizer goes on stepping as before (every step() used to be refused, saying
+    the optimizer was laid out for fewer groups)."""
+    model, opt, gen = trained(in_backward=mode == "in_backward")
+    twin, twin_opt, twin_gen = trained(in_backward=mode == "in_backward")
+    params = list(model.parameters())
+    grads = mode == "step"  # in-backward mode has no gradient buffer
+    opt.state_dict()  # brings the buffers' cached launch flags up to date, as any call that reads the state does
+    before = snapshot(params, opt, grads=grads)
+    with pytest.raises(ValueError, match=pattern):
+        opt.add_param_group({"params": make(), "lr": 0.1})
+    assert len(opt.param_groups) == 1
+    assert_unchanged(before, snapshot(params, opt, grads=grads))
+    steps_like_twin(model, opt, gen, twin, twin_opt, twin_gen, start=2)
+
+
 @pytest.mark.parametrize("kind", ["complex", "float8", "non-dense"])
 @pytest.mark.parametrize("flat", [True, False])
 def test_frozen_parameter_of_any_kind_is_accepted_and_refused_once_trainable(kind, flat):
