@@ -862,3 +862,21 @@ def test_built_under_another_default_device_the_buffers_follow_the_parameters(mo
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert not p.is_meta, name
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}")
+
+
+@pytest.mark.parametrize("direct_grads", [False, True])
+def test_an_optimizer_dropped_before_its_first_step_leaves_no_hooks(direct_grads):
+    """The hooks that record the first backward pass are removed at the first step, or with the optimizer when
+    it never steps (a trial of a hyper-parameter search, an optimizer built to convert a state dict): they would
+    pile up on the parameters, a Python call each per backward."""
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 2))
+    for _ in range(3):
+        opt = flatopt.AdamW(model, lr=1e-2, direct_grads=direct_grads)
+        assert any(p._backward_hooks or p._post_accumulate_grad_hooks for p in model.parameters())
+        del opt
+        gc.collect()
+    assert all(p._backward_hooks is None for p in model.parameters())
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())

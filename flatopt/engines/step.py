@@ -33,6 +33,7 @@ class FlatStepEngine(FlatEngine):
         self.landing = None  # GradLanding of the current layout
         self.hooks = []  # until the first step: which parameters received a gradient, and no sparse one
         self.hooked = []  # the parameters that carry them
+        self.unhook = None  # the finalizer that removes them
         self.seen = set()
         self.recording = False  # inside capture(): step() leaves the hyper-parameter refresh to the replay
         self.sources = None  # capture(): {FlatBuffer: GradSources} the next step gathers its gradients from
@@ -72,11 +73,15 @@ class FlatStepEngine(FlatEngine):
                 for p in params
             ]
             self.hooked = params
+            # gone with the engine (and the optimizer) if it never steps: no hooks left on the parameters
+            self.unhook = weakref.finalize(self, remove_hooks, self.hooks, self.hooked)
         for p in without_grad:  # skip_unused: a parameter steps only once it has a .grad, as in torch.optim
             p.grad = None
 
     def _remove_first_pass_hooks(self):
-        remove_hooks(self.hooks, self.hooked)
+        if self.unhook is not None:
+            self.unhook()  # removes them, once
+            self.unhook = None
         self.hooks, self.hooked = [], []
 
     def _first_pass_hook(self, p):
