@@ -21,6 +21,8 @@ def ends_bound(buffers):
     grad (a parameter moved to another device has another address), and on the CPU whether every parameter
     keeps its address (:func:`addresses_kept`)."""
     for buf in buffers:
+        if buf.taken:  # another flatopt optimizer laid out one of its parameters since: look at them all
+            return False
         params, expected = buf.params, buf.expected
         for i in (0, len(params) - 1):
             p = params[i]
@@ -64,7 +66,8 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
     """
     checked = []  # the parameters looked at: every one (full) or the first and last of each buffer
     for buf in buffers:
-        idx = range(len(buf.params)) if full or watch_every_address(buf) else sorted({0, len(buf.params) - 1})
+        every = full or buf.taken or watch_every_address(buf)
+        idx = range(len(buf.params)) if every else sorted({0, len(buf.params) - 1})
         for i in idx:
             p = buf.params[i]
             checked.append(p)
@@ -79,12 +82,24 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
                         "memory create the optimizer with flat=False after model.share_memory(); to keep the "
                         "optimizer state, save opt.state_dict() first and load it into the new optimizer"
                     )
+                if id(p) in buf.taken:
+                    raise RuntimeError(
+                        f"{cls}: parameter {names(p)} was laid out by another flatopt optimizer, created over it "
+                        "after this one (deleted since or not): a parameter lives in the flat buffers of one flatopt "
+                        "optimizer at a time, "
+                        "so this one would no longer update it. Keep one flatopt optimizer per parameter: delete "
+                        "this one, and what holds it (its LR scheduler, a trainer), before creating the other, or "
+                        "create the other with flat=False or as a torch.optim optimizer"
+                    )
                 raise RuntimeError(
                     f"{cls}: parameter {names(p)} no longer lives in the optimizer's flat buffer: its data "
                     "was replaced after the optimizer was created (model.to(), model.cuda(), model.half(), "
                     "`p.data = ...` and torch.nn.utils.prune.remove() do that). Create the optimizer after moving, "
                     "casting or pruning the model; to keep the optimizer state, save opt.state_dict() first and load "
-                    "it into the new optimizer"
+                    "it into the new optimizer. Tools that bind parameters to memory of their own do it too, and "
+                    "cannot share them with flat buffers: torch.nn.utils.vector_to_parameters, "
+                    "ZeroRedundancyOptimizer(parameters_as_bucket_view=True) (use False), PostLocalSGDOptimizer's "
+                    "model averaging (give it flatopt with flat=False)"
                 )
     # every parameter, whatever ``full`` says: the caller looks for this case at every step (FlatEngine.frozen_since)
     now_frozen = [] if skip_unused else [p for buf in buffers for p in buf.params if not p.requires_grad]

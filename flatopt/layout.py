@@ -30,6 +30,8 @@ A parameter view keeps the parameter's own strides (a channels_last weight stays
 parameters must be dense (no gaps or overlaps between elements).
 """
 
+import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -153,6 +155,23 @@ class StepMeta:
         return arr
 
 
+_HOLDERS = {}  # id(parameter) -> weak reference to the live FlatBuffer that adopted it last (no weak reference to it)
+
+
+def _forget(ids, ref):
+    """A FlatBuffer is gone: the parameters it adopted (``ids``) are held by none, unless another adopted them since."""
+    for key in ids:
+        if _HOLDERS.get(key) is ref:
+            del _HOLDERS[key]
+
+
+def holder(p):
+    """The live FlatBuffer whose data ``p`` was last bound to by adoption (``FlatBuffer.adopt``), or None."""
+    ref = _HOLDERS.get(id(p))
+    buf = ref() if ref is not None else None
+    return buf if buf is not None and p in buf.index else None
+
+
 class FlatBuffer:
     """Parameters of one (device, dtype), their gradients and optimizer states in flat buffers.
 
@@ -197,6 +216,7 @@ class FlatBuffer:
         self.group_ids = list(groups)
         self.group_set = frozenset(self.group_ids)
         self.ordinal = 0  # the buffer's place among its optimizer's (stochastic rounding mixes it into the seed)
+        self.taken = set()  # ids of its parameters adopted since by another buffer (another flatopt optimizer's)
         self.state_dtype = self.dtype if precision is None else precision.state_dtype
         self.stochastic = precision is not None and precision.stochastic
         self.unsigned = () if precision is None else precision.unsigned
@@ -296,6 +316,12 @@ class FlatBuffer:
         """Copy each parameter (and its existing gradient) into the buffers and rebind
         ``p.data`` (and ``p.grad``, when there is a gradient buffer) to the views."""
         grad_views = self.grad_views or [None] * len(self.params)
+        ref = weakref.ref(self, functools.partial(_forget, [id(p) for p in self.params]))
+        for p in self.params:  # another optimizer's buffer that held it loses it: its next binding check is full
+            other = holder(p)
+            if other is not None and other is not self:
+                other.taken.add(id(p))
+            _HOLDERS[id(p)] = ref
         with torch.no_grad():
             for i, (p, dv) in enumerate(zip(self.params, self.data_views)):
                 dv.copy_(p.data)

@@ -239,7 +239,7 @@ def test_hooks_are_registered_once_and_go_with_their_optimizer():
         assert torch.equal(b.grad, before)
     del left
     second.check_bindings(full=True)
-    with pytest.raises(RuntimeError, match="no longer lives in the optimizer's flat buffer"):
+    with pytest.raises(RuntimeError, match="was laid out by another flatopt optimizer"):
         opt.check_bindings(full=True)
     del opt, second
     gc.collect()

@@ -880,3 +880,33 @@ def test_an_optimizer_dropped_before_its_first_step_leaves_no_hooks(direct_grads
         gc.collect()
     assert all(p._backward_hooks is None for p in model.parameters())
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", ["step", "in_backward"])
+def test_a_second_flatopt_optimizer_over_some_parameters_is_named_at_the_first_ones_next_check(mode, monkeypatch):
+    """A parameter lives in the buffers of one flatopt optimizer at a time. Another one created over some of them
+    (the middle layer, even a throwaway one, deleted at once) takes them: the first one's next check looks at
+    every parameter, not only each buffer's ends (the GPU's per-step check), and refuses, naming the cause, before
+    anything changes."""
+    import gc
+
+    from flatopt import bindings
+
+    monkeypatch.setattr(bindings, "watch_every_address", lambda buf: False)  # the GPU's check: the ends only
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = flatopt.AdamW(model, lr=1e-2, in_backward=mode == "in_backward")
+    x = torch.randn(3, 4)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    assert bindings.ends_bound(flatopt.inspect(opt).buffers)
+    other = flatopt.AdamW(model[2], lr=1e-2)
+    del other
+    gc.collect()
+    assert not bindings.ends_bound(flatopt.inspect(opt).buffers)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"parameter '2\.weight' was laid out by another flatopt optimizer"):
+        model(x).square().mean().backward()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

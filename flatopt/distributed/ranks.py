@@ -44,6 +44,7 @@ def check_single_process(cls, allow_several_ranks=False):
             "rank's gradient during backward, before DDP averages the gradients across ranks, and the replicas "
             "would diverge. Use in_backward=False with DDP or FSDP2, or, under DDP, wrap first and give the wrapper to "
             f"the optimizer: ddp = DistributedDataParallel(model); {cls}(ddp, in_backward=True) steps each DDP bucket "
-            "once averaged. If the ranks share no parameters (pipeline stages, independent runs), pass "
-            f"allow_several_ranks=True to {cls} to allow it"
+            "once averaged (ZeroRedundancyOptimizer over a DDP model cannot train in backward: use step mode). If "
+            "the ranks share no parameters (pipeline stages, independent runs; not replicas of one model, even "
+            f"where each rank's optimizer holds other parameters), pass allow_several_ranks=True to {cls} to allow it"
         )

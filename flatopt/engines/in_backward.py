@@ -631,7 +631,9 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 "Trainer with gradient_accumulation_steps=k, Lightning's accumulate_grad_batches=k), pass "
                 f"accumulation_steps=k to {cls}; in a hand-written loop, run the micro-batches' backward inside "
                 "`with opt.no_step():`, or call opt.step() (or opt.zero_grad()) after each optimizer step's last "
-                "backward. Nothing was updated by this backward pass"
+                "backward. If the loop steps another optimizer now, this one is still alive (held by its LR "
+                "scheduler, a trainer or a variable) and steps the parameters in backward as long as it lives: "
+                "delete it and what holds it. Nothing was updated by this backward pass"
             )
         return None
 
