@@ -106,6 +106,20 @@ def normal_tensors(method):
     return run
 
 
+def outside_compile(fn):
+    """``fn``, run outside the graph that torch.compile traces when it is called while compiling: a step, and the
+    in-backward gradient hooks, which dynamo meets when it traces a compiled function's ``loss.backward()``
+    (their launches cannot be traced, and tracing their bookkeeping trips functionalization's asserts). The
+    disabled wrapper costs about 0.5 us of host time per call, so it is called only while compiling; checking
+    costs 0.07 us. Dynamo is imported at the wrapper's first call only, as torch.optim does."""
+    uncompiled = torch._disable_dynamo(fn)
+
+    def run(*args, **kwargs):
+        return (uncompiled if torch.compiler.is_compiling() else fn)(*args, **kwargs)
+
+    return run
+
+
 def hooked_step(step):
     """torch.optim's wrapper of ``step()``: the step pre-hooks (global, then the optimizer's), ``step``,
     the profiler's entry point, the post-hooks (the optimizer's, then global), all inside the profiler
@@ -118,10 +132,7 @@ def hooked_step(step):
     # dynamo cannot trace Triton's launcher under the interpreter. Called only while compiling: the disabled
     # wrapper costs about 0.5 us of host time per call, checking costs 0.07 us. (Every supported torch has the
     # hook tables; tests/test_torch_compat_extras.py takes the early return below by pretending otherwise.)
-    uncompiled = torch._disable_dynamo(step)  # as torch.optim does: dynamo is imported at the first call only
-
-    def run(*args, **kwargs):
-        return (uncompiled if torch.compiler.is_compiling() else step)(*args, **kwargs)
+    run = outside_compile(step)
 
     if not all(hasattr(TORCH_OPTIM, name) for name in HOOK_TABLES):
         return functools.wraps(step)(run)

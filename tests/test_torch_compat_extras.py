@@ -743,6 +743,41 @@ def test_a_compiled_training_step_runs_the_optimizer_step_as_it_is(backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("cls", ["AdamW", "SGD"])
+def test_in_backward_under_a_compiled_forward_and_backward_trains_as_torch(cls):
+    """in_backward=True with torch.compile over a function that runs forward and loss.backward() (step() outside):
+    dynamo meets the optimizer's gradient hooks when it traces the backward, and leaves them out of the graph (they
+    launch kernels), rather than tracing them into functionalization's internal assert."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, **({"momentum": 0.9} if cls == "SGD" else {})}
+    opt = getattr(flatopt, cls)(model, in_backward=True, **kwargs)
+    opt_ref = getattr(torch.optim, cls)(ref.parameters(), **kwargs)
+
+    def forward_backward(m, x):
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss
+
+    torch._dynamo.reset()
+    compiled = torch.compile(forward_backward, backend="aot_eager")
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for step in range(3):
+            x = torch.randn(4, 8, generator=gen)
+            compiled(model, x)
+            opt.step()
+            opt.zero_grad()
+            forward_backward(ref, x)
+            opt_ref.step()
+            opt_ref.zero_grad()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+    finally:
+        torch._dynamo.reset()
+
+
 def test_step_without_torchs_hook_tables_is_left_for_torch_to_wrap(monkeypatch):
     """Where torch lacks the global hook tables flatopt's step() wrapper relies on, the wrapper is not
     marked as hooked, and torch.optim wraps step() itself when the optimizer is created: step hooks run

@@ -46,6 +46,7 @@ from flatopt import clip_patch
 from flatopt.engines.backward_clip import BackwardClip, ClipCalls
 from flatopt.engines.fsdp import FSDPStepEngine
 from flatopt.engines.in_backward import Bucket, warn_late_pre_hooks
+from flatopt.torch_compat import outside_compile
 
 
 class PassEnd:
@@ -119,7 +120,7 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
                         if engine is not None:
                             engine.on_grad(param)
 
-                    self.hooks.append(p.register_post_accumulate_grad_hook(hook))
+                    self.hooks.append(p.register_post_accumulate_grad_hook(outside_compile(hook)))
 
     # ------------------------------------------------------------------ backward
     def no_step(self):

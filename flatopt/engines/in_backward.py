@@ -68,7 +68,7 @@ from flatopt.engines.base import FlatEngine
 from flatopt.engines.nesting import nesting_backward, reentrant_segment
 from flatopt.layout import ALIGN, StepMeta
 from flatopt.step_graph import StepGraph
-from flatopt.torch_compat import bump_versions, has_step_pre_hooks, outside_stacklevel
+from flatopt.torch_compat import bump_versions, has_step_pre_hooks, outside_compile, outside_stacklevel
 
 
 def _graph_task_id():
@@ -262,6 +262,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 engine_hook(p)
 
         hooked = [p for p in self.bucket_of if p.requires_grad]  # frozen: laid out again when unfrozen
+        hook = outside_compile(hook)  # torch.compile of a function that runs backward traces the hooks
         self.handles = [p.register_post_accumulate_grad_hook(hook) for p in hooked]
         self.hook_id = {p: h.id for p, h in zip(hooked, self.handles)}
         self.outside = set()
@@ -293,7 +294,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             if engine_before is not None:
                 engine_before(p)
 
-        handle = p.register_hook(before)
+        handle = p.register_hook(outside_compile(before))
         self.handles.append(handle)  # removed with the optimizer
         return handle
 
