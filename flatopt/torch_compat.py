@@ -30,10 +30,21 @@ TORCH_OPTIM = importlib.import_module("torch.optim.optimizer")
 HOOK_TABLES = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
 
 
+_AUTOGRAD_GRAPH = torch.autograd.graph
+
+
 def bump_versions(tensors):
     """Count an in-place update of each of ``tensors`` in its autograd version counter, as torch's in-place ops do,
     so that a backward through a graph that saved one of them before raises torch's "modified by an inplace
-    operation" error. (The kernels write the flat buffers, whose counters the parameters do not share.)"""
+    operation" error. (The kernels write the flat buffers, whose counters the parameters do not share.) Called
+    before the update: under ``torch.autograd.graph.allow_mutation_on_saved_tensors()``, whose dispatch mode
+    clones a saved tensor before an in-place operation changes it (and skips the version check), the count is an
+    in-place operation through dispatch (a multiplication by one), so that the mode keeps the values that
+    backward saved, as under torch.optim's step."""
+    if getattr(_AUTOGRAD_GRAPH, "_allow_mutation_on_saved_tensors_enabled", False):
+        with torch.no_grad():
+            torch._foreach_mul_(list(tensors), 1.0)
+        return
     try:
         torch._C._increment_version(tensors)
     except TypeError:  # a torch that takes one tensor at a time

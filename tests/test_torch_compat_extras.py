@@ -675,6 +675,41 @@ def test_step_counts_as_an_in_place_update_of_the_parameters_it_steps(cls, backe
         loss.backward()
 
 
+@pytest.mark.parametrize("mode", ["step", "direct_grads", "in_backward"])
+def test_allow_mutation_on_saved_tensors_keeps_what_backward_saved(mode):
+    """Under torch.autograd.graph.allow_mutation_on_saved_tensors() a tensor saved for backward is cloned before an
+    in-place operation changes it (and the version check is off): a graph kept with retain_graph=True, run again
+    after the step, computes with the weights of its forward, as under torch.optim (in in-backward mode, as under
+    torch's per-parameter post-accumulate-grad recipe). The kernels write the flat buffers below dispatch; the
+    step goes through dispatch first so that the mode sees it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 6)
+    if mode == "in_backward":
+        opt = flatopt.SGD(model, lr=0.5, in_backward=True)
+        per_param = {p: torch.optim.SGD([p], lr=0.5) for p in ref.parameters()}
+        for p in ref.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: (per_param[p].step(), per_param[p].zero_grad()) and None)
+        ref_opt = None  # the hooks step each parameter
+    else:
+        opt = flatopt.SGD(model, lr=0.5, direct_grads=mode == "direct_grads")
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            loss = m(x).square().mean()
+            loss.backward(retain_graph=True)  # in-backward: steps the parameters
+            if o is not None:
+                if mode != "in_backward":
+                    o.step()
+                o.zero_grad()
+            loss.backward()  # the kept graph, run again after the update
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        if mode != "in_backward":
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}.grad: {m}")
+
+
 def test_step_hooks_run_once_for_a_subclass_that_overrides_step():
     """torch.optim wraps the subclass's step() with its hooks; flatopt's own wrapper, reached through
     super().step(), must not run them again. (torch.optim itself runs them twice in this case once an

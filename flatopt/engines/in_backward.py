@@ -847,6 +847,11 @@ class InBackwardEngine(ClipCalls, FlatEngine):
                 bucket.divisor = torch.ones(1, dtype=dtype, device=buf.device)
             divisor = self.clip.divisor(grad, bucket.divisor)
 
+        # an in-place update of each parameter it steps, as in step mode: a node of this pass or a later one that
+        # saved one of them before (a graph kept with retain_graph=True, a detached use) then raises torch's
+        # "modified by an inplace operation" error instead of reading the new values
+        bump_versions(stepped)
+
         def launch():
             self.launch(buf, grad, hparams=hparams, meta=meta, span=(s, e), grad_scale=divisor)
 
@@ -856,10 +861,6 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             bucket.graph.run_keyed(key + tuple(None if t is None else t.data_ptr() for t in states), launch)
         else:
             launch()
-        # an in-place update of each parameter it stepped, as in step mode: a node of this pass or a later one that
-        # saved one of them before (a graph kept with retain_graph=True, a detached use) then raises torch's
-        # "modified by an inplace operation" error instead of reading the new values
-        bump_versions(stepped)
         self.window_stepped.update(stepped)
         self.had_grad.update(bucket.arrived if partial else bucket.params)
         self.launches += 1
