@@ -935,6 +935,28 @@ def test_module_parameters_the_optimizer_lacks_are_detected(how):
         pytest.fail(f"the parameters were not detected within {FULL_CHECK_EVERY + 1} steps")
 
 
+@pytest.mark.parametrize("how", ["load_state_dict(assign=True)", "attribute"])
+@pytest.mark.parametrize("mode", ["step", "direct_grads", "in_backward"])
+def test_parameters_replaced_in_the_module_are_refused_at_the_next_step(how, mode):
+    """Parameters replaced after the first step get no gradient (the optimizer holds the old ones), in a pattern
+    not seen before: the next step makes the full check and refuses, before anything changes, rather than train
+    them no more until the FULL_CHECK_EVERY-th step (in in-backward mode, when every parameter was replaced, no
+    hook of the optimizer ever ran: step() after a pass that stepped nothing checks)."""
+    kwargs = {"in_backward": True} if mode == "in_backward" else {"direct_grads": mode == "direct_grads"}
+    model, opt, gen = trained(**kwargs)
+    if how == "attribute":
+        model.proj.weight = nn.Parameter(model.proj.weight.detach().clone())
+    else:
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    old = [p for b in flatopt.inspect(opt).buffers for p in b.params]
+    opt.state_dict()  # brings the buffers' cached launch flags up to date, as any call that reads the state does
+    before = snapshot(old, opt, grads=False)
+    with pytest.raises(RuntimeError, match=r"trainable parameter\(s\) .*'proj\.weight'.*not among the parameters"):
+        loss_fn(model, make_batch(gen)).backward()
+        silent(opt.step)
+    assert_unchanged(before, snapshot(old, opt, grads=False))
+
+
 def test_module_changes_that_keep_the_parameters_are_not_refused():
     """Compared by identity, not by name: removing a layer renumbers a Sequential's names, a parameter
     frozen later stays the optimizer's (skip_unused), a DDP-style wrapper prefixes every name."""

@@ -350,6 +350,8 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         # step them as torch.optim does. A stepped pass leaves none.
         if self.pending or any(p.grad is not None for p in self.bucket_of):
             self.step_pending()
+        elif not self.applied:  # no pass stepped anything: the parameters may have been replaced in the module
+            self.check_bindings(full=True)  # (assign=True loads), whose gradients no hook of this one sees
         self.new_window()
         return loss
 

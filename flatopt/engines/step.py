@@ -25,6 +25,7 @@ from flatopt.torch_compat import bump_versions, has_step_pre_hooks, remove_hooks
 # to 4 (AdamW) on a 2-core Intel Xeon. In a training loop the copies run out of cache, at about three times those
 # times (the batched copy of a GPT-2-style model's 64K-element gradients and small ones, timed inside its steps).
 IN_PLACE_MIN = 1 << 16
+PATTERNS_CHECKED = 16  # patterns of parameters without a gradient that step() makes a full binding check for
 
 
 class FlatStepEngine(FlatEngine):
@@ -34,6 +35,7 @@ class FlatStepEngine(FlatEngine):
         self.hooks = []  # until the first step: which parameters received a gradient, and no sparse one
         self.hooked = []  # the parameters that carry them
         self.unhook = None  # the finalizer that removes them
+        self.patterns = set()  # patterns of parameters without a gradient that a full binding check was made for
         self.seen = set()
         self.recording = False  # inside capture(): step() leaves the hyper-parameter refresh to the replay
         self.sources = None  # capture(): {FlatBuffer: GradSources} the next step gathers its gradients from
@@ -132,8 +134,19 @@ class FlatStepEngine(FlatEngine):
         full = self.full_check_due()
         self._check_bindings(full, settle=False)
         if not self.reads_in_place():
-            return self.landing.plan()
-        return self.landing.plan(IN_PLACE_MIN if self.opt.backend == "cpu" else 1)  # a kernel gathers any size
+            plan = self.landing.plan()
+        else:
+            plan = self.landing.plan(IN_PLACE_MIN if self.opt.backend == "cpu" else 1)  # a kernel gathers any size
+        if not full and plan[0] and self.opt.skip_unused and len(self.patterns) < PATTERNS_CHECKED:
+            # parameters without a gradient, in a pattern not seen before: they may have been replaced in the module
+            # (load_state_dict(..., assign=True), `module.weight = nn.Parameter(...)`), which the full check finds,
+            # rather than at the FULL_CHECK_EVERY-th step after training them no more. Once per pattern, for the
+            # first few (a model whose unused parameters change at every step pays it a few times only)
+            pattern = tuple(id(p) for p, _ in plan[0])
+            if pattern not in self.patterns:
+                self.check_data_bindings(True)
+                self.patterns.add(pattern)
+        return plan
 
     def _report_unused(self, plan):
         """The first step's warning: parameters whose .grad was None at the step, and those whose view
