@@ -70,6 +70,8 @@ from flatopt.layout import ALIGN, StepMeta
 from flatopt.step_graph import StepGraph
 from flatopt.torch_compat import bump_versions, has_step_pre_hooks, outside_compile, outside_stacklevel
 
+is_compiling = torch.compiler.is_compiling
+
 
 def _graph_task_id():
     get = getattr(torch._C, "_current_graph_task_id", None)
@@ -257,12 +259,14 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         method = weakref.WeakMethod(self.hook)  # the hooks live on the parameters: no reference back to the engine
 
         def hook(p):
+            if is_compiling():  # torch.compile of a function that runs backward traces the hooks: not this one
+                return uncompiled(p)  # (see outside_compile; the check inline: one call per parameter per pass)
             engine_hook = method()
             if engine_hook is not None:
                 engine_hook(p)
 
+        uncompiled = torch._disable_dynamo(hook)
         hooked = [p for p in self.bucket_of if p.requires_grad]  # frozen: laid out again when unfrozen
-        hook = outside_compile(hook)  # torch.compile of a function that runs backward traces the hooks
         self.handles = [p.register_post_accumulate_grad_hook(hook) for p in hooked]
         self.hook_id = {p: h.id for p, h in zip(hooked, self.handles)}
         self.outside = set()
