@@ -109,15 +109,18 @@ class Precision:
         )
 
     def check_params(self, cls, rule, param_groups):
-        """Raise ValueError for options that the parameters (trainable, of ``param_groups``) or the rule make
-        meaningless: a master copy or stochastic rounding that applies to no parameter, ``"remainder"`` or
-        stochastic rounding with float16 parameters, a ``state_dtype`` for SGD without momentum."""
-        dtypes = {p.dtype for g in param_groups for p in g["params"] if isinstance(p, torch.Tensor) and p.requires_grad}
+        """Raise ValueError for options that the parameters (of ``param_groups``) or the rule make meaningless: a
+        master copy or stochastic rounding that applies to no parameter (trainable, or frozen for now),
+        ``"remainder"`` or stochastic rounding with float16 parameters, a ``state_dtype`` for SGD without
+        momentum."""
+        tensors = [p for g in param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
+        dtypes = {p.dtype for p in tensors if p.requires_grad}
+        every = {p.dtype for p in tensors}  # frozen ones too: they apply once unfrozen (progressive unfreezing)
         if torch.float16 in dtypes:
             self.check_dtype(cls, torch.float16)
         if self.master_weights is not None:
             fits = _MASTER_DTYPES[self.master_weights]
-            if dtypes and not dtypes & fits:
+            if dtypes and not every & fits:
                 have = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
                 want = " or ".join(str(d).removeprefix("torch.") for d in sorted(fits, key=str))
                 raise ValueError(
@@ -126,7 +129,7 @@ class Precision:
                     "model (model.to(torch.bfloat16)) before creating the optimizer"
                 )
         if self.stochastic_rounding:
-            if dtypes and torch.bfloat16 not in dtypes:
+            if dtypes and torch.bfloat16 not in every:
                 have = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
                 raise ValueError(
                     f"{cls}(stochastic_rounding=True) rounds bfloat16 parameters, and the parameters are {have}, "
@@ -178,7 +181,7 @@ def parse(cls, kwargs, flat):
 
 def draw_seed():
     """A seed for stochastic rounding from torch's default generator (``torch.manual_seed`` fixes it)."""
-    return int(torch.randint(SEED_BOUND, (), dtype=torch.int64))
+    return int(torch.randint(SEED_BOUND, (), dtype=torch.int64, device="cpu"))
 
 
 def check_master(param, master, rounding_seed):

@@ -580,3 +580,38 @@ def test_a_float16_parameter_that_starts_training_later_is_refused_as_at_constru
     with pytest.raises(ValueError, match="is float16"):
         opt.step()
     assert (w == 1).all() and (late == 1).all()
+
+
+@pytest.mark.parametrize(
+    "mode", [dict(master_weights="remainder"), dict(master_weights="fp32"), dict(stochastic_rounding=True)], ids=str
+)
+def test_a_bfloat16_body_frozen_at_construction_counts_for_the_options(mode):
+    """Progressive unfreezing: a float32 head trains while the bfloat16 body is frozen. The options apply to the
+    body once unfrozen, so they are taken (they were refused, as if every parameter were float32), and the body
+    gets its master copy (or its stochastic rounding) when it is laid out."""
+    torch.manual_seed(0)
+    head = nn.Parameter(torch.randn(4, 4))
+    body = nn.Parameter(torch.randn(64, 64).bfloat16(), requires_grad=False)
+    opt = flatopt.AdamW([head, body], lr=1e-2, **mode)
+    head.grad = torch.randn(4, 4)
+    opt.step()
+    body.requires_grad_(True)
+    head.grad, body.grad = torch.randn(4, 4), torch.randn(64, 64).bfloat16()
+    opt.step()
+    bufs = {b.dtype: b for b in flatopt.inspect(opt).buffers}
+    assert bufs[torch.float32].master is None
+    assert (bufs[torch.bfloat16].master is not None) == ("master_weights" in mode)
+
+
+@pytest.mark.parametrize("mode", [dict(stochastic_rounding=True), dict(master_weights="remainder")], ids=str)
+def test_built_under_a_meta_default_device_the_precision_options_work(mode):
+    """The stochastic-rounding seed is drawn on the CPU (torch's default generator), not on the default device of
+    a ``with torch.device(...)`` context the optimizer is created in."""
+    torch.manual_seed(0)
+    net = model(torch.bfloat16)
+    with torch.device("meta"):
+        opt = flatopt.AdamW(net, lr=1e-2, **mode)
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert not any(p.is_meta for p in net.parameters())
