@@ -394,9 +394,12 @@ class CheckpointMixin:
         codes = {}
         if saved.get("state_dtype") == "int8" == self.precision.state_dtype:
             ours = self._codes()
+            laid = getattr(self.engine, "where", {})
             for k, saved_codes in (compact.get("codes") or {}).items():
                 p = id_map.get(k)
                 want = ours.get(p)
+                if want is None and p is not None and p not in laid:  # frozen now, not laid out: its float values
+                    continue  # (the state dict's) are kept, and quantized when it is laid out
                 if want is None or not isinstance(saved_codes, dict) or set(saved_codes) != set(want):
                     raise ValueError(
                         f"loaded state dict has 8-bit codes for parameter {k} that do not fit: this optimizer keeps "
@@ -667,7 +670,10 @@ class CheckpointMixin:
             keys = extra.get(p, {})
             if p in placed or not (tensors or keys):  # nothing (saved as {}): no state, as at the first step
                 continue
-            own = {n: t.to(p.device, p.dtype).clone(memory_format=torch.preserve_format) for n, t in tensors.items()}
+            # in the dtype its buffer will keep them in once it is laid out (float32 values for 8-bit states)
+            kept = self.precision.of_buffer(p.dtype, small=self.precision.small(p), rule=self.rule).state_dtype
+            kept = torch.float32 if kept == "int8" else kept
+            own = {n: t.to(p.device, kept).clone(memory_format=torch.preserve_format) for n, t in tensors.items()}
             if tensors and self.rule.exported_step:
                 own["step"] = torch.tensor(step, dtype=torch.float32, device="cpu")
             self.state[p] = {**own, **keys}

@@ -279,3 +279,53 @@ def test_edited_values_of_8bit_states_win_over_the_saved_codes():
     opt.step()
     m = opt.state_dict()["state"][k]["exp_avg"]
     torch.testing.assert_close(m, torch.full_like(m, 0.05), rtol=0.02, atol=0)  # (1 - beta1) * g, not old moments
+
+
+def _same(a, b, path="state_dict"):
+    """``a`` and ``b`` (nested dicts, lists, tensors) equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (path, set(a) ^ set(b))
+        for k in a:
+            _same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("save_while_frozen", [False, True], ids=["load", "load-save-load"])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_a_checkpoint_loaded_while_a_parameter_is_frozen_resumes_exactly_once_it_is_unfrozen(mode, save_while_frozen):
+    """Progressive unfreezing after a resume: a parameter frozen when the checkpoint is loaded (not laid out) keeps
+    its master copy or remainder, its states in the dtype they are kept in (float32 values for 8-bit states) and,
+    through a save and a load while still frozen, all of it; once unfrozen it trains exactly as when it was
+    trainable at the load."""
+    cls, hp = flatopt.AdamW, dict(lr=1e-2, weight_decay=0.1)
+    net = model()
+    torch.manual_seed(1)
+    trained = cls(net, **hp, **mode)
+    run(net, trained, 3)
+    sd, weights = saved(trained.state_dict()), copy.deepcopy(net.state_dict())
+    results = []
+    for frozen in (False, True):
+        net2 = model()
+        net2.load_state_dict(weights)
+        net2[3].requires_grad_(not frozen)  # the 70 x 70 layer: 8-bit states under state_dtype="int8"
+        opt = cls(net2, **hp, **mode)
+        opt.load_state_dict(copy.deepcopy(sd))
+        if frozen and save_while_frozen:
+            again = saved(opt.state_dict())
+            del opt
+            opt = cls(net2, **hp, **mode)
+            opt.load_state_dict(again)
+        net2[3].requires_grad_(True)
+        run(net2, opt, 2, first=3)
+        results.append((list(net2.parameters()), opt.state_dict()))
+    (ps, a), (qs, b) = results
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+    _same(a, b)

@@ -182,6 +182,9 @@ class FlatEngine(Engine):
         self.views = {}  # parameter -> {key: tensor}: what put_state placed in its opt.state entry
         self.slots = None  # parameter -> (FlatBuffer, index), for self.slots_of
         self.where = {}  # parameter -> (buffer index, index in the buffer)
+        # parameter -> its master copy (or remainder) from a load, while it is not laid out (frozen at the load): laid
+        # out when it is unfrozen, and exported by state_dict() meanwhile
+        self.pending_masters = {}
         self.masks = []  # per buffer: {indices of the parameters left out: uint8 mask on the device}
 
     # ------------------------------------------------------------------ layout
@@ -257,7 +260,12 @@ class FlatEngine(Engine):
                 for i, p in enumerate(params):
                     for name, views in buf.state_views.items():
                         old = self.entry_of(p).get(name)
-                        if isinstance(old, torch.Tensor):
+                        if not isinstance(old, torch.Tensor):
+                            continue
+                        if buf.quantized and old.is_floating_point() and not views[i].is_floating_point():
+                            # values (a load's, while the parameter was not laid out) into 8-bit codes and scales
+                            quantize_into(views[i], buf.state_views[name + ABSMAX][i], old)
+                        else:
                             views[i].copy_(old)
                     buf.meta.steps[i] = old_steps.get(p, 0.0)
             self.adopt(buf)
@@ -290,6 +298,8 @@ class FlatEngine(Engine):
         opt.hparams.invalidate()
         self.step_graph = StepGraph()  # graphs of the old layout read its freed tables: never replay them
         self.where = {p: (b, i) for b, buf in enumerate(self.buffers) for i, p in enumerate(buf.params)}
+        held = {q for group in opt.param_groups for q in group["params"]}
+        self.pending_masters = {q: t for q, t in self.pending_masters.items() if q not in self.where and q in held}
         self.masks = [OrderedDict() for _ in self.buffers]
         self.unstarted = {
             p
@@ -559,10 +569,12 @@ class FlatEngine(Engine):
         return Reconciled(p, buf, i, extra, copies=copies, step=step)
 
     def masters_by_param(self):
-        """{parameter: its view of the master buffer} of the laid-out parameters of buffers that have one."""
-        return {
+        """{parameter: its view of the master buffer} of the laid-out parameters of buffers that have one, and the
+        masters a load gave parameters not laid out (frozen at the load)."""
+        laid = {
             p: buf.master_views[i] for buf in self.buffers if buf.master is not None for i, p in enumerate(buf.params)
         }
+        return {**self.pending_masters, **laid} if self.pending_masters else laid
 
     def rounding_seed(self, buf):
         """Stochastic rounding's seed for ``buf`` (None: it rounds to nearest): the optimizer's, mixed with the
@@ -727,6 +739,8 @@ class FlatEngine(Engine):
     def load_masters(self, masters):
         """After a load: each parameter's master copy (or remainder) from ``masters`` ({parameter: tensor}), or,
         for a parameter it does not hold, started again from the parameter (float32 copy, zero remainder)."""
+        # a parameter not laid out keeps its master until it is (see build)
+        self.pending_masters = {p: t.detach().clone() for p, t in masters.items() if p not in self.where}
         with torch.no_grad():
             for buf in self.buffers:
                 if buf.master is None:
