@@ -83,14 +83,7 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
                         "optimizer state, save opt.state_dict() first and load it into the new optimizer"
                     )
                 if id(p) in buf.taken:
-                    raise RuntimeError(
-                        f"{cls}: parameter {names(p)} was laid out by another flatopt optimizer, created over it "
-                        "after this one (deleted since or not): a parameter lives in the flat buffers of one flatopt "
-                        "optimizer at a time, "
-                        "so this one would no longer update it. Keep one flatopt optimizer per parameter: delete "
-                        "this one, and what holds it (its LR scheduler, a trainer), before creating the other, or "
-                        "create the other with flat=False or as a torch.optim optimizer"
-                    )
+                    raise RuntimeError(taken_message(cls, names(p)))
                 raise RuntimeError(
                     f"{cls}: parameter {names(p)} no longer lives in the optimizer's flat buffer: its data "
                     "was replaced after the optimizer was created (model.to(), model.cuda(), model.half(), "
@@ -131,6 +124,17 @@ def check_data_bindings(cls, buffers, names, *, full, frozen, skip_unused, modul
                 "load_state_dict() without assign=True (it copies into the parameters), give new parameters "
                 "to opt.add_param_group(), or create the optimizer afterwards"
             )
+
+
+def taken_message(cls, name):
+    """The refusal of a parameter that another flatopt optimizer laid out after this one (``FlatBuffer.taken``)."""
+    return (
+        f"{cls}: parameter {name} was laid out by another flatopt optimizer, created over it after this one (deleted "
+        "since or not): a parameter lives in the flat buffers of one flatopt optimizer at a time, so this one would "
+        "no longer update it. Keep one flatopt optimizer per parameter: delete this one, and what holds it (its LR "
+        "scheduler, a trainer), before creating the other, or create the other with flat=False or as a torch.optim "
+        "optimizer"
+    )
 
 
 def _moved_in_place(p, buf, i):

@@ -312,16 +312,21 @@ class FlatBuffer:
         p = self.like[i]
         return flat.as_strided(p.shape, p.stride(), flat.storage_offset() + self.starts[i])
 
-    def adopt(self):
-        """Copy each parameter (and its existing gradient) into the buffers and rebind
-        ``p.data`` (and ``p.grad``, when there is a gradient buffer) to the views."""
-        grad_views = self.grad_views or [None] * len(self.params)
+    def claim(self):
+        """Record that this buffer holds its parameters now (when it binds them): another flatopt optimizer's buffer
+        that held one loses it, and its next binding check looks at every parameter and names the cause."""
         ref = weakref.ref(self, functools.partial(_forget, [id(p) for p in self.params]))
-        for p in self.params:  # another optimizer's buffer that held it loses it: its next binding check is full
+        for p in self.params:
             other = holder(p)
             if other is not None and other is not self:
                 other.taken.add(id(p))
             _HOLDERS[id(p)] = ref
+
+    def adopt(self):
+        """Copy each parameter (and its existing gradient) into the buffers and rebind
+        ``p.data`` (and ``p.grad``, when there is a gradient buffer) to the views."""
+        grad_views = self.grad_views or [None] * len(self.params)
+        self.claim()
         with torch.no_grad():
             for i, (p, dv) in enumerate(zip(self.params, self.data_views)):
                 dv.copy_(p.data)

@@ -290,6 +290,19 @@ def run_errors(rank):
     except Exception as e:
         out["sharded_after"] = error_of(e)
     out["late_unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(late_before, late.parameters()))
+    # a second flatopt optimizer over some of the parameters (the model's middle layer, a throwaway): the first one's
+    # next step looks at every shard (not only each buffer's ends) and names the cause
+    twice = sharded(world)
+    first = flatopt.AdamW(twice)
+    inner = [m for m in twice.modules() if isinstance(m, nn.Linear)][1]
+    flatopt.AdamW(list(inner.parameters()), model=twice)
+    x, y = (t.chunk(world)[rank] for t in batch(0))
+    nn.functional.mse_loss(twice(x), y).backward()
+    try:
+        first.step()
+        out["taken"] = None
+    except Exception as e:
+        out["taken"] = error_of(e)
     return out
 
 
@@ -1170,6 +1183,7 @@ def test_what_cannot_work_is_refused_at_construction(runs):
         "sharded_after": r"are DTensors now: FSDP2's fully_shard was applied after the optimizer was created",
         "clip_order_0": r"clip_grad_norm_\(norm_type=0.0\) under FSDP2 takes a norm order above 0",
         "clip_order_-inf": r"clip_grad_norm_\(norm_type=-inf\) under FSDP2 takes a norm order above 0",
+        "taken": r"parameter '.*' was laid out by another flatopt optimizer, created over it after this one",
     }
     import re
 
@@ -1177,7 +1191,7 @@ def test_what_cannot_work_is_refused_at_construction(runs):
         for name, pattern in expected.items():
             err = result[name]
             assert err is not None, f"rank {rank}: {name} was accepted"
-            kind = "RuntimeError" if name in ("moved", "capture", "sharded_after") else "ValueError"
+            kind = "RuntimeError" if name in ("moved", "capture", "sharded_after", "taken") else "ValueError"
             assert err["type"] == kind and re.search(pattern, err["message"]), (name, err)
         assert result["unchanged"], f"rank {rank}: a refused constructor moved the shards"
         assert result["late_unchanged"], f"rank {rank}: the refused step moved the parameters"

@@ -23,6 +23,7 @@ flat buffer (per (device, dtype)) on each rank.
 import torch
 import torch.distributed as dist
 
+from flatopt.bindings import taken_message
 from flatopt.distributed import fsdp
 from flatopt.engines.base import FlatEngine, clip_coefficient
 from flatopt.layout import FlatBuffer, GradSources
@@ -73,6 +74,7 @@ class FSDPStepEngine(FlatEngine):
         )  # fmt: skip
 
     def adopt(self, buf):
+        buf.claim()
         with torch.no_grad():
             for i, p in enumerate(buf.params):
                 shard = self.shards[p]
@@ -122,6 +124,8 @@ class FSDPStepEngine(FlatEngine):
     # ------------------------------------------------------------------ checks
     def ends_bound(self):
         for buf in self.buffers:
+            if buf.taken:  # another flatopt optimizer laid out one of its parameters since: look at them all
+                return False
             for i in (0, len(buf.params) - 1):
                 p = buf.params[i]
                 if not fsdp.bound(self.shards[p], *self.expected[p]) or not p.requires_grad:
@@ -131,10 +135,12 @@ class FSDPStepEngine(FlatEngine):
     def check_data_bindings(self, full):
         opt = self.opt
         for buf in self.buffers:
-            idx = range(len(buf.params)) if full else sorted({0, len(buf.params) - 1})
+            idx = range(len(buf.params)) if full or buf.taken else sorted({0, len(buf.params) - 1})
             for i in idx:
                 p = buf.params[i]
                 if not fsdp.bound(self.shards[p], *self.expected[p]):
+                    if id(p) in buf.taken:
+                        raise RuntimeError(taken_message(self.cls, opt.names(p)))
                     raise RuntimeError(
                         f"{self.cls}: the local shard of parameter {opt.names(p)} no longer lives in the optimizer's "
                         "flat buffer: FSDP2 was given another one (model.to(), load_state_dict(assign=True), a new "
