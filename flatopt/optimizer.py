@@ -164,8 +164,13 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
             try:
                 self.engine.build()  # refuses parameters it cannot lay out (shared memory, overlaps) before any change
             except BaseException:
-                self.param_groups.pop()  # refused: the groups as they were, as the layout is
+                self.param_groups.pop()  # refused: the groups as they were
                 self._given_entries.pop(id(group), None)
+                if getattr(self.engine, "detached", False):  # failed past the checks (out of memory): lay the
+                    try:  # groups out as they were, reconnecting their gradients and hooks
+                        self.engine.build()
+                    except BaseException:
+                        pass  # still detached: the next step() or zero_grad() lays them out (members_changed)
                 raise
 
     def check_param(self, p):

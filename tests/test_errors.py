@@ -252,6 +252,37 @@ def test_a_group_the_layout_refuses_is_not_added(make, pattern, mode):
     steps_like_twin(model, opt, gen, twin, twin_opt, twin_gen, start=2)
 
 
+@pytest.mark.parametrize("mode", ["step", "in_backward"])
+def test_a_layout_that_fails_part_way_in_add_param_group_leaves_the_optimizer_training(mode, monkeypatch):
+    """add_param_group() whose layout fails after the checks (out of memory allocating the new buffers): the group
+    is not added, and the groups are laid out as they were, their gradients and in-backward hooks connected again
+    (else backward passes would step nothing in in-backward mode); training goes on as the twin's."""
+    kwargs = {"in_backward": True} if mode == "in_backward" else {"direct_grads": True}
+    model, opt, gen = trained(**kwargs)
+    twin, twin_opt, twin_gen = trained(**kwargs)
+    engine = flatopt.inspect(opt).engine
+    allocate = engine.new_buffer
+
+    def out_of_memory(*args, **kwargs):
+        monkeypatch.setattr(engine, "new_buffer", allocate)  # once
+        raise torch.OutOfMemoryError("simulated: allocating the new buffers")
+
+    monkeypatch.setattr(engine, "new_buffer", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3))], "lr": 0.1})
+    assert len(opt.param_groups) == 1
+    loss_fn(model, make_batch(gen)).backward()
+    if mode == "in_backward":  # the pass stepped the parameters and freed their gradients
+        assert all(p.grad is None for p in model.parameters())
+    else:  # the covered layers wrote their gradients into the flat buffer
+        assert engine.landing.slots.landed_count(0) > 0
+    silent(opt.step)
+    opt.zero_grad()
+    train_step(twin, twin_opt, twin_gen)
+    assert_twins(model, opt, twin, twin_opt, 2)
+    steps_like_twin(model, opt, gen, twin, twin_opt, twin_gen, start=3)
+
+
 @pytest.mark.parametrize("kind", ["complex", "float8", "non-dense"])
 @pytest.mark.parametrize("flat", [True, False])
 def test_frozen_parameter_of_any_kind_is_accepted_and_refused_once_trainable(kind, flat):

@@ -182,6 +182,7 @@ class FlatEngine(Engine):
         self.views = {}  # parameter -> {key: tensor}: what put_state placed in its opt.state entry
         self.slots = None  # parameter -> (FlatBuffer, index), for self.slots_of
         self.where = {}  # parameter -> (buffer index, index in the buffer)
+        self.detached = False  # build() failed between detaching the old layout and attaching the new one
         # parameter -> its master copy (or remainder) from a load, while it is not laid out (frozen at the load): laid
         # out when it is unfrozen, and exported by state_dict() meanwhile
         self.pending_masters = {}
@@ -241,6 +242,7 @@ class FlatEngine(Engine):
                 if p not in old_steps:
                     old_steps[p] = self.entry_step(p)
         old_masters = self.masters_by_param()
+        self.detached = True  # until the new layout is attached: a failure in between leaves it disconnected
         self.detach()
         with_grad = [p for ps, _ in members.values() for p in ps if p.grad is not None]
         without_grad = [p for ps, _ in members.values() for p in ps if p.grad is None] if opt.skip_unused else []
@@ -308,6 +310,7 @@ class FlatEngine(Engine):
             if self.leaves_unused(g) and (p in self.unstarted or s == 0)
         }
         self.attach(without_grad, with_grad)
+        self.detached = False
 
     def entry_of(self, p):
         """``p``'s ``opt.state`` entry, or {} where there is none (or no dict)."""
@@ -332,9 +335,10 @@ class FlatEngine(Engine):
     def members_changed(self):
         """Whether the parameters to lay out differ from the last layout's: a group's params list edited or
         replaced, or a parameter frozen at the layout that requires grad now. O(parameters) identity tests
-        (what torch.optim's step does anyway), run at every step."""
+        (what torch.optim's step does anyway), run at every step. Also after a layout that failed part way (out of
+        memory), to lay them out again."""
         groups = self.opt.param_groups
-        if len(groups) != len(self.members):
+        if len(groups) != len(self.members) or self.detached:
             return True
         for group, (params, copy) in zip(groups, self.members):
             now = group["params"]
