@@ -8,6 +8,7 @@ is its ``rule`` (:mod:`flatopt.rules`).
 """
 
 import dataclasses
+import functools
 import os
 import weakref
 
@@ -24,6 +25,11 @@ from flatopt.naming import Names
 from flatopt.options import FlatOptions
 from flatopt.precision import draw_seed
 from flatopt.torch_compat import hooked_step, is_dtensor, normal_tensors, own_dispatch
+
+
+def _in_inference_mode(closure):
+    with torch.inference_mode():
+        return closure()
 
 
 class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
@@ -243,14 +249,21 @@ class FlatOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ torch.optim's interface
     @hooked_step
-    @normal_tensors
     def step(self, closure=None):
         """Performs a single optimization step.
 
         Args:
             closure (Callable, optional): A closure that reevaluates the model and returns the loss.
         """
-        return self.engine.step(closure, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if not torch.is_inference_mode_enabled():
+            return self.engine.step(closure, grad_scale, found_inf)
+        # called under inference mode: what the step allocates (a re-layout) must be normal tensors (see
+        # normal_tensors), while the closure runs in the caller's mode, as torch.optim runs it
+        if closure is not None:
+            closure = functools.partial(_in_inference_mode, closure)
+        with torch.inference_mode(False):
+            return self.engine.step(closure, grad_scale, found_inf)
 
     @normal_tensors
     def zero_grad(self, set_to_none=True):

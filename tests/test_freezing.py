@@ -141,6 +141,24 @@ def test_built_and_laid_out_again_under_inference_mode_as_torch(in_backward):
         assert_same(pairs, step)
 
 
+def test_a_closure_given_to_step_under_inference_mode_runs_in_it_as_in_torch():
+    """step(closure) under torch.inference_mode(): the optimizer's own work runs outside it (above), the closure in
+    the caller's mode, as torch.optim runs it (where its backward fails: inference mode records no graph)."""
+    seen = {}
+    builds = {"flatopt": lambda m: flatopt.SGD(m, lr=0.1), "torch": lambda m: torch.optim.SGD(m.parameters(), lr=0.1)}
+    for name, build in builds.items():
+        model = nn.Linear(6, 2)
+        opt = build(model)
+
+        def closure():
+            seen[name] = torch.is_inference_mode_enabled()
+            return model(torch.randn(4, 6)).square().mean()
+
+        with torch.inference_mode():
+            opt.step(closure)
+    assert seen == {"flatopt": True, "torch": True}
+
+
 def test_unfreezing_keeps_every_state_and_gradient():
     """The re-layout copies values, states, step counts and pending gradients into the new buffers: a step
     after unfreezing (with gradients accumulated before it) is the same as torch.optim's."""
