@@ -187,6 +187,7 @@ class FlatEngine(Engine):
         # out when it is unfrozen, and exported by state_dict() meanwhile
         self.pending_masters = {}
         self.masks = []  # per buffer: {indices of the parameters left out: uint8 mask on the device}
+        self.idle_seen = set()
 
     # ------------------------------------------------------------------ layout
     def order(self, params, groups):
@@ -303,6 +304,7 @@ class FlatEngine(Engine):
         held = {q for group in opt.param_groups for q in group["params"]}
         self.pending_masters = {q: t for q, t in self.pending_masters.items() if q not in self.where and q in held}
         self.masks = [OrderedDict() for _ in self.buffers]
+        self.idle_seen = set()  # buffers found with no parameter to step since the layout (see _set_masks)
         self.unstarted = {
             p
             for buf in buffers
@@ -694,26 +696,35 @@ class FlatEngine(Engine):
         for p, keys in extra.items():
             self.put_state(p, *slots[p], keys)
 
-    def _set_masks(self, without):
+    def _set_masks(self, without, on_new=None):
         """torch.optim's rule (``skip_unused=True``): the parameters whose ``.grad`` is None (``without``: the
         settling plan's (parameter, view) pairs to zero) are not stepped. A buffer whose parameters all have a
         gradient launches with no mask, as it would without the rule; one with parameters left out launches
         with a uint8 mask that is uploaded once per pattern and kept (a few per buffer), so a loop with the
-        same unused parameters at every step replays its step graph too. Returns the indices of the buffers
-        with no parameter to step."""
+        same unused parameters at every step replays its step graph too. ``on_new()`` runs first when the pattern
+        is new (a mask not kept, a buffer idle for the first time). Returns the indices of the buffers with no
+        parameter to step."""
         left_out = {}
         for p, _ in without:
             b, i = self.where[p]
             left_out.setdefault(b, []).append(i)
-        idle = set()
-        for b, buf in enumerate(self.buffers):
-            off = left_out.get(b)
-            if off is None:
-                buf.meta.active = None
-            elif len(off) == len(buf.params):
+        idle, keys = set(), {}
+        for b, off in left_out.items():
+            if len(off) == len(self.buffers[b].params):
                 idle.add(b)
             else:
-                buf.meta.active = self._mask(b, tuple(sorted(off)))
+                keys[b] = tuple(sorted(off))
+        if on_new is not None and (not idle <= self.idle_seen or any(k not in self.masks[b] for b, k in keys.items())):
+            on_new()  # a pattern not seen before (raises, changing nothing)
+            self.idle_seen |= idle
+        for b, buf in enumerate(self.buffers):
+            if b in idle:
+                continue
+            key = keys.get(b)
+            if key is None:
+                buf.meta.active = None
+            else:
+                buf.meta.active = self._mask(b, key)
                 buf.meta.uniform = False  # their step counts fall behind the others' from now on
         return idle
 

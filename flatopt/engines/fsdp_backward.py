@@ -45,8 +45,7 @@ import torch
 from flatopt import clip_patch
 from flatopt.engines.backward_clip import BackwardClip, ClipCalls
 from flatopt.engines.fsdp import FSDPStepEngine
-from flatopt.engines.in_backward import Bucket, warn_late_pre_hooks
-from flatopt.torch_compat import outside_compile
+from flatopt.engines.in_backward import Bucket, is_compiling, warn_late_pre_hooks
 
 
 class PassEnd:
@@ -109,18 +108,21 @@ class FSDPInBackwardEngine(ClipCalls, FSDPStepEngine):
                     self.runs.setdefault(group, []).append(Bucket(buf, first, i))
                     first = i
         ref = weakref.ref(self)  # the hooks live on in the parameters: no reference back to the engine
+
+        def hook(param):
+            if is_compiling():  # torch.compile of a function that runs backward: outside its graph
+                return uncompiled(param)
+            engine = ref()
+            if engine is not None:
+                engine.on_grad(param)
+
+        uncompiled = torch._disable_dynamo(hook)
         for buf in self.buffers:
             for p in buf.params:
                 if p.requires_grad:
                     self.group_members.setdefault(self.shards[p].group, set()).add(p)
                     self.hooked.add(p)
-
-                    def hook(param, ref=ref):
-                        engine = ref()
-                        if engine is not None:
-                            engine.on_grad(param)
-
-                    self.hooks.append(p.register_post_accumulate_grad_hook(outside_compile(hook)))
+                    self.hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     # ------------------------------------------------------------------ backward
     def no_step(self):

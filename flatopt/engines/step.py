@@ -25,7 +25,7 @@ from flatopt.torch_compat import bump_versions, has_step_pre_hooks, remove_hooks
 # to 4 (AdamW) on a 2-core Intel Xeon. In a training loop the copies run out of cache, at about three times those
 # times (the batched copy of a GPT-2-style model's 64K-element gradients and small ones, timed inside its steps).
 IN_PLACE_MIN = 1 << 16
-PATTERNS_CHECKED = 16  # patterns of parameters without a gradient that step() makes a full binding check for
+PATTERNS_CHECKED = 16  # new patterns of parameters without a gradient that step() makes a full binding check for
 
 
 class FlatStepEngine(FlatEngine):
@@ -35,7 +35,8 @@ class FlatStepEngine(FlatEngine):
         self.hooks = []  # until the first step: which parameters received a gradient, and no sparse one
         self.hooked = []  # the parameters that carry them
         self.unhook = None  # the finalizer that removes them
-        self.patterns = set()  # patterns of parameters without a gradient that a full binding check was made for
+        self.pattern_checks = 0  # full binding checks made for new patterns of parameters without a gradient
+        self.checked_fully = False  # whether this step's binding check looked at every parameter
         self.seen = set()
         self.recording = False  # inside capture(): step() leaves the hyper-parameter refresh to the replay
         self.sources = None  # capture(): {FlatBuffer: GradSources} the next step gathers its gradients from
@@ -137,16 +138,17 @@ class FlatStepEngine(FlatEngine):
             plan = self.landing.plan()
         else:
             plan = self.landing.plan(IN_PLACE_MIN if self.opt.backend == "cpu" else 1)  # a kernel gathers any size
-        if not full and plan[0] and self.opt.skip_unused and len(self.patterns) < PATTERNS_CHECKED:
-            # parameters without a gradient, in a pattern not seen before: they may have been replaced in the module
-            # (load_state_dict(..., assign=True), `module.weight = nn.Parameter(...)`), which the full check finds,
-            # rather than at the FULL_CHECK_EVERY-th step after training them no more. Once per pattern, for the
-            # first few (a model whose unused parameters change at every step pays it a few times only)
-            pattern = tuple(id(p) for p, _ in plan[0])
-            if pattern not in self.patterns:
-                self.check_data_bindings(True)
-                self.patterns.add(pattern)
+        self.checked_fully = full
         return plan
+
+    def _check_new_pattern(self):
+        """Parameters without a gradient in a pattern not seen before (see _set_masks): they may have been replaced
+        in the module (load_state_dict(..., assign=True), `module.weight = nn.Parameter(...)`), which the full
+        check finds, rather than at the FULL_CHECK_EVERY-th step after training them no more. For the first few
+        patterns (a model whose unused parameters change at every step pays it a few times only)."""
+        if not self.checked_fully and self.pattern_checks < PATTERNS_CHECKED:
+            self.pattern_checks += 1
+            self.check_data_bindings(True)
 
     def _report_unused(self, plan):
         """The first step's warning: parameters whose .grad was None at the step, and those whose view
@@ -190,8 +192,8 @@ class FlatStepEngine(FlatEngine):
         plan = self._check_bindings_at_step()
         if not self.recording:  # a captured step refreshes hyper-parameters before each replay
             self.refresh_hparams()
+        idle = self._set_masks(plan[0], self._check_new_pattern) if opt.skip_unused else ()  # torch.optim's rule
         self.checked_steps += 1
-        idle = self._set_masks(plan[0]) if opt.skip_unused else ()  # torch.optim's rule: see _set_masks
         if not self.unused_reported:
             self._report_unused(plan)
         gathering, in_place = self.reads_in_place(), plan[2]
