@@ -36,6 +36,27 @@ def test_matches_torch_clip_grad_norm(flat, norm_type, max_norm):
         assert kept and all(kept), "views kept"
 
 
+@pytest.mark.parametrize("flat", [True, False])
+def test_a_parameter_frozen_after_backward_is_clipped_with_the_others(flat):
+    """A layer frozen while it holds a .grad is still stepped (torch.optim steps any .grad), so
+    opt.clip_grad_norm_() counts and clips its gradient, as torch's function over the parameters step() steps."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = flatopt.SGD(model, lr=0.1, flat=flat)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batch = make_batch(torch.Generator().manual_seed(1))
+    for m in (model, ref):
+        loss_fn(m, batch).backward()
+        next(m.children()).requires_grad_(False)
+    expected = torch.nn.utils.clip_grad_norm_([q for q in ref.parameters() if q.grad is not None], 0.05)
+    torch.testing.assert_close(opt.clip_grad_norm_(0.05), expected, atol=1e-6, rtol=1e-5)
+    opt.step()
+    ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def test_nonfinite_norm_raises_when_asked():
     model = Net()
     opt = flatopt.SGD(model, lr=0.1)

@@ -129,7 +129,8 @@ class PerParamEngine(Engine):
         torch.optim.Optimizer.zero_grad(self.opt, set_to_none=set_to_none)
 
     def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite):
-        params = [p for p in trainable(self.opt.param_groups) if p.grad is not None]
+        # every parameter step() steps: those with a .grad, frozen since the backward or not (torch.optim steps them)
+        params = list(dict.fromkeys(p for g in self.opt.param_groups for p in g["params"] if p.grad is not None))
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
 
     def host_steps(self):
