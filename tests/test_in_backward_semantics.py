@@ -4,6 +4,7 @@ optimizer, and backward passes nested in another one (reentrant activation check
 case either matches torch.optim stepping a copy of the same model, or is refused before anything
 changes: no parameter or state updated, no gradient left in ``.grad``."""
 
+import contextlib
 import copy
 import threading
 
@@ -193,6 +194,51 @@ def test_a_retry_without_zero_grad_is_refused_until_zero_grad(opt):
         torch_step(model, theirs, batch)
         torch_step(twin, ours, batch)
         assert_matches_torch(twin, model, ours, theirs, step)
+
+
+def test_a_retry_refused_with_a_layer_frozen_since_the_layout_gives_flatopts_message():
+    """The refusal of a retry arms a tensor hook on the parameters to see the next pass's first gradient; a
+    parameter frozen since the layout gets none (torch refuses a hook on it, "cannot register a hook on a tensor
+    that doesn't require gradient"), and the refusal is flatopt's."""
+    model, theirs, twin, ours = pair("adamw")
+    data = batches(2)
+    torch_step(twin, ours, data[0])
+    twin.a.requires_grad_(False)
+    fail(twin, data[1], "function")
+    with pytest.raises(RuntimeError, match=r"after the previous one raised.*opt\.zero_grad\(\) before"):
+        loss_of(twin, data[1]).backward()
+    ours.zero_grad()
+    loss_of(twin, data[1]).backward()
+    ours.step()
+
+
+@pytest.mark.parametrize("opt", list(PAIRS))
+def test_a_pass_refused_over_kept_zero_gradients_leaves_them_zero_and_the_retry_runs(opt):
+    """After zero_grad(set_to_none=False) the .grad tensors are kept zeros (as in torch.optim's loop); a pass
+    refused at its first gradient (a hyper-parameter found invalid) that autograd had added to one of them leaves
+    it zero again, and once the value is fixed the same pass runs, with no zero_grad(), as torch.optim's step."""
+    model, theirs, twin, ours = pair(opt)
+    data = batches(3)
+    for m, o in ((model, theirs), (twin, ours)):
+        with o.no_step() if o is ours else contextlib.nullcontext():
+            loss_of(m, data[0]).backward()
+        o.zero_grad(set_to_none=False)
+    key, bad = ("betas", (1.5, 0.999)) if opt == "adamw" else ("momentum", -1.0)
+    good = ours.param_groups[0][key]
+    ours.param_groups[0][key] = bad
+
+    def first_layer(m):  # a pass through part of the model: its first gradient is not the one the optimizer watches
+        return m.a(data[1][0]).square().mean()
+
+    with pytest.raises(ValueError, match="Invalid"):
+        first_layer(twin).backward()
+    assert all(p.grad is None or not p.grad.any() for p in twin.parameters()), "the refused pass left a gradient"
+    ours.param_groups[0][key] = good
+    for m, o in ((model, theirs), (twin, ours)):
+        first_layer(m).backward()
+        o.step()
+        o.zero_grad()
+    assert_matches_torch(twin, model, ours, theirs, 1)
 
 
 # ---------------------------------------------------------------------- a refused backward pass

@@ -206,6 +206,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         # zero_grad(set_to_none=False) came since: torch.optim's loop would then hold a zero .grad for each of them
         # and step it at every step, gradient or not (this mode freed their gradients as it applied them)
         self.had_grad, self.zeros_kept = set(), False
+        self.kept_zero = {}  # parameter -> the zero .grad tensor zero_grad(set_to_none=False) left it (see zero_grad)
         self.groups_stepped = None  # each group's params (the list, and its entries) as the last stepped pass ended
         self.warned_pre_hooks = False  # step() warned that a step pre-hook ran after the pass had stepped
         self.micro = None  # graph task id of the accumulating pass in progress, until its end (still set: it raised)
@@ -305,8 +306,8 @@ class InBackwardEngine(ClipCalls, FlatEngine):
     def _guard(self):
         """Every backward pass is refused until zero_grad() or step(): refuse each before its first gradient lands,
         wherever it comes from, with a tensor hook on every parameter (until then only)."""
-        if not self.guards:
-            self.guards = [self._tensor_hook(p) for p in self.hook_id]
+        if not self.guards:  # (a parameter frozen since the layout gets no gradient, and takes no tensor hook)
+            self.guards = [self._tensor_hook(p) for p in self.hook_id if p.requires_grad]
 
     def _unguard(self):
         if self.guards:
@@ -377,6 +378,8 @@ class InBackwardEngine(ClipCalls, FlatEngine):
         self.zeros_kept = not set_to_none
         if set_to_none:
             self.had_grad = set()
+        # the zeroed .grad tensors, until a pass adds to them: a refused pass's gradient can be taken out of them
+        self.kept_zero = {} if set_to_none else {p: p.grad for p in self.bucket_of if p.grad is not None}
         self.new_window()
 
     def new_window(self):
@@ -565,6 +568,7 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             raise
         self.window += 1
         self.seen_first = p
+        self.kept_zero = {}  # the pass adds to them from here on
         return None
 
     def _unland(self, p, landed, message):
@@ -575,6 +579,9 @@ class InBackwardEngine(ClipCalls, FlatEngine):
             return message
         self._arm(p)  # the next pass's first gradient is likely p's again: seen before it lands
         if p.grad is None:
+            return message
+        if self.kept_zero.get(p) is p.grad:  # a zero kept by zero_grad(set_to_none=False): zero again
+            p.grad.zero_()
             return message
         bucket = self.bucket_of[p][0]
         # a gradient autograd set (not added to one) is a tensor not modified in place since; one that had arrived
