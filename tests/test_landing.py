@@ -900,6 +900,17 @@ def test_a_swap_tensors_load_does_not_make_the_first_step_warn_of_parameters_the
     assert "'unused.weight', 'unused.bias'" in unused[0], unused
 
 
+def _swap_pair(mode):
+    """An Embedding/Linear/LayerNorm model with a flatopt AdamW in ``mode``, and a copy with torch.optim's."""
+    import flatopt
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 10))
+    ref = copy.deepcopy(model)
+    kwargs = {"in_backward": True} if mode == "in_backward" else {"direct_grads": mode == "direct_grads"}
+    return model, flatopt.AdamW(model, lr=0.1, **kwargs), ref, torch.optim.AdamW(ref.parameters(), lr=0.1)
+
+
 @pytest.mark.filterwarnings("ignore:.*received no gradient before the first step")
 @pytest.mark.parametrize("steps_before", [0, 1])
 @pytest.mark.parametrize("mode", ["default", "direct_grads", "in_backward"])
@@ -908,14 +919,7 @@ def test_swap_tensors_loads_and_conversions_train_as_torch(mode, steps_before):
     every parameter under torch.__future__.set_swap_module_params_on_conversion(True). The optimizer's hooks hold
     none, so the load (the usual resume order: model, optimizer, load, before any step) and a no-op .to() work, and
     training goes on as torch.optim's does."""
-    import flatopt
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 10))
-    ref = copy.deepcopy(model)
-    kwargs = {"in_backward": True} if mode == "in_backward" else {"direct_grads": mode == "direct_grads"}
-    opt = flatopt.AdamW(model, lr=0.1, **kwargs)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    model, opt, ref, ref_opt = _swap_pair(mode)
 
     def train(step):
         idx = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(step))
@@ -945,14 +949,7 @@ def test_parameters_swapped_out_and_back_with_swap_tensors_train_as_torch(mode):
     """Evaluating with an EMA copy by torch.utils.swap_tensors, then swapping back: swap_tensors poisons an
     AccumulateGrad node it finds alive, and the swap back returns it to the parameter. The optimizer keeps no
     parameter's node alive between passes (as torch.optim keeps none), so the next backward runs."""
-    import flatopt
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 10))
-    ref = copy.deepcopy(model)
-    kwargs = {"in_backward": True} if mode == "in_backward" else {"direct_grads": mode == "direct_grads"}
-    opt = flatopt.AdamW(model, lr=0.1, **kwargs)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    model, opt, ref, ref_opt = _swap_pair(mode)
     emas = [copy.deepcopy(m) for m in (model, ref)]
     for step in range(3):
         idx = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(step))
